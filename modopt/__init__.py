@@ -1,0 +1,24 @@
+"""modopt: composable optimizer modules for PyTorch.
+
+    import modopt as mo
+    opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Normalize(), mo.Adam(lr=1e-3))
+"""
+
+from .config import ConfigError, PipelineConfig, config_schema, load_config
+from .core.attach import attach
+from .core.modular import Modular
+from .core.registry import available, register_optimizer, trust_imports
+from .core.scope import Scoped
+from .core.transform import Chain, Transform
+from .functional import clip_grad_norm_, clip_grad_value_, grad_norm, normalize_grads_
+from .transforms import *  # noqa: F401,F403  (every transform, flat, like optax)
+from .transforms import __all__ as _transforms_all
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Transform", "Chain", "Modular", "Scoped", "PipelineConfig", "ConfigError", "load_config", "config_schema",
+    "available", "register_optimizer", "trust_imports", "attach",
+    "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_",
+    *_transforms_all,
+]

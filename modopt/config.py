@@ -1,0 +1,222 @@
+"""Pipeline configs: a whole optimizer pipeline as plain data (YAML, JSON, TOML).
+
+A config lists the transforms by ``type`` with their fields::
+
+    nonfinite: skip
+    defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
+    transforms:
+      - {type: ClipNorm, max_norm: 1.0}
+      - {type: Adam, lr: 0.001}
+
+YAML is read with a safe loader; a config can never run code. ``TorchOptimizer``
+resolves import paths only for ``torch.optim.*`` and classes registered with
+:func:`modopt.register_optimizer`, unless the caller passes ``trust_imports=True``.
+TOML has no null: in TOML files the string ``"null"`` stands for None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .core.pipeline import NonFinite
+from .core.registry import available, get_transform, trust_imports as _trust
+from .core.transform import TransformField, to_plain
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .core.modular import Modular
+
+FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read or does not validate; the message names the file and place."""
+
+
+class PipelineConfig(BaseModel):
+    """A whole pipeline: its transforms, the non-finite policy and param-group defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transforms: list[TransformField] = Field(default_factory=list)
+    nonfinite: NonFinite = "skip"
+    defaults: dict[str, Any] = Field(default_factory=dict)
+
+    # --- serialisation ----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transforms": [t.to_dict() for t in self.transforms],
+            "nonfinite": self.nonfinite,
+            "defaults": to_plain(self.defaults),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_toml(self) -> str:
+        return _toml_dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        fmt = _format_of(path)
+        text = {"yaml": self.to_yaml, "json": self.to_json, "toml": self.to_toml}[fmt]()
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, trust_imports: bool = False) -> "PipelineConfig":
+        with _trust(trust_imports):
+            return cls.model_validate(data)
+
+    # --- building -----------------------------------------------------------
+    def build(self, params: Any) -> "Modular":
+        """A fresh :class:`~modopt.Modular` over ``params`` running this pipeline."""
+        from .core.modular import Modular
+
+        return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
+
+
+def _format_of(path: Path) -> str:
+    try:
+        return FORMATS[path.suffix.lower()]
+    except KeyError:
+        raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml, .json or .toml") from None
+
+
+def parse_text(text: str, fmt: str, source: str = "<config>") -> Any:
+    """Parse config text to plain data; syntax errors name the line."""
+    try:
+        if fmt == "yaml":
+            return yaml.safe_load(text)
+        if fmt == "json":
+            return json.loads(text)
+        return _toml_nulls(tomllib.loads(text))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{source}{where}: invalid YAML: {problem}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}, line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+
+
+def read_file(path: str | Path) -> Any:
+    """Plain data of a YAML / JSON / TOML file."""
+    path = Path(path)
+    fmt = _format_of(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    return parse_text(text, fmt, str(path))
+
+
+def format_validation_error(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config ({e.error_count()} error{'s' if e.error_count() > 1 else ''})"]
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig:
+    """Read a pipeline config from a YAML, JSON or TOML file.
+
+    Errors raise :class:`ConfigError` naming the file and the line (syntax) or
+    the field path (validation, e.g. ``transforms.0.max_norm``).
+    """
+    data = read_file(path)
+    if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
+        data = data["optimizer"]  # an experiment config: take its pipeline
+    try:
+        return PipelineConfig.from_dict(data, trust_imports=trust_imports)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from e
+
+
+def config_schema() -> dict[str, Any]:
+    """JSON schema of a pipeline config (every registered transform, discriminated by ``type``)."""
+    defs: dict[str, Any] = {}
+    refs = []
+    for name in available():
+        s = get_transform(name).model_json_schema(ref_template="#/$defs/{model}")
+        defs.update(s.pop("$defs", {}))
+        s["properties"] = {"type": {"const": name}, **s.get("properties", {})}
+        s["required"] = ["type", *s.get("required", [])]
+        defs[name] = s
+        refs.append({"$ref": f"#/$defs/{name}"})
+    top = PipelineConfig.model_json_schema(ref_template="#/$defs/{model}")
+    defs.update(top.pop("$defs", {}))
+    defs["Transform"] = {"oneOf": refs}
+    top["$defs"] = defs
+    top["title"] = "modopt pipeline config"
+    return top
+
+
+# --- TOML (tomllib reads; this small writer covers config data) --------------
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE.match(k) else json.dumps(k)
+
+
+def _toml_value(v: Any) -> str:
+    if v is None:
+        return '"null"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_dumps(data: dict[str, Any]) -> str:
+    lines = []
+    for k, v in data.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            lines.append(f"{_toml_key(k)} = [")
+            lines.extend(f"  {_toml_value(x)}," for x in v)
+            lines.append("]")
+        else:
+            lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_nulls(v: Any) -> Any:
+    if v == "null":
+        return None
+    if isinstance(v, dict):
+        return {k: _toml_nulls(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_toml_nulls(x) for x in v]
+    return v

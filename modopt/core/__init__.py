@@ -1,0 +1,1 @@
+"""The core: Transform, Chain, Modular, scope and norms, state, registry."""

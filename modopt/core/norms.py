@@ -1,0 +1,116 @@
+"""The ``ord`` vocabulary and the statistics it names, in one place.
+
+``ord`` is any real ``p >= 0`` (``0`` counts non-zeros, ``inf`` is the largest
+magnitude) or one of the names:
+
+=========  =====================================================
+name       statistic of the elements ``x`` of a slice
+=========  =====================================================
+``l0``     number of non-zero elements (``p = 0``)
+``l1``..   ``l1 l2 l3 l4``: the p-norm ``(sum |x|**p) ** (1/p)``
+``linf``   ``max |x|``
+``mad``    mean absolute value, ``mean |x|``
+``std``    standard deviation, ``ddof = 1`` (0 for fewer than 2 elements)
+``var``    variance, ``ddof = 1`` (0 for fewer than 2 elements)
+``sum``    the signed sum (scaling transforms use its magnitude)
+=========  =====================================================
+
+Every statistic accumulates in at least float32, whatever the tensor's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Union
+
+import torch
+from pydantic import AfterValidator
+
+NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
+NAMED_STATS = ("mad", "std", "var", "sum")
+ORD_NAMES = tuple(NAMED_P) + NAMED_STATS
+
+
+def parse_ord(ord: float | str) -> float | str:
+    """Canonical form of an ``ord``: a float ``p`` or one of ``mad std var sum``."""
+    if isinstance(ord, bool):
+        raise ValueError("ord must be a number or one of " + ", ".join(ORD_NAMES))
+    if isinstance(ord, str):
+        if ord in NAMED_P:
+            return NAMED_P[ord]
+        if ord in NAMED_STATS:
+            return ord
+        raise ValueError(f"unknown ord {ord!r}; use a real p >= 0 or one of {', '.join(ORD_NAMES)}")
+    p = float(ord)
+    if math.isnan(p) or p < 0:
+        raise ValueError(f"ord must be a real p >= 0 (or one of {', '.join(ORD_NAMES)}), got {ord!r}")
+    return p
+
+
+def _check_ord(v: float | str) -> float | str:
+    parse_ord(v)
+    return v
+
+
+#: pydantic field type for ``ord``; keeps the value as written (``"l2"`` stays ``"l2"``)
+Ord = Annotated[Union[float, str], AfterValidator(_check_ord)]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a statistic of ``dtype`` values accumulates in (at least float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        ts = [tensors[i] for i in idx]
+        acc = acc_dtype(dtype)
+        norms = torch._foreach_norm(ts, p, dtype=acc) if dtype != acc else torch._foreach_norm(ts, p)
+        for i, n in zip(idx, norms):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
+    """The p-norm of a concatenation, from the p-norms of its parts (1-D ``norms``)."""
+    if p == 0:
+        return norms.sum()
+    if math.isinf(p):
+        return norms.amax() if norms.numel() else norms.new_zeros(())
+    return torch.linalg.vector_norm(norms, p)
+
+
+def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> torch.Tensor:
+    """Statistic of ``t`` over ``dims`` (keepdim). ``dims == ()`` means every element is its own slice."""
+    acc = acc_dtype(t.dtype)
+    if not dims:  # one-element slices
+        x = t.to(acc)
+        if stat == 0.0:
+            return (x != 0).to(acc)
+        if isinstance(stat, float) or stat == "mad":
+            return x.abs()
+        if stat in ("sum", "mean"):
+            return x
+        return torch.zeros_like(x)  # var / std of one element
+    size = math.prod(t.shape[d] for d in dims)
+    if isinstance(stat, float):
+        return torch.linalg.vector_norm(t, stat, dim=dims, keepdim=True, dtype=acc)
+    if stat == "mad":
+        return t.abs().to(acc).sum(dims, keepdim=True) / max(size, 1)
+    if stat == "sum":
+        return t.sum(dims, keepdim=True, dtype=acc)
+    if stat == "mean":
+        return t.sum(dims, keepdim=True, dtype=acc) / max(size, 1)
+    if size < 2:
+        return torch.zeros_like(t.sum(dims, keepdim=True, dtype=acc))
+    var = torch.var(t.to(acc), dim=dims, correction=1, keepdim=True)
+    return var if stat == "var" else var.sqrt()

@@ -1,0 +1,92 @@
+"""The one registry: transform classes by name, and trusted optimizer classes.
+
+Every concrete :class:`~modopt.Transform` subclass registers itself under its
+class name when it is defined; a config names it by ``type: ClipNorm``.
+Optimizer classes that ``TorchOptimizer`` may import from a config are
+``torch.optim.*`` and the classes registered with :func:`register_optimizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .transform import Transform
+
+_TRANSFORMS: dict[str, type["Transform"]] = {}
+_OPTIMIZERS: dict[str, type] = {}
+_TRUST_IMPORTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modopt_trust_imports", default=False)
+
+
+def register_transform(cls: type["Transform"]) -> None:
+    name = cls.__name__
+    old = _TRANSFORMS.get(name)
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(
+            f"a transform named {name!r} is already registered ({old.__module__}.{old.__qualname__}); "
+            "give the new class another name"
+        )
+    _TRANSFORMS[name] = cls
+
+
+def get_transform(name: str) -> type["Transform"]:
+    try:
+        return _TRANSFORMS[name]
+    except KeyError:
+        raise KeyError(f"unknown transform type {name!r}; known types: {', '.join(available())}") from None
+
+
+def available() -> list[str]:
+    """Names of every registered transform, sorted."""
+    return sorted(_TRANSFORMS)
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_optimizer(cls: type) -> type:
+    """Allow ``TorchOptimizer`` configs to name ``cls`` by its import path. Usable as a decorator."""
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"register_optimizer expects a torch.optim.Optimizer subclass, got {cls!r}")
+    _OPTIMIZERS[class_path(cls)] = cls
+    return cls
+
+
+@contextlib.contextmanager
+def trust_imports(enabled: bool = True) -> Iterator[None]:
+    """Within this block, configs may import optimizer classes from any module."""
+    token = _TRUST_IMPORTS.set(enabled)
+    try:
+        yield
+    finally:
+        _TRUST_IMPORTS.reset(token)
+
+
+def resolve_optimizer(path: str) -> type:
+    """Import an optimizer class by path, honouring the allow-list."""
+    import torch
+
+    if path in _OPTIMIZERS:
+        return _OPTIMIZERS[path]
+    module_name, _, attr = path.rpartition(".")
+    allowed = module_name == "torch.optim" or module_name.startswith("torch.optim.")
+    if not (allowed or _TRUST_IMPORTS.get()):
+        raise ValueError(
+            f"import path {path!r} is not allowed: only torch.optim.* and classes registered with "
+            "mo.register_optimizer are resolved from a config; pass trust_imports=True to allow others"
+        )
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"{path!r} is not an import path of the form 'package.module.ClassName'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import optimizer class {path!r}: {e}") from None
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise ValueError(f"{path!r} is not a torch.optim.Optimizer subclass")
+    return obj

@@ -1,0 +1,117 @@
+"""The functional layer: in place on ``p.grad``, torch's style.
+
+Each function runs the corresponding transform once on the gradients, so the
+functional and the module layer share one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .core.norms import Ord
+from .core.scope import ScopeName
+from .core.state import StepContext, TransformState
+from .core.transform import Transform
+
+TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
+
+
+class _Scratch:
+    """A throwaway state host for one functional call."""
+
+    def __init__(self):
+        from collections import defaultdict
+
+        self.state = defaultdict(dict)
+        self._store: dict = {}
+
+    def transform_store(self, key):
+        return self._store.setdefault(key, {})
+
+    def runtime_store(self, key):
+        return {}
+
+
+def _with_grad(parameters: TensorOrTensors) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p for p in parameters if p.grad is not None]
+
+
+def run_on_grads(transform: Transform, parameters: TensorOrTensors) -> dict[str, torch.Tensor]:
+    """Apply a (stateless) transform to the gradients in place; return its telemetry."""
+    params = _with_grad(parameters)
+    stats: dict[str, torch.Tensor] = {}
+    if not params:
+        return stats
+    host = _Scratch()
+    ctx = StepContext(params, [{}], [0], [(0, len(params))], [None] * len(params), host, stats)
+    st = TransformState(host, ctx, "f")
+    out = transform.apply(ctx, st, [p.grad for p in params])
+    for p, u in zip(params, out):
+        if u is not p.grad:
+            p.grad.copy_(u)
+    return {k.split(".", 1)[1]: v for k, v in stats.items()}
+
+
+def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
+    """The total ``ord`` norm of the gradients (as one concatenated vector); changes nothing."""
+    from .core.scope import make_segments
+
+    params = _with_grad(parameters)
+    if not params:
+        return torch.zeros(())
+    grads = [p.grad for p in params]
+    seg = make_segments(grads, [(0, len(grads))], "global", None, False, 1)
+    return seg.reduce(grads, ord)[0]
+
+
+def clip_grad_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    ord: Ord = 2.0,
+    error_if_nonfinite: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Clip the gradients' total norm to ``max_norm`` in place; return the pre-clip total norm.
+
+    The same contract as ``torch.nn.utils.clip_grad_norm_`` (scale
+    ``min(1, max_norm / (norm + eps))``), with modopt's whole ``ord`` vocabulary.
+    """
+    from .transforms.clipping import ClipNorm
+
+    t = ClipNorm(max_norm=max_norm, ord=ord, eps=eps)
+    params = _with_grad(parameters)
+    if not params:
+        return torch.zeros(())
+    if error_if_nonfinite:
+        n = grad_norm(params, ord)
+        if not torch.isfinite(n):
+            raise RuntimeError(
+                f"The total norm of order {ord} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. Set error_if_nonfinite=False to clip anyway."
+            )
+    stats = run_on_grads(t, params)
+    return stats["norm"][0]
+
+
+def clip_grad_value_(parameters: TensorOrTensors, clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` in place."""
+    from .transforms.clipping import ClipValue
+
+    run_on_grads(ClipValue(value=clip_value), parameters)
+
+
+def normalize_grads_(
+    parameters: TensorOrTensors,
+    norm_value: float = 1.0,
+    ord: Ord = 2.0,
+    scope: ScopeName = "tensor",
+    eps: float = 0.0,
+) -> None:
+    """Set each gradient's (``scope="tensor"``) or the total (``"global"``) norm to ``norm_value`` in place."""
+    from .transforms.normalization import Normalize
+
+    run_on_grads(Normalize(norm_value=norm_value, ord=ord, scope=scope, eps=eps), parameters)

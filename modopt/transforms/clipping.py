@@ -1,0 +1,70 @@
+"""Clipping by value and by norm (torchzero's family; torch's ``clip_grad_norm_``)."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import NonNegativeFloat, PositiveFloat
+
+from ..core.norms import Ord
+from ..core.scope import Scoped
+from ..core.transform import Transform
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float, eps: float) -> torch.Tensor:
+    """``min(1, max_norm / (|norm| + eps))``: never scales up; a zero norm gives 1."""
+    return torch.clamp(max_norm / (norm.abs() + eps), max=1.0)
+
+
+class ClipValue(Transform):
+    r"""Clamp every element of the update to ``[-value, value]``.
+
+    .. math:: u \leftarrow \operatorname{clamp}(u, -v, v)
+
+    Reproduces ``torch.nn.utils.clip_grad_value_`` and torchzero's ``ClipValue``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3)); p.grad = torch.tensor([-3.0, 0.5, 2.0])
+    >>> opt = mo.Modular([p], mo.ClipValue(1.0), mo.LR(1.0)); opt.step(); p.data
+    tensor([ 1.0000, -0.5000, -1.0000])
+    """
+
+    value: PositiveFloat
+
+    def apply(self, ctx, st, updates):
+        torch._foreach_clamp_min_(updates, -self.value)
+        torch._foreach_clamp_max_(updates, self.value)
+        return updates
+
+
+class ClipNorm(Scoped):
+    r"""Scale the update down so that its ``ord`` norm over the scope is at most ``max_norm``.
+
+    .. math:: u \leftarrow u \cdot \min\Big(1, \frac{\text{max\_norm}}{n(u) + \varepsilon}\Big)
+
+    Defaults: ``ord=2``, ``scope="global"``, ``eps=1e-6``. With these it equals
+    ``torch.nn.utils.clip_grad_norm_(params, max_norm)``; with ``eps=0`` it is
+    declearn's ``L2GlobalClipping`` (and, with ``scope="tensor"``, its
+    ``L2Clipping``). torchzero's ``ClipNorm``.
+
+    Telemetry: ``norm`` (pre-clip), ``scale`` and ``clipped`` per segment.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
+    >>> opt = mo.Modular([p], mo.ClipNorm(1.0, eps=0.0), mo.LR(1.0)); opt.step(); p.data
+    tensor([-0.6000, -0.8000])
+    """
+
+    max_norm: PositiveFloat
+    ord: Ord = 2.0
+    eps: NonNegativeFloat = 1e-6
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        norm = seg.reduce(updates, self.ord)
+        scale = seg.map(lambda n: clip_scale(n, self.max_norm, self.eps), norm)
+        seg.mul_(updates, scale)
+        if seg.stacked:
+            st.record("norm", norm)
+            st.record("scale", scale)
+            st.record("clipped", scale < 1)
+        return updates

@@ -1,0 +1,76 @@
+"""Normalization and centralization of the update."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from ..core.norms import Ord
+from ..core.scope import Dims, Scoped, ScopeName
+from ..core.transform import Transform
+
+
+def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float) -> torch.Tensor:
+    """``norm_value / (|norm| + eps)`` where the norm is positive, else 1 (zeros stay zero)."""
+    n = norm.abs()
+    return torch.where(n > 0, norm_value / (n + eps), torch.ones_like(n))
+
+
+class Normalize(Scoped):
+    r"""Set the ``ord`` norm of the update over the scope to ``norm_value``.
+
+    .. math:: u \leftarrow u \cdot \frac{\text{norm\_value}}{n(u) + \varepsilon} \quad (n(u) > 0)
+
+    A slice whose norm is 0 is left unchanged (it stays zero). Defaults:
+    ``norm_value=1``, ``ord=2``, ``scope="tensor"``, ``eps=0``; ``eps=1e-8``
+    reproduces drytorch's ``GradParamNormalizer``. torchzero's ``Normalize``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
+    >>> opt = mo.Modular([p], mo.Normalize(), mo.LR(1.0)); opt.step(); p.data
+    tensor([-0.6000, -0.8000])
+    """
+
+    norm_value: PositiveFloat = 1.0
+    ord: Ord = 2.0
+    scope: ScopeName = "tensor"
+    eps: NonNegativeFloat = 0.0
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        norm = seg.reduce(updates, self.ord)
+        scale = seg.map(lambda n: normalize_scale(n, self.norm_value, self.eps), norm)
+        seg.mul_(updates, scale)
+        if seg.stacked:
+            st.record("norm", norm)
+            st.record("scale", scale)
+        return updates
+
+
+class Centralize(Scoped):
+    r"""Subtract the mean of the update over the scope (or over ``dim``).
+
+    .. math:: u \leftarrow u - \operatorname{mean}(u)
+
+    Defaults: ``scope="tensor"``, ``min_size=2`` (a one-element slice is left
+    alone). torchzero's ``Centralize``; see :class:`GradientCentralization`.
+    """
+
+    scope: ScopeName = "tensor"
+    min_size: int = Field(2, ge=1)
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        seg.sub_(updates, seg.reduce(updates, "mean"))
+        return updates
+
+
+class GradientCentralization(Centralize):
+    r"""Gradient centralization (Yong et al. 2020): for each output unit, subtract
+    the mean over all dims but the first; tensors with one dim (biases) are left alone.
+
+    Equal to ``Centralize(dim=0, inverse_dims=True)``.
+    """
+
+    dim: Dims = 0
+    inverse_dims: bool = True

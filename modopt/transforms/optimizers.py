@@ -1,0 +1,320 @@
+"""Optimizer transforms: they carry the learning rate and produce the step.
+
+Their fields are the *defaults* of param-group keys: ``Modular`` exposes them as
+``group["lr"]``, ``group["betas"]``, ... so torch's LR schedulers and per-group
+overrides drive them. As the last transform they write the parameters with
+torch's fused (or foreach) kernels; elsewhere in a chain they return the update
+``lr * direction`` for the transforms after them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+from pydantic import NonNegativeFloat, PrivateAttr, field_validator, model_validator
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.optim.sgd import sgd as _torch_sgd
+
+from ..core.registry import class_path, register_optimizer, resolve_optimizer
+from ..core.transform import Transform
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fusable(params: list[torch.Tensor]) -> bool:
+    devices = _get_fused_kernels_supported_devices()
+    return all(p.device.type in devices and p.dtype in _FLOAT_DTYPES for p in params)
+
+
+def _step_tensor(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=p.device)
+
+
+class LR(Transform):
+    r"""Multiply the update by the learning rate: :math:`u \leftarrow \text{lr}\cdot u`.
+
+    Exposes ``group["lr"]``. ``Modular(params, mo.LR(0.1))`` is plain SGD.
+    """
+
+    lr: NonNegativeFloat
+    group_keys: ClassVar[tuple[str, ...]] = ("lr",)
+    is_optimizer: ClassVar[bool] = True
+
+    def apply(self, ctx, st, updates):
+        for g, a, b in ctx.per_group():
+            torch._foreach_mul_(updates[a:b], g["lr"])
+        return updates
+
+
+class SGD(Transform):
+    r"""Stochastic gradient descent, identical to ``torch.optim.SGD``.
+
+    .. math::
+        g &\leftarrow u + \lambda p \\
+        b &\leftarrow \mu b + (1 - \tau) g \quad (b = g \text{ on the first step}) \\
+        u &\leftarrow \text{lr}\,(g + \mu b \text{ if nesterov else } b)
+
+    Exposes ``lr``, ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` as group keys.
+    """
+
+    lr: NonNegativeFloat = 1e-3
+    momentum: NonNegativeFloat = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: NonNegativeFloat = 0.0
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
+    is_optimizer: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _nesterov(self):
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("nesterov requires momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+        return self
+
+    def _buffers(self, st, a, b):
+        k = f"{st.key}.momentum_buffer"
+        return [st.host.state[p].get(k) for p in st.ctx.params[a:b]]
+
+    def _save_buffers(self, st, a, b, bufs):
+        k = f"{st.key}.momentum_buffer"
+        for p, buf in zip(st.ctx.params[a:b], bufs):
+            if buf is not None:
+                st.host.state[p][k] = buf
+
+    def apply_final(self, ctx, st, updates):
+        for g, a, b in ctx.per_group():
+            params = ctx.params[a:b]
+            bufs = self._buffers(st, a, b)
+            fused = _fusable(params)
+            _torch_sgd(
+                params, updates[a:b], bufs, foreach=not fused, fused=fused,
+                weight_decay=g["weight_decay"], momentum=g["momentum"], lr=g["lr"],
+                dampening=g["dampening"], nesterov=g["nesterov"], maximize=False,
+            )
+            if g["momentum"] != 0:
+                self._save_buffers(st, a, b, bufs)
+        return True
+
+    def apply(self, ctx, st, updates):
+        out: list[torch.Tensor] = []
+        for g, a, b in ctx.per_group():
+            grads = updates[a:b]
+            if g["weight_decay"] != 0:
+                grads = torch._foreach_add(grads, ctx.params[a:b], alpha=g["weight_decay"])
+            mu = g["momentum"]
+            if mu != 0:
+                bufs = self._buffers(st, a, b)
+                for i, (buf, grad) in enumerate(zip(bufs, grads)):
+                    if buf is None:
+                        bufs[i] = grad.detach().clone()
+                    else:
+                        buf.mul_(mu).add_(grad, alpha=1 - g["dampening"])
+                self._save_buffers(st, a, b, bufs)
+                grads = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs
+            out.extend(torch._foreach_mul(grads, g["lr"]))
+        return out
+
+
+class Adam(Transform):
+    r"""Adam, identical to ``torch.optim.Adam`` (eps added after the bias-corrected square root).
+
+    .. math::
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        u &\leftarrow \frac{\text{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \varepsilon}
+
+    with ``g = u + weight_decay * p`` (L2 penalty) and ``v`` replaced by its
+    running maximum when ``amsgrad``. Exposes ``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``amsgrad`` as group keys.
+    """
+
+    lr: NonNegativeFloat = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: NonNegativeFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.0
+    amsgrad: bool = False
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+    is_optimizer: ClassVar[bool] = True
+    decoupled: ClassVar[bool] = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v):
+        for i, b in enumerate(v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        return v
+
+    def _state(self, st, a, b, amsgrad):
+        sl = slice(a, b)
+        steps = st.buffers("step", lambda i, p: _step_tensor(p))[sl]
+        m = st.buffers("exp_avg", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[sl]
+        v = st.buffers("exp_avg_sq", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[sl]
+        vmax = (
+            st.buffers("max_exp_avg_sq", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[sl]
+            if amsgrad else []
+        )
+        return steps, m, v, vmax
+
+    def apply_final(self, ctx, st, updates):
+        for g, a, b in ctx.per_group():
+            params = ctx.params[a:b]
+            steps, m, v, vmax = self._state(st, a, b, g["amsgrad"])
+            fused = _fusable(params)
+            beta1, beta2 = g["betas"]
+            _torch_adam(
+                params, updates[a:b], m, v, vmax, steps, foreach=not fused, fused=fused,
+                decoupled_weight_decay=self.decoupled, amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2,
+                lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+            )
+        return True
+
+    def apply(self, ctx, st, updates):
+        out: list[torch.Tensor] = []
+        for g, a, b in ctx.per_group():
+            params = ctx.params[a:b]
+            steps, m, v, vmax = self._state(st, a, b, g["amsgrad"])
+            beta1, beta2 = g["betas"]
+            lr, wd = g["lr"], g["weight_decay"]
+            grads = updates[a:b]
+            if wd != 0 and not self.decoupled:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+            torch._foreach_add_(steps, 1)
+            torch._foreach_lerp_(m, grads, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+            if g["amsgrad"]:
+                torch._foreach_maximum_(vmax, v)
+            t = torch.stack(steps)
+            step_size = (lr / (1 - beta1**t)).unbind(0)
+            bc2_sqrt = (1 - beta2**t).sqrt().unbind(0)
+            denom = torch._foreach_sqrt(vmax if g["amsgrad"] else v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, g["eps"])
+            u = torch._foreach_div(m, denom)
+            torch._foreach_mul_(u, step_size)
+            if wd != 0 and self.decoupled:
+                torch._foreach_add_(u, params, alpha=lr * wd)
+            out.extend(u)
+        return out
+
+
+class AdamW(Adam):
+    r"""AdamW, identical to ``torch.optim.AdamW``: Adam with decoupled weight decay
+    ``p <- p - lr * weight_decay * p`` (default ``weight_decay=1e-2``)."""
+
+    weight_decay: NonNegativeFloat = 1e-2
+    decoupled: ClassVar[bool] = True
+
+
+class _NamespacedState:
+    """``opt.state``-like view that keeps a wrapped torch optimizer's state under one key per parameter."""
+
+    def __init__(self, state, key: str):
+        self._state, self._key = state, key
+
+    def __getitem__(self, p):
+        return self._state[p].setdefault(self._key, {})
+
+    def __setitem__(self, p, value):
+        self._state[p][self._key] = value
+
+    def __contains__(self, p):
+        return p in self._state and self._key in self._state[p]
+
+    def get(self, p, default=None):
+        return self[p] if p in self else default
+
+    def keys(self):
+        return [p for p, s in self._state.items() if self._key in s]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self.keys())
+
+    def items(self):
+        return [(p, self[p]) for p in self.keys()]
+
+    def values(self):
+        return [self[p] for p in self.keys()]
+
+
+class TorchOptimizer(Transform):
+    """Any ``torch.optim.Optimizer`` class as the last transform.
+
+    ``mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2)``; in a config
+    ``{type: TorchOptimizer, cls: torch.optim.RMSprop, kwargs: {lr: 0.01}}``.
+    The class's constructor arguments become param-group keys, so schedulers
+    drive it; its state lives in the ``Modular``'s state (checkpointed with it).
+    From a config, only ``torch.optim.*`` and classes registered with
+    :func:`modopt.register_optimizer` are imported, unless ``trust_imports=True``.
+    Closure-based optimizers (LBFGS) are not supported.
+    """
+
+    cls: str
+    kwargs: dict[str, Any] = {}
+    is_optimizer: ClassVar[bool] = True
+    must_be_last: ClassVar[bool] = True
+    _cls: type = PrivateAttr()
+
+    def __init__(self, cls: Any = None, /, **kwargs: Any) -> None:
+        if cls is None and "cls" in kwargs:  # TorchOptimizer(cls=..., kwargs={...})
+            super(Transform, self).__init__(**kwargs)
+        else:
+            super(Transform, self).__init__(cls=cls, kwargs=kwargs)
+
+    @field_validator("cls", mode="before")
+    @classmethod
+    def _path(cls, v):
+        if isinstance(v, type):
+            register_optimizer(v)  # a class given in code is trusted
+            return class_path(v)
+        if not isinstance(v, str):
+            raise ValueError("cls must be a torch.optim.Optimizer subclass or its import path")
+        resolve_optimizer(v)
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self):
+        self._cls = resolve_optimizer(self.cls)
+        names = self._signature_defaults()
+        bad = sorted(set(self.kwargs) - set(names))
+        if bad:
+            raise ValueError(f"{self.cls} does not take argument(s) {bad}; it takes {sorted(names)}")
+        return self
+
+    def _signature_defaults(self) -> dict[str, Any]:
+        sig = inspect.signature(self._cls.__init__)
+        return {
+            n: p.default
+            for n, p in sig.parameters.items()
+            if n not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is not inspect.Parameter.empty
+        }
+
+    def hyperparams(self) -> dict[str, Any]:
+        return {**self._signature_defaults(), **self.kwargs}
+
+    def apply(self, ctx, st, updates):
+        raise RuntimeError("TorchOptimizer must be the last transform of a Modular")
+
+    def apply_final(self, ctx, st, updates):
+        inner = st.runtime.get("inner")
+        keys = list(self.hyperparams())
+        groups = ctx.host.param_groups
+        if inner is None:
+            inner = self._cls([{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in groups])
+            inner.state = _NamespacedState(ctx.host.state, f"{st.key}.inner")
+            st.runtime["inner"] = inner
+        for ig, g in zip(inner.param_groups, groups):
+            for k in keys:
+                ig[k] = g[k]
+        for p, u in zip(ctx.params, updates):
+            if p.grad is not u:
+                p.grad = u
+        inner.step()
+        return True
