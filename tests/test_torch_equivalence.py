@@ -1,0 +1,328 @@
+"""The core modules against torch itself: clip_grad_norm_, SGD, Adam, AdamW, schedulers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import modopt as mo
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def two_groups(model, lr=(1e-2, 3e-2), wd=(0.0, 1e-2)):
+    params = list(model.parameters())
+    return [
+        {"params": params[:2], "lr": lr[0], "weight_decay": wd[0]},
+        {"params": params[2:], "lr": lr[1], "weight_decay": wd[1]},
+    ]
+
+
+def run(model, opt, data, scheduler=None):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_params(a, b, rtol=1e-5, atol=1e-6):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+
+
+# --- clip_grad_norm_ ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_norm", [0.01, 0.5, 100.0])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 3.0])
+def test_clip_norm_equals_torch_clip_grad_norm(max_norm, norm_type):
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 2, 4), ()]
+    grads = [torch.randn(s) * 3 for s in shapes]
+    a = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    b = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q, g in zip(a, b, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    total = torch.nn.utils.clip_grad_norm_(a, max_norm, norm_type=norm_type)
+    opt = mo.Modular(b, mo.ClipNorm(max_norm, ord=norm_type), mo.LR(1.0))
+    opt.step()
+    for p, q in zip(a, b):  # q = 0 - clipped grad
+        torch.testing.assert_close(-q.detach(), p.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(opt.stats["0:ClipNorm.norm"][0], total, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_functional_clip_grad_norm_returns_torch_total_norm(norm_type):
+    torch.manual_seed(1)
+    grads = [torch.randn(4, 4) * 5, torch.randn(3)]
+    a = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    b = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, q, g in zip(a, b, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    ta = torch.nn.utils.clip_grad_norm_(a, 1.0, norm_type=norm_type)
+    tb = mo.clip_grad_norm_(b, 1.0, ord=norm_type)
+    torch.testing.assert_close(ta, tb)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(mo.grad_norm(b, ord=norm_type), torch.nn.utils.get_total_norm([q.grad for q in b], norm_type))
+
+
+def test_functional_clip_value_and_normalize():
+    g = torch.tensor([-3.0, 0.25, 2.0])
+    p = torch.nn.Parameter(torch.zeros(3))
+    q = torch.nn.Parameter(torch.zeros(3))
+    p.grad, q.grad = g.clone(), g.clone()
+    torch.nn.utils.clip_grad_value_([p], 1.0)
+    mo.clip_grad_value_([q], 1.0)
+    assert torch.equal(p.grad, q.grad)
+    mo.normalize_grads_([q], norm_value=2.0)
+    torch.testing.assert_close(q.grad.norm(), torch.tensor(2.0))
+
+
+def test_clip_grad_norm_error_if_nonfinite():
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([float("inf"), 1.0])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        mo.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+
+
+# --- optimizers: trajectories ---------------------------------------------------
+
+CASES = [
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05), lambda: mo.SGD(lr=0.05)),
+    ("sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+     lambda: mo.SGD(lr=0.05, momentum=0.9, dampening=0.1)),
+    ("sgd_nesterov_wd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+     lambda: mo.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2), lambda: mo.Adam(lr=1e-2)),
+    ("adam_wd_amsgrad", lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2, amsgrad=True),
+     lambda: mo.Adam(lr=1e-2, weight_decay=1e-2, amsgrad=True)),
+    ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99)), lambda: mo.AdamW(lr=1e-2, betas=(0.8, 0.99))),
+    ("adamw_amsgrad", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+     lambda: mo.AdamW(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("name,torch_opt,mo_opt", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("layout", ["one_group", "two_groups"])
+@pytest.mark.parametrize("fused_path", [True, False], ids=["last", "followed"])
+def test_optimizer_trajectory_matches_torch(name, torch_opt, mo_opt, layout, fused_path):
+    """120 steps; with two param groups that differ in lr and weight decay; as the last
+    transform (fused write) and followed by Identity (the update path)."""
+    ma, mb = make_model(), make_model()
+    data = batches(120)
+    if layout == "one_group":
+        pa, pb = ma.parameters(), mb.parameters()
+    else:
+        wd = (0.0, 1e-2) if "sgd" in name or "adam" in name else (0.0, 0.0)
+        pa, pb = two_groups(ma, wd=wd), two_groups(mb, wd=wd)
+    ta = torch_opt(pa)
+    chain = [mo_opt()] if fused_path else [mo_opt(), mo.Identity()]
+    tb = mo.Modular(pb, *chain)
+    la = run(ma, ta, data)
+    lb = run(mb, tb, data)
+    assert_same_params(ma, mb, rtol=1e-5, atol=1e-5)  # float32 rounding accumulated over 120 steps
+    assert abs(la[-1] - lb[-1]) <= 1e-5 * max(1.0, abs(la[-1]))
+
+
+def test_torch_optimizer_transform_matches_torch():
+    ma, mb = make_model(), make_model()
+    data = batches(60)
+    ta = torch.optim.RMSprop(ma.parameters(), lr=1e-2, alpha=0.9)
+    tb = mo.Modular(mb.parameters(), mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2, alpha=0.9))
+    run(ma, ta, data)
+    run(mb, tb, data)
+    assert_same_params(ma, mb, rtol=0, atol=0)
+
+
+def test_clip_then_adam_matches_hand_written_torch():
+    ma, mb = make_model(), make_model()
+    data = batches(100)
+    ta = torch.optim.Adam(ma.parameters(), lr=1e-2)
+    tb = mo.Modular(mb.parameters(), mo.ClipNorm(0.5), mo.Adam(lr=1e-2))
+    for x, y in data:
+        ta.zero_grad()
+        loss_fn(ma, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ma.parameters(), 0.5)
+        ta.step()
+        tb.zero_grad()
+        loss_fn(mb, x, y).backward()
+        tb.step()
+    assert_same_params(ma, mb, rtol=2e-5, atol=2e-6)
+
+
+# --- schedulers -------------------------------------------------------------------
+
+SCHEDULERS = [
+    ("step", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5)),
+    ("cosine", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30)),
+    ("onecycle", lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=60)),
+]
+
+
+@pytest.mark.parametrize("name,make_sched", SCHEDULERS, ids=[s[0] for s in SCHEDULERS])
+def test_schedulers_drive_modular_like_torch_adam(name, make_sched):
+    ma, mb = make_model(), make_model()
+    data = batches(60)
+    ta = torch.optim.Adam(ma.parameters(), lr=1e-2)
+    tb = mo.Modular(mb.parameters(), mo.ClipNorm(10.0, eps=1e-6), mo.Adam(lr=1e-2))
+    sa, sb = make_sched(ta), make_sched(tb)
+    lrs_a, lrs_b, betas_a, betas_b = [], [], [], []
+    for x, y in data:
+        for opt, model in ((ta, ma), (tb, mb)):
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            if opt is ta:
+                torch.nn.utils.clip_grad_norm_(ma.parameters(), 10.0)
+            opt.step()
+        sa.step()
+        sb.step()
+        lrs_a.append(ta.param_groups[0]["lr"])
+        lrs_b.append(tb.param_groups[0]["lr"])
+        betas_a.append(ta.param_groups[0]["betas"][0])
+        betas_b.append(tb.param_groups[0]["betas"][0])
+    assert lrs_a == lrs_b
+    assert betas_a == betas_b
+    if name == "onecycle":
+        assert len(set(betas_b)) > 1  # momentum cycling really happened
+    assert_same_params(ma, mb, rtol=2e-5, atol=2e-6)
+
+
+def test_onecycle_momentum_cycling_with_sgd():
+    ma, mb = make_model(), make_model()
+    ta = torch.optim.SGD(ma.parameters(), lr=0.01, momentum=0.9)
+    tb = mo.Modular(mb.parameters(), mo.SGD(lr=0.01, momentum=0.9))
+    sa = torch.optim.lr_scheduler.OneCycleLR(ta, max_lr=0.1, total_steps=30)
+    sb = torch.optim.lr_scheduler.OneCycleLR(tb, max_lr=0.1, total_steps=30)
+    for x, y in batches(30):
+        for opt, model, s in ((ta, ma, sa), (tb, mb, sb)):
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+            s.step()
+        assert ta.param_groups[0]["momentum"] == tb.param_groups[0]["momentum"]
+    assert_same_params(ma, mb, rtol=2e-5, atol=2e-6)
+
+
+# --- Modular behaviour ------------------------------------------------------------
+
+
+def test_clipnorm_normalize_adam_trains_a_small_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    w = torch.randn(10, 1)
+    opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Normalize(), mo.Adam(lr=3e-3))
+    losses = []
+    for _ in range(300):
+        x = torch.randn(32, 10)
+        y = x @ w
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-20:]) / 20 < 0.2 * sum(losses[:20]) / 20
+
+
+def test_step_returns_closure_loss_and_skips_params_without_grad():
+    a = torch.nn.Parameter(torch.ones(2))
+    b = torch.nn.Parameter(torch.ones(2))
+    opt = mo.Modular([a, b], mo.SGD(lr=0.5))
+
+    def closure():
+        opt.zero_grad()
+        loss = (a * 2).sum()
+        loss.backward()
+        return loss
+
+    out = opt.step(closure)
+    assert out.item() == 4.0
+    assert torch.equal(a.detach(), torch.zeros(2)) and torch.equal(b.detach(), torch.ones(2))
+    assert b not in opt.state or not opt.state[b]
+
+
+def test_position_decides_gradient_vs_update_clipping():
+    p = torch.nn.Parameter(torch.zeros(2))
+    q = torch.nn.Parameter(torch.zeros(2))
+    for x in (p, q):
+        x.grad = torch.tensor([3.0, 4.0])
+    mo.Modular([p], mo.ClipNorm(1.0, eps=0.0), mo.LR(0.1)).step()  # clip grad, then lr: |step| = 0.1
+    mo.Modular([q], mo.LR(0.1), mo.ClipNorm(1.0, eps=0.0)).step()  # lr then clip: |step| = 0.5 <= 1
+    torch.testing.assert_close(p.detach().norm(), torch.tensor(0.1))
+    torch.testing.assert_close(q.detach().norm(), torch.tensor(0.5))
+
+
+def test_named_parameters_and_group_defaults():
+    model = make_model()
+    opt = mo.Modular(model.named_parameters(), mo.ClipNorm(1.0), mo.Adam(), lr=0.05)
+    assert opt.param_groups[0]["lr"] == 0.05
+    assert opt.param_groups[0]["param_names"][0] == "0.weight"
+    assert opt.config.defaults == {"lr": 0.05}
+
+
+def test_unknown_group_key_is_a_clear_error():
+    model = make_model()
+    with pytest.raises(ValueError, match="unknown param-group key.*momentum"):
+        mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
+    with pytest.raises(TypeError, match="unknown hyperparameter"):
+        mo.Modular(model.parameters(), mo.Adam(), momentum=0.9)
+    with pytest.raises(ValueError, match="exposed by both"):
+        mo.Modular(model.parameters(), mo.LR(0.1), mo.Adam())
+
+
+def test_per_group_override_of_optimizer_hyperparameters():
+    ma, mb = make_model(), make_model()
+    pa = [{"params": list(ma.parameters())[:2], "betas": (0.5, 0.9)}, {"params": list(ma.parameters())[2:]}]
+    pb = [{"params": list(mb.parameters())[:2], "betas": (0.5, 0.9)}, {"params": list(mb.parameters())[2:]}]
+    ta = torch.optim.Adam(pa, lr=1e-2)
+    tb = mo.Modular(pb, mo.Adam(lr=1e-2))
+    data = batches(40)
+    run(ma, ta, data)
+    run(mb, tb, data)
+    assert_same_params(ma, mb, rtol=2e-5, atol=2e-6)
+
+
+def test_torch_optimizer_must_be_last_and_sparse_complex_errors():
+    with pytest.raises(ValueError, match="must be the last"):
+        mo.Modular([torch.nn.Parameter(torch.zeros(1))], mo.TorchOptimizer(torch.optim.SGD, lr=0.1), mo.Identity())
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    p.grad = torch.zeros(3, 2).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        mo.Modular([p], mo.SGD(lr=0.1)).step()
+    c = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    c.grad = torch.ones(2, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match="complex"):
+        mo.Modular([c], mo.SGD(lr=0.1)).step()
+
+
+def test_deepcopy_and_pickle_roundtrip():
+    import pickle
+
+    model = make_model()
+    opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    run(model, opt, batches(3))
+    opt2 = copy.deepcopy(opt)
+    assert opt2.config == opt.config
+    assert len(opt2.state) == len(opt.state)
+    opt3 = pickle.loads(pickle.dumps(opt))
+    assert opt3.config == opt.config
