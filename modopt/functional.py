@@ -115,3 +115,12 @@ def normalize_grads_(
     from .transforms.normalization import Normalize
 
     run_on_grads(Normalize(norm_value=norm_value, ord=ord, scope=scope, eps=eps), parameters)
+
+
+def clip_grad_percentile_(parameters: TensorOrTensors, pct: int, scope: ScopeName = "tensor") -> None:
+    """Clamp each gradient (``scope="tensor"``) or all of them (``"global"``) to the ``pct``-th
+    percentile of its absolute values, in place (the lower order statistic, see
+    :class:`~modopt.ClipValueByPercentile`)."""
+    from .transforms.percentile import ClipValueByPercentile
+
+    run_on_grads(ClipValueByPercentile(pct=pct, scope=scope), parameters)

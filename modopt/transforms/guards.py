@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..core.transform import Transform
 
 
@@ -9,4 +11,33 @@ class Identity(Transform):
     """Pass the update through unchanged (drytorch's ``NoOp``)."""
 
     def apply(self, ctx, st, updates):
+        return updates
+
+
+class ZeroNonFinite(Transform):
+    r"""Replace non-finite elements of the update (inf, -inf, NaN) by 0.
+
+    .. math:: u_i \leftarrow \begin{cases} u_i & u_i \text{ finite} \\ 0 & \text{otherwise} \end{cases}
+
+    Useful with ``Modular(..., nonfinite="ignore")`` (the default policy,
+    ``"skip"``, drops such steps before any transform runs) or after a transform
+    that may overflow. ``nonfinite="zero"`` does the same to the raw gradients.
+
+    Telemetry: ``zeroed``, the number of elements replaced.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3))
+    >>> opt = mo.Modular([p], mo.ZeroNonFinite(), mo.LR(1.0), nonfinite="ignore")
+    >>> p.grad = torch.tensor([1.0, float("inf"), float("nan")]); opt.step(); p.data
+    tensor([-1.,  0.,  0.])
+    """
+
+    def apply(self, ctx, st, updates):
+        counts = []
+        for u in updates:
+            bad = ~torch.isfinite(u)
+            counts.append(bad.sum())
+            u.masked_fill_(bad, 0)
+        if counts:
+            st.record("zeroed", torch.stack(counts).sum())
         return updates

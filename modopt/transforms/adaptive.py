@@ -1,0 +1,419 @@
+"""Statistical clipping: thresholds learned from the history of the update's norm.
+
+``HistClip`` (drytorch's ``HistClipper`` / ``ParamHistClipper``) with its
+criteria ``EMACriterion`` and ``ZStatCriterion``; ``ZClip`` (the ``zclip``
+package); ``AutoClip`` (Seetharaman et al. 2020); and ``ZScoreNormalize``
+(drytorch's ``GradZScoreNormalizer``).
+
+All statistics live in the optimizer's state, one set per segment of the
+scope (``seg_get``/``seg_set``), as tensors: warm-up counters included, so a
+step never synchronises with the host. Warm-up statistics are accumulated with
+Welford's running mean / sum of squares (no history buffer). A non-finite norm
+never enters any statistic and does not count as a warm-up step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Optional, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from ..core.norms import Ord
+from ..core.scope import Scoped, ScopeName
+from ._util import below_one, clip_to, map_many, record_clip
+
+Rule = Literal["max", "mean", "reciprocal"]
+
+#: the clip scale's epsilon of drytorch / zclip / torch's clip_grad_norm_
+CLIP_EPS = 1e-6
+
+
+def _ones(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(x)
+
+
+class EMACriterion(BaseModel):
+    r"""Trigger when the norm exceeds ``r_thresh`` times its EMA (drytorch's ``EMACriterion``).
+
+    With ``mu`` the EMA of past norms and ``g`` the current norm: triggers when
+    ``mu > 0`` and ``g / mu > r_thresh``, and clips to ``mu * f(g / mu, r_thresh)``
+    with ``f`` = ``max``: ``r_thresh``; ``reciprocal``: ``r_thresh**2 / (g/mu)``;
+    ``mean``: 1 (clip to ``mu``; drytorch clips to zero there). Statistics:
+    ``mu <- alpha*mu + (1-alpha)*x``. Defaults: ``alpha=0.98``, ``r_thresh=1.05``,
+    ``rule="max"``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    kind: Literal["ema"] = "ema"
+    alpha: float = Field(0.98, ge=0.0, lt=1.0)
+    r_thresh: PositiveFloat = 1.05
+    rule: Rule = "max"
+
+    def threshold(self, mu: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(triggered, clip value)`` for the norm ``g`` given the statistics."""
+        safe_mu = torch.where(mu > 0, mu, _ones(mu))
+        r = g / safe_mu
+        t = self.r_thresh
+        if self.rule == "max":
+            f = torch.full_like(r, t)
+        elif self.rule == "reciprocal":
+            f = t * t / r
+        else:
+            f = _ones(r)
+        return (mu > 0) & (r > t), mu * f
+
+    def update(self, mu: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Statistics after observing ``x`` (``v`` is not used by this criterion)."""
+        return self.alpha * mu + (1 - self.alpha) * x, v
+
+
+class ZStatCriterion(BaseModel):
+    r"""Trigger on the z-score of the norm (drytorch's ``ZStatCriterion``; ZClip's rule).
+
+    ``z = (g - mu) / (sqrt(v) + 1e-8)``; triggers when ``mu > 0`` and
+    ``|z| > z_thresh`` (``z > z_thresh`` when not ``two_sided``); clips to
+    ``mu + f(|z|, z_thresh) * sqrt(v)`` with ``f`` = ``max``: ``z_thresh``;
+    ``reciprocal``: ``z_thresh**2 / |z|``; ``mean``: 0. Statistics, variance
+    first (it uses the old mean): ``v <- alpha*v + (1-alpha)*(x - mu)**2``,
+    ``mu <- alpha*mu + (1-alpha)*x``. Defaults: ``alpha=0.97``, ``z_thresh=2.5``,
+    ``rule="reciprocal"``, ``two_sided=True``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    kind: Literal["zstat"] = "zstat"
+    alpha: float = Field(0.97, ge=0.0, lt=1.0)
+    z_thresh: PositiveFloat = 2.5
+    rule: Rule = "reciprocal"
+    two_sided: bool = True
+
+    def threshold(self, mu: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(triggered, clip value)`` for the norm ``g`` given the statistics."""
+        sd = v.clamp(min=0).sqrt()
+        z = (g - mu) / (sd + 1e-8)
+        za = z.abs() if self.two_sided else z
+        t = self.z_thresh
+        if self.rule == "max":
+            f = torch.full_like(z, t)
+        elif self.rule == "reciprocal":
+            f = t * t / torch.where(z != 0, z.abs(), _ones(z))
+        else:
+            f = torch.zeros_like(z)
+        return (mu > 0) & (za > t), mu + f * sd
+
+    def update(self, mu: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Statistics after observing ``x``: the variance moves first, around the old mean."""
+        a = self.alpha
+        return a * mu + (1 - a) * x, a * v + (1 - a) * (x - mu).square()
+
+
+#: a HistClip criterion, chosen in configs by its ``kind`` (``ema`` or ``zstat``)
+Criterion = Annotated[Union[EMACriterion, ZStatCriterion], Field(discriminator="kind")]
+
+
+def _stat_dtype(stat) -> torch.dtype:
+    return stat.dtype if isinstance(stat, torch.Tensor) else (stat[0].dtype if stat else torch.float32)
+
+
+def _welford(n, mean, m2, g, ok):
+    """One warm-up observation: count, running mean and sum of squared deviations (``g`` only where ``ok``)."""
+    n1 = n + ok.to(n.dtype)
+    delta = torch.where(ok, g - mean, torch.zeros_like(mean))
+    mean1 = mean + delta / n1.clamp(min=1)
+    m21 = m2 + delta * torch.where(ok, g - mean1, torch.zeros_like(mean1))
+    return n1, mean1, m21
+
+
+class HistClip(Scoped):
+    r"""Clip the norm when it is an outlier of its own history (drytorch's ``HistClipper``).
+
+    Warm-up: the first ``warmup_steps`` steps record the pre-clip norm ``g`` and
+    clip it to ``warmup_max_norm`` (None: no clip); then the statistics start
+    from the recorded norms (``mu`` their mean, ``v`` their variance with
+    ddof 1, or 1.0 from fewer than 2 norms). After warm-up, when the
+    ``criterion`` triggers, ``u`` is clipped to the criterion's value ``c``
+    (scale ``c / (g + eps)``, never up), and the statistics are updated with
+    ``g`` (``update_stats_with="raw"``, drytorch) or with the clipped norm
+    ``min(g, c)`` (``"clipped"``, ZClip's choice). Initial ``mu = 0``, ``v = 1``.
+
+    Defaults: ``criterion=ZStatCriterion()``, ``warmup_steps=20``,
+    ``warmup_max_norm=1.0``, ``update_stats_with="raw"``, ``ord=2``,
+    ``eps=1e-6``, ``scope="global"``. ``scope="tensor"`` is drytorch's
+    ``ParamHistClipper``; ``dim`` gives per-slice statistics.
+
+    Telemetry: ``norm``, ``scale``, ``clipped``, ``triggered``, ``mu``, ``v``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(1))
+    >>> clip = mo.HistClip(mo.EMACriterion(r_thresh=2.0), warmup_steps=2, warmup_max_norm=None)
+    >>> opt = mo.Modular([p], clip, mo.LR(1.0))
+    >>> for g in (1.0, 1.0, 10.0):
+    ...     p.grad = torch.tensor([g]); opt.step()
+    >>> round(float(p.detach()), 4)   # the spike is clipped to 2 * mu = 2
+    -4.0
+    """
+
+    criterion: Criterion = Field(default_factory=ZStatCriterion)
+    warmup_steps: NonNegativeInt = 20
+    warmup_max_norm: Optional[PositiveFloat] = 1.0
+    update_stats_with: Literal["raw", "clipped"] = "raw"
+    ord: Ord = 2.0
+    eps: NonNegativeFloat = 1e-6
+
+    def to_dict(self):
+        data = super().to_dict()
+        data["criterion"] = self.criterion.model_dump()
+        return data
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        dt = _stat_dtype(g)
+        W = self.warmup_steps
+        n = st.seg_get(seg, "count", 0.0, dtype=dt)
+        mu = st.seg_get(seg, "mu", 0.0, dtype=dt)
+        # during warm-up ``v`` holds Welford's sum of squared deviations
+        v = st.seg_get(seg, "v", 0.0 if W > 0 else 1.0, dtype=dt)
+        crit, wmax, eps = self.criterion, self.warmup_max_norm, self.eps
+
+        def rule(g, n, mu, v):
+            n, mu, v = n.to(g.dtype), mu.to(g.dtype), v.to(g.dtype)
+            ok = torch.isfinite(g)
+            warm = n < W
+            # warm-up
+            n1, mean1, m21 = _welford(n, mu, v, g, ok)
+            var = torch.where(n1 >= 2, m21 / (n1 - 1).clamp(min=1), _ones(m21))
+            v_w = torch.where(n1 >= W, var, m21)
+            scale_w = clip_to(g, wmax, CLIP_EPS) if wmax is not None else _ones(g)
+            # after warm-up
+            trig, c = crit.threshold(mu, v, g)
+            scale_p = torch.where(trig & (g > c), below_one(c / (g + eps)), _ones(g))
+            x = torch.where(trig, torch.minimum(g, c), g) if self.update_stats_with == "clipped" else g
+            mu_p, v_p = crit.update(mu, v, x)
+            mu_p, v_p = torch.where(ok, mu_p, mu), torch.where(ok, v_p, v)
+            return (
+                torch.where(warm, scale_w, scale_p),
+                torch.where(warm, n1, n),
+                torch.where(warm, mean1, mu_p),
+                torch.where(warm, v_w, v_p),
+                ~warm & trig,
+            )
+
+        scale, n, mu, v, trig = map_many(seg, rule, g, n, mu, v)
+        seg.mul_(updates, scale)
+        st.seg_set(seg, "count", n)
+        st.seg_set(seg, "mu", mu)
+        st.seg_set(seg, "v", v)
+        record_clip(st, seg, g, scale, triggered=trig, mu=mu, v=v)
+        return updates
+
+
+class ZClip(Scoped):
+    r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the ``zclip`` package.
+
+    Warm-up: the first ``warmup_steps`` norms set ``mu`` (mean) and
+    ``sigma**2`` (variance, ddof 0). Then, with ``z = (g - mu) / (sigma + eps)``:
+
+    * ``mode="zscore"``: a spike is ``z > z_thresh``; its threshold is
+      ``clip_factor * (mu + z_thresh**2 * sigma / z)`` (``clip_option="adaptive_scaling"``)
+      or ``mu`` (``clip_option="mean"``);
+    * ``mode="percentile"``: a spike is ``g > mu + z_thresh * sigma``, clipped to that.
+
+    ``max_grad_norm`` (None: off) caps the norm on every step, warm-up
+    included. The statistics then move with the threshold ``c`` on a spike,
+    else with ``g`` (mean first, then ``sigma**2 <- alpha*sigma**2 +
+    (1-alpha)*(x - mu_new)**2``); ``skip_update_on_spike`` leaves them
+    unchanged on spikes. The clip scale is ``c / (g + 1e-6)`` (the package's).
+
+    Defaults: ``alpha=0.97``, ``z_thresh=2.5``, ``max_grad_norm=1.0``,
+    ``eps=1e-6``, ``warmup_steps=25``, ``mode="zscore"``,
+    ``clip_option="adaptive_scaling"``, ``clip_factor=1.0``,
+    ``skip_update_on_spike=False``, ``ord=2``, ``scope="global"``.
+
+    Telemetry: ``norm``, ``scale``, ``clipped``, ``spike``, ``mu``, ``var``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(1))
+    >>> opt = mo.Modular([p], mo.ZClip(warmup_steps=3, max_grad_norm=None), mo.LR(1.0))
+    >>> for g in (1.0, 1.2, 0.8, 50.0):
+    ...     p.grad = torch.tensor([g]); opt.step()
+    >>> bool(opt.stats["0:ZClip.spike"][0]), round(float(opt.stats["0:ZClip.scale"][0] * 50), 4)
+    (True, 1.0034)
+    """
+
+    alpha: float = Field(0.97, ge=0.0, lt=1.0)
+    z_thresh: PositiveFloat = 2.5
+    max_grad_norm: Optional[PositiveFloat] = 1.0
+    eps: NonNegativeFloat = 1e-6
+    warmup_steps: PositiveInt = 25
+    mode: Literal["zscore", "percentile"] = "zscore"
+    clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling"
+    clip_factor: PositiveFloat = 1.0
+    skip_update_on_spike: bool = False
+    ord: Ord = 2.0
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        dt = _stat_dtype(g)
+        W = self.warmup_steps
+        n = st.seg_get(seg, "count", 0.0, dtype=dt)
+        mu = st.seg_get(seg, "mu", 0.0, dtype=dt)
+        var = st.seg_get(seg, "var", 0.0, dtype=dt)  # Welford's sum of squares during warm-up
+        a, t, M = self.alpha, self.z_thresh, self.max_grad_norm
+
+        def rule(g, n, mu, var):
+            n, mu, var = n.to(g.dtype), mu.to(g.dtype), var.to(g.dtype)
+            ok = torch.isfinite(g)
+            warm = n < W
+            n1, mean1, m21 = _welford(n, mu, var, g, ok)
+            var_w = torch.where(n1 >= W, m21 / n1.clamp(min=1), m21)
+            scale_w = clip_to(g, M, CLIP_EPS) if M is not None else _ones(g)
+            sigma = var.clamp(min=0).sqrt()
+            if self.mode == "zscore":
+                z = (g - mu) / (sigma + self.eps)
+                spike = z > t
+                if self.clip_option == "adaptive_scaling":
+                    safe_z = torch.where(spike, z, _ones(z))
+                    c = self.clip_factor * (mu + t * t * sigma / safe_z)
+                else:
+                    c = mu
+            else:
+                c = mu + t * sigma
+                spike = g > c
+            limit = torch.where(spike, c, g)
+            if M is not None:
+                limit = limit.clamp(max=M)
+            scale_p = torch.where(g > limit, below_one(limit / (g + CLIP_EPS)), _ones(g))
+            x = torch.where(spike, c, g)
+            mu_p = a * mu + (1 - a) * x
+            var_p = a * var + (1 - a) * (x - mu_p).square()
+            keep = ~ok | (spike if self.skip_update_on_spike else torch.zeros_like(ok))
+            mu_p, var_p = torch.where(keep, mu, mu_p), torch.where(keep, var, var_p)
+            return (
+                torch.where(warm, scale_w, scale_p),
+                torch.where(warm, n1, n),
+                torch.where(warm, mean1, mu_p),
+                torch.where(warm, var_w, var_p),
+                ~warm & spike,
+            )
+
+        scale, n, mu, var, spike = map_many(seg, rule, g, n, mu, var)
+        seg.mul_(updates, scale)
+        st.seg_set(seg, "count", n)
+        st.seg_set(seg, "mu", mu)
+        st.seg_set(seg, "var", var)
+        record_clip(st, seg, g, scale, spike=spike, mu=mu, var=var)
+        return updates
+
+
+class AutoClip(Scoped):
+    r"""AutoClip (Seetharaman et al. 2020): clip to a percentile of the history of norms.
+
+    Each step appends the pre-clip norm ``g`` to the history (every step, or
+    the last ``window`` steps), then clips the update to the history's
+    ``percentile``-th percentile ``c`` (linear interpolation, as
+    ``numpy.percentile``): scale ``min(1, c / (g + eps))``. Non-finite norms
+    are kept out of the history. Without ``window`` the history grows by one
+    value per step (and so does the checkpoint); set ``window`` for long runs.
+
+    Defaults: ``percentile=10``, ``window=None``, ``ord=2``, ``eps=1e-6``,
+    ``scope="global"``. ``dim`` (slice-wise statistics) is not supported.
+
+    Telemetry: ``norm``, ``scale``, ``clipped``, ``threshold``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(1))
+    >>> opt = mo.Modular([p], mo.AutoClip(percentile=50, eps=0.0), mo.LR(1.0))
+    >>> for g in (1.0, 3.0, 8.0):
+    ...     p.grad = torch.tensor([g]); opt.step()
+    >>> float(p.detach())   # 1 + 2 (median of 1, 3) + 3 (median of 1, 3, 8)
+    -6.0
+    """
+
+    percentile: float = Field(10.0, ge=0.0, le=100.0)
+    window: Optional[PositiveInt] = None
+    ord: Ord = 2.0
+    eps: NonNegativeFloat = 1e-6
+
+    @model_validator(mode="after")
+    def _no_dims(self):
+        if self.dim is not None or self.inverse_dims:
+            raise ValueError("AutoClip keeps a history per segment; dim/inverse_dims are not supported")
+        return self
+
+    def _history_slots(self, ctx, st, seg) -> list[tuple[dict, str]]:
+        """Where each segment's history is saved: (mapping, key)."""
+        if seg.kind == "global":
+            return [(st.store, "history")]
+        if seg.kind == "group":
+            return [(st.store, f"history@group{gid}") for gid in ctx.group_ids]
+        return [(st.host.state[p], f"{st.key}.history") for p in ctx.params]
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        q = self.percentile / 100.0
+        thresholds = []
+        for (where, key), gs in zip(self._history_slots(ctx, st, seg), g.unbind(0)):
+            old = where.get(key)
+            if old is None:
+                old = torch.zeros(0, dtype=gs.dtype, device=gs.device)
+            x = torch.where(torch.isfinite(gs), gs, torch.full_like(gs, math.inf)).reshape(1).to(old.dtype)
+            hist = torch.cat([old, x])
+            if self.window is not None and hist.numel() > self.window:
+                hist = hist[-self.window :]
+            where[key] = hist
+            thresholds.append(_percentile(hist, q).to(gs.dtype))
+        c = torch.stack(thresholds)
+        scale = clip_to(g, c, self.eps)
+        seg.mul_(updates, scale)
+        record_clip(st, seg, g, scale, threshold=c)
+        return updates
+
+
+def _percentile(hist: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolation percentile of the finite entries (invalid ones are +inf); inf if none."""
+    s = hist.sort().values
+    k = torch.isfinite(hist).sum()
+    pos = (k - 1).clamp(min=0).to(hist.dtype) * q
+    lo = pos.floor()
+    hi = pos.ceil().long().clamp(max=hist.numel() - 1)
+    frac = pos - lo
+    a, b = s.index_select(0, lo.long().reshape(1))[0], s.index_select(0, hi.reshape(1))[0]
+    val = a + (b - a) * frac
+    val = torch.where(frac == 0, a, val)
+    return torch.where(k > 0, val, torch.full_like(val, math.inf))
+
+
+class ZScoreNormalize(Scoped):
+    r"""Standardize the update over the scope: :math:`u \leftarrow (u - \bar u) / (\operatorname{std}(u) + \varepsilon)`.
+
+    The standard deviation has ddof 1, as drytorch's ``GradZScoreNormalizer``
+    (which it reproduces). Slices with fewer than ``min_size`` (at least 2)
+    elements are left unchanged instead of becoming NaN; a constant slice
+    becomes zero. Defaults: ``scope="tensor"``, ``eps=1e-8``, ``min_size=2``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3))
+    >>> opt = mo.Modular([p], mo.ZScoreNormalize(eps=0.0), mo.LR(1.0))
+    >>> p.grad = torch.tensor([1.0, 2.0, 3.0]); opt.step(); p.data
+    tensor([ 1.,  0., -1.])
+    """
+
+    scope: ScopeName = "tensor"
+    eps: NonNegativeFloat = 1e-8
+    min_size: int = Field(2, ge=2)
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        mean = seg.reduce(updates, "mean")
+        std = seg.reduce(updates, "std")
+        eps = self.eps
+        scale = seg.map(lambda s: torch.where(s + eps > 0, 1.0 / (s + eps), torch.ones_like(s)), std)
+        seg.sub_(updates, mean)
+        seg.mul_(updates, scale)
+        return updates

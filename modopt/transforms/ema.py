@@ -1,0 +1,165 @@
+"""Clipping and normalizing by an exponential moving average of past updates (torchzero's EMA family).
+
+The EMA ``m`` is kept per parameter, as full vectors (``m <- beta*m + (1-beta)*u``);
+the norm of ``m`` over the transform's scope is the yardstick the update is
+measured against. A segment whose update norm is non-finite leaves ``m`` (and
+the growth bookkeeping) exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+import torch
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from ..core.norms import Ord
+from ..core.scope import Scoped, ScopeName
+from ..core.transform import Transform
+from ._util import below_one, record_clip
+
+EmaInit = Literal["zeros", "update"]
+
+
+class _NormEMA(Scoped, abstract=True):
+    beta: float = Field(0.99, ge=0.0, lt=1.0)
+    ord: Ord = 2.0
+    eps: NonNegativeFloat = 1e-6
+    max_ema_growth: Optional[PositiveFloat] = 1.5
+    ema_init: EmaInit = "zeros"
+
+    normalize: ClassVar[bool] = False
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        ok = seg.map(torch.isfinite, nu)
+        ok_t = seg.expand(ok)
+        if self.ema_init == "zeros":
+            m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
+        else:
+            m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
+        w = 1.0 - self.beta
+        for mi, ui, oi in zip(m, updates, ok_t):
+            mi.copy_(torch.where(oi, torch.lerp(mi, ui.to(mi.dtype), w), mi))
+        nm = seg.map(torch.abs, seg.reduce(m, self.ord))
+        if self.max_ema_growth is not None:
+            prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
+            growth = self.max_ema_growth
+
+            def limit(n, pv):
+                allowed = pv.to(n.dtype) * growth
+                return torch.where((pv > 0) & (n > allowed), allowed / n, torch.ones_like(n))
+
+            factor = seg.map(limit, nm, prev)
+            seg.mul_(m, factor)
+            nm = seg.map(torch.mul, nm, factor)
+            st.seg_set(seg, "prev_ema_norm", seg.map(lambda o, n, pv: torch.where(o, n, pv.to(n.dtype)), ok, nm, prev))
+        eps = self.eps
+        if self.normalize:
+            scale = seg.map(lambda a, b: torch.where(a > 0, torch.clamp(b, min=eps) / a, torch.ones_like(a)), nu, nm)
+        else:
+            scale = seg.map(lambda a, b: below_one(torch.clamp(b, min=eps) / a), nu, nm)
+        seg.mul_(updates, scale)
+        record_clip(st, seg, nu, scale, ema_norm=nm)
+        return updates
+
+
+def _dtype(stat) -> torch.dtype:
+    return stat.dtype if isinstance(stat, torch.Tensor) else (stat[0].dtype if stat else torch.float32)
+
+
+class ClipNormByEMA(_NormEMA):
+    r"""Clip the update's norm to the norm of an EMA of past updates.
+
+    .. math::
+        m &\leftarrow \beta m + (1-\beta) u \\
+        u &\leftarrow u \,/\, \max\big(1,\; n(u) / \max(n(m), \varepsilon)\big)
+
+    ``m`` is kept per parameter (vectors, not norms). ``ema_init="update"``
+    starts ``m`` at the first update instead of zeros. With ``max_ema_growth=g``
+    the EMA's norm may grow at most by the factor ``g`` per step: when
+    ``n(m) > g * n_prev`` the EMA is rescaled to the norm ``g * n_prev`` (a
+    previous norm of 0, e.g. on the first step, sets no limit).
+
+    Defaults: ``beta=0.99``, ``ord=2``, ``eps=1e-6``, ``scope="global"``,
+    ``max_ema_growth=1.5``, ``ema_init="zeros"``. Reproduces torchzero's
+    ``ClipNormByEMA`` (whose ``tensorwise=True`` default is ``scope="tensor"`` here).
+
+    Telemetry: ``norm``, ``scale``, ``clipped``, ``ema_norm``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.ClipNormByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
+    >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()            # m = u: no clip
+    >>> p.grad = torch.tensor([30.0, 40.0]); opt.step(); p.data   # m grows 1.5x at most: norm 7.5
+    tensor([ -7.5000, -10.0000])
+    """
+
+
+class NormalizeByEMA(_NormEMA):
+    r"""Set the update's norm to the norm of an EMA of past updates.
+
+    .. math::
+        m &\leftarrow \beta m + (1-\beta) u \\
+        u &\leftarrow u \cdot \max(n(m), \varepsilon) / n(u) \qquad (n(u) > 0)
+
+    The EMA, ``ema_init`` and ``max_ema_growth`` behave as in :class:`ClipNormByEMA`;
+    a zero update stays zero. Defaults: ``beta=0.99``, ``ord=2``, ``eps=1e-6``,
+    ``scope="tensor"`` (the normalization family's default), ``max_ema_growth=1.5``,
+    ``ema_init="zeros"``. Reproduces torchzero's ``NormalizeByEMA``.
+
+    Telemetry: ``norm``, ``scale``, ``clipped`` (scale < 1), ``ema_norm``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.NormalizeByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
+    >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()
+    >>> p.grad = torch.tensor([0.3, 0.4]); opt.step(); p.data   # m = (1.65, 2.2): norm 2.75
+    tensor([-4.6500, -6.2000])
+    """
+
+    scope: ScopeName = "tensor"
+    normalize: ClassVar[bool] = True
+
+
+class ClipValueByEMA(Transform):
+    r"""Clamp every element to the EMA of past magnitudes.
+
+    .. math::
+        m &\leftarrow \beta m + (1-\beta) |u| \\
+        u &\leftarrow \operatorname{clamp}(u, -m, m)
+
+    ``ema_init="update"`` starts ``m`` at ``|u|``. Non-finite elements never
+    enter ``m``. Defaults: ``beta=0.99``, ``ema_init="zeros"``. Reproduces
+    torchzero's ``ClipValueByEMA``.
+
+    Telemetry: ``clipped`` (any element clipped).
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.ClipValueByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
+    >>> p.grad = torch.tensor([1.0, -2.0]); opt.step()
+    >>> p.grad = torch.tensor([5.0, -2.0]); opt.step(); p.data   # m = (3, 2)
+    tensor([-4.,  4.])
+    """
+
+    beta: float = Field(0.99, ge=0.0, lt=1.0)
+    ema_init: EmaInit = "zeros"
+
+    def apply(self, ctx, st, updates):
+        fin = [torch.isfinite(u) for u in updates]
+        if self.ema_init == "zeros":
+            m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
+        else:
+            m = st.buffers("ema", lambda i, p: torch.where(fin[i], updates[i].abs(), 0).to(updates[i].dtype))
+        w = 1.0 - self.beta
+        clipped = []
+        for mi, ui, fi in zip(m, updates, fin):
+            mi.copy_(torch.where(fi, torch.lerp(mi, ui.abs().to(mi.dtype), w), mi))
+            bound = mi.to(ui.dtype)
+            clipped.append((ui.abs() > bound).any())
+            ui.clamp_(min=-bound, max=bound)
+        if clipped:
+            st.record("clipped", torch.stack(clipped).any())
+        return updates

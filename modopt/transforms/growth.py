@@ -1,0 +1,148 @@
+"""Limiting how fast the update may grow from one step to the next (torchzero's growth family).
+
+The rule, with ``r`` the remembered size of the previous (output) update:
+
+* step 1 passes through and remembers ``r = max(n(u), min_value)``;
+* later steps allow ``A = min(r + add, r * mul)`` (a ``None`` term drops out),
+  scale ``u`` down so that its size is at most ``A``, then remember
+  ``r <- max(size(u_out), r / max_decay, min_value)``.
+
+A non-finite size is never remembered (``r`` and the first-step flag stay as they were).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from ..core.norms import Ord, acc_dtype
+from ..core.scope import Scoped
+from ..core.transform import Transform
+from ._util import below_one, map_many, record_clip
+
+
+class _Growth(Transform, abstract=True):
+    """The shared rule; subclasses declare the fields (add, mul, min_value, max_decay)."""
+
+    def _allowed(self, r: torch.Tensor) -> torch.Tensor:
+        allowed = torch.full_like(r, math.inf)
+        if self.add is not None:
+            allowed = torch.minimum(allowed, r + self.add)
+        if self.mul is not None:
+            allowed = torch.minimum(allowed, r * self.mul)
+        return allowed
+
+    def _remember(self, out_size: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        new = out_size.clamp(min=self.min_value)
+        if self.max_decay is not None:
+            new = torch.maximum(new, r / self.max_decay)
+        return new
+
+
+class ClipNormGrowth(Scoped, _Growth):
+    r"""Limit the growth of the update's norm from one step to the next.
+
+    .. math::
+        A &= \min(r + \text{add},\; r \cdot \text{mul}) \\
+        u &\leftarrow u \cdot \min\big(1, A / n(u)\big) \\
+        r &\leftarrow \max\big(n(u_\text{out}),\; r / \text{max\_decay},\; \text{min\_value}\big)
+
+    The first step passes through and sets ``r = max(n(u), min_value)``. Terms
+    whose field is None drop out (``add=None, mul=None`` is the identity).
+    Defaults: ``add=None``, ``mul=1.5``, ``min_value=1e-4``, ``max_decay=2``,
+    ``ord=2``, ``scope="global"``. Reproduces torchzero's ``ClipNormGrowth``
+    (which defaults to per-parameter norms, ``scope="tensor"`` here, and bounds
+    the decay of its clip denominator rather than of ``r``).
+
+    Telemetry: ``norm``, ``scale``, ``clipped``, ``allowed``.
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.ClipNormGrowth(mul=2.0), mo.LR(1.0))
+    >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()
+    >>> p.grad = torch.tensor([30.0, 40.0]); opt.step(); p.data   # at most 2 * 5
+    tensor([ -9., -12.])
+    """
+
+    add: Optional[PositiveFloat] = None
+    mul: Optional[PositiveFloat] = 1.5
+    min_value: NonNegativeFloat = 1e-4
+    max_decay: Optional[float] = Field(2.0, ge=1.0)
+    ord: Ord = 2.0
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        dt = nu.dtype if isinstance(nu, torch.Tensor) else (nu[0].dtype if nu else torch.float32)
+        r = st.seg_get(seg, "prev_norm", 0.0, dtype=dt)
+        started = st.seg_get(seg, "started", 0.0, dtype=dt)
+
+        def rule(n, r, s):
+            r = r.to(n.dtype)
+            on = s > 0
+            allowed = self._allowed(r)
+            scale = torch.where(on, below_one(allowed / n), torch.ones_like(n))
+            new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
+            ok = torch.isfinite(n)
+            return scale, torch.where(ok, new_r, r), torch.where(ok, torch.ones_like(s), s), allowed
+
+        scale, new_r, new_s, allowed = map_many(seg, rule, nu, r, started)
+        seg.mul_(updates, scale)
+        st.seg_set(seg, "prev_norm", new_r)
+        st.seg_set(seg, "started", new_s)
+        record_clip(st, seg, nu, scale, allowed=allowed)
+        return updates
+
+
+class ClipValueGrowth(_Growth):
+    r"""Limit the growth of every element's magnitude from one step to the next.
+
+    The :class:`ClipNormGrowth` rule elementwise, on ``|u|``: with ``r`` the
+    remembered magnitude of each element, ``A = min(r + add, r * mul)``,
+    ``u <- clamp(u, -A, A)``, then ``r <- max(|u_out|, r / max_decay, min_value)``.
+    The first step of a parameter passes through and sets
+    ``r = max(|u|, min_value)``, so an element that was 0 is allowed
+    ``min_value * mul``. Defaults: ``add=None``, ``mul=1.5``, ``min_value=1e-4``,
+    ``max_decay=2``. Reproduces torchzero's ``ClipValueGrowth`` (which measures
+    the additive bound on the signed difference and bounds its denominator's decay).
+
+    Telemetry: ``clipped`` (any element clipped).
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.ClipValueGrowth(mul=2.0), mo.LR(1.0))
+    >>> p.grad = torch.tensor([1.0, -1.0]); opt.step()
+    >>> p.grad = torch.tensor([5.0, -1.5]); opt.step(); p.data
+    tensor([-3.0000,  2.5000])
+    """
+
+    add: Optional[PositiveFloat] = None
+    mul: Optional[PositiveFloat] = 1.5
+    min_value: NonNegativeFloat = 1e-4
+    max_decay: Optional[float] = Field(2.0, ge=1.0)
+
+    def apply(self, ctx, st, updates):
+        fresh = [not h for h in st.has_buffers("prev")]
+        fin = [torch.isfinite(u) for u in updates]
+
+        def init(i, p):
+            a = updates[i].abs().to(acc_dtype(updates[i].dtype)).clamp(min=self.min_value)
+            return torch.where(fin[i], a, torch.full_like(a, self.min_value))
+
+        rs = st.buffers("prev", init)
+        clipped = []
+        for u, r, f, new in zip(updates, rs, fin, fresh):
+            if new:  # first step of this parameter: pass through (r was set from it)
+                continue
+            allowed = self._allowed(r)
+            c = u.to(r.dtype)
+            clipped.append((c.abs() > allowed).any())
+            c = c.clamp(min=-allowed, max=allowed)
+            u.copy_(c)
+            r.copy_(torch.where(f, self._remember(c.abs(), r), r))
+        if clipped:
+            st.record("clipped", torch.stack(clipped).any())
+        return updates
