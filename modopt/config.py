@@ -167,7 +167,18 @@ def config_schema() -> dict[str, Any]:
     defs["Transform"] = {"oneOf": refs}
     top["$defs"] = defs
     top["title"] = "modopt pipeline config"
-    return top
+    return _link_transforms(top)
+
+
+def _link_transforms(node: Any) -> Any:
+    """Replace the marker of a transform-valued field by a reference to the union of transforms."""
+    if isinstance(node, dict):
+        if node.get("x-modopt-transform"):
+            return {"$ref": "#/$defs/Transform"}
+        return {k: _link_transforms(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_link_transforms(v) for v in node]
+    return node
 
 
 # --- TOML (tomllib reads; this small writer covers config data) --------------

@@ -152,7 +152,7 @@ TransformField = Annotated[
     Transform,
     BeforeValidator(_coerce_transform),
     PlainSerializer(lambda t: t.to_dict(), return_type=dict),
-    WithJsonSchema({"$ref": "#/$defs/Transform"}),
+    WithJsonSchema({"x-modopt-transform": True}),  # replaced by a reference in modopt.config_schema
 ]
 
 
