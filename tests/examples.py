@@ -17,7 +17,7 @@ NON_DEFAULT = {
     "ClipValue": mo.ClipValue(0.05),
     "ClipNorm": mo.ClipNorm(0.5, ord="l1", eps=0.0, scope="tensor", dim=-1, inverse_dims=True, min_size=3),
     "Normalize": mo.Normalize(2.0, ord=3.0, scope="group", eps=1e-8, min_size=2),
-    "Centralize": mo.Centralize(scope="tensor", dim=(0,), inverse_dims=False, min_size=3),
+    "Centralize": mo.Centralize(scope="tensor", dim=(0,), inverse_dims=True, min_size=3),
     "GradientCentralization": mo.GradientCentralization(dim=1, inverse_dims=False, scope="tensor", min_size=1),
     "Chain": mo.Chain(mo.ClipNorm(2.0), mo.Chain(mo.Normalize(), mo.Identity())),
     "LR": mo.LR(0.05),
