@@ -11,7 +11,8 @@ import torch
 
 import modopt as mo
 
-# name -> (instance with non-default fields, is it usable as an update-only transform before an optimizer)
+# name -> an instance, or a list of instances, that together set every field away from its default
+# (fields that exclude each other, like SGD's nesterov and dampening, need two instances)
 NON_DEFAULT = {
     "Identity": mo.Identity(),
     "ClipValue": mo.ClipValue(0.05),
@@ -21,11 +22,57 @@ NON_DEFAULT = {
     "GradientCentralization": mo.GradientCentralization(dim=1, inverse_dims=False, scope="tensor", min_size=1),
     "Chain": mo.Chain(mo.ClipNorm(2.0), mo.Chain(mo.Normalize(), mo.Identity())),
     "LR": mo.LR(0.05),
-    "SGD": mo.SGD(lr=0.02, momentum=0.8, dampening=0.0, nesterov=True, weight_decay=1e-3),
+    "SGD": [
+        mo.SGD(lr=0.02, momentum=0.8, dampening=0.0, nesterov=True, weight_decay=1e-3),
+        mo.SGD(lr=0.03, momentum=0.5, dampening=0.1, nesterov=False, weight_decay=1e-3),
+    ],
     "Adam": mo.Adam(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=1e-3, amsgrad=True),
     "AdamW": mo.AdamW(lr=2e-3, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05, amsgrad=True),
     "TorchOptimizer": mo.TorchOptimizer(torch.optim.RMSprop, lr=3e-3, alpha=0.95),
+    # the module families (issue 3)
+    "ClipNormByEMA": mo.ClipNormByEMA(
+        beta=0.9, ord="l1", eps=1e-5, scope="tensor", dim=0, inverse_dims=True, min_size=2,
+        max_ema_growth=2.0, ema_init="update",
+    ),
+    "NormalizeByEMA": mo.NormalizeByEMA(
+        beta=0.95, ord=3.0, eps=1e-7, scope="group", min_size=2, max_ema_growth=None, ema_init="update"
+    ),
+    "ClipValueByEMA": mo.ClipValueByEMA(beta=0.9, ema_init="update"),
+    "ClipNormGrowth": mo.ClipNormGrowth(
+        add=0.5, mul=2.0, min_value=1e-3, max_decay=3.0, ord="linf", scope="tensor", dim=-1, inverse_dims=True,
+        min_size=2,
+    ),
+    "ClipValueGrowth": mo.ClipValueGrowth(add=0.1, mul=None, min_value=1e-3, max_decay=None),
+    "HistClip": mo.HistClip(
+        mo.EMACriterion(alpha=0.9, r_thresh=1.2, rule="reciprocal"), warmup_steps=3, warmup_max_norm=None,
+        update_stats_with="clipped", ord="l1", eps=0.0, scope="group", min_size=2,
+    ),
+    "ZClip": mo.ZClip(
+        alpha=0.9, z_thresh=2.0, max_grad_norm=None, eps=1e-5, warmup_steps=3, mode="percentile", clip_option="mean",
+        clip_factor=0.8, skip_update_on_spike=True, ord=3.0, scope="tensor", dim=0, inverse_dims=True, min_size=2,
+    ),
+    "AutoClip": mo.AutoClip(percentile=25.0, window=5, ord="l1", eps=0.0, scope="group", min_size=2),
+    "ZScoreNormalize": mo.ZScoreNormalize(scope="tensor", dim=-1, inverse_dims=True, eps=1e-6, min_size=3),
+    "ClipValueByPercentile": mo.ClipValueByPercentile(90, scope="tensor", dim=0, inverse_dims=True, min_size=2),
+    # exclude=[] (not None): test_config builds from unnamed parameters, where a non-empty exclude is an error
+    "AGC": mo.AGC(clipping=0.05, eps=1e-2, exclude=[]),
+    "ZeroNonFinite": mo.ZeroNonFinite(),
+    "Accumulate": mo.Accumulate(2),
 }
+
+
+def instances(name: str) -> list[mo.Transform]:
+    v = NON_DEFAULT[name]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def all_examples() -> list[tuple[str, mo.Transform]]:
+    """Every example as ``(id, instance)``, for parametrized tests."""
+    out = []
+    for name in sorted(NON_DEFAULT):
+        for i, t in enumerate(instances(name)):
+            out.append((f"{name}-{i}" if i else name, t))
+    return out
 
 
 def pipeline_for(t: mo.Transform) -> list[mo.Transform]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import modopt as mo
-from examples import NON_DEFAULT, pipeline_for
+from examples import NON_DEFAULT, all_examples, instances, pipeline_for
 
 FORMATS = ["yaml", "json", "toml"]
 
@@ -105,10 +105,12 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
 
 
-@pytest.mark.parametrize("name", sorted(NON_DEFAULT))
+EXAMPLES = all_examples()
+
+
+@pytest.mark.parametrize("name,t", EXAMPLES, ids=[e[0] for e in EXAMPLES])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_config_round_trip_rebuilds_same_trajectory(name, fmt, tmp_path):
-    t = NON_DEFAULT[name]
+def test_config_round_trip_rebuilds_same_trajectory(name, t, fmt, tmp_path):
     cfg = mo.PipelineConfig(transforms=pipeline_for(t), nonfinite="zero")
     path = cfg.save(tmp_path / f"cfg.{fmt}")
     back = mo.load_config(path)
@@ -122,16 +124,22 @@ def test_config_round_trip_rebuilds_same_trajectory(name, fmt, tmp_path):
 
 
 def test_non_default_examples_really_are_non_default():
-    for name, t in NON_DEFAULT.items():
-        cls = type(t)
+    for name in NON_DEFAULT:
+        ts = instances(name)
+        cls = type(ts[0])
         for field, info in cls.model_fields.items():
             if info.is_required() or name in ("Chain", "TorchOptimizer", "Identity"):
                 continue
-            if field in ("dim", "inverse_dims") and getattr(t, "scope", "tensor") != "tensor":
-                continue  # only meaningful (and only allowed) with scope="tensor"
-            if field == "scope" and getattr(t, "dim", None) is not None:
-                continue  # dims need scope="tensor", whatever the default
-            assert getattr(t, field) != info.get_default(call_default_factory=True), f"{name}.{field} is at its default"
+            default = info.get_default(call_default_factory=True)
+            ok = False
+            for t in ts:
+                if field in ("dim", "inverse_dims") and getattr(t, "scope", "tensor") != "tensor":
+                    ok = True  # only meaningful (and only allowed) with scope="tensor"
+                elif field == "scope" and getattr(t, "dim", None) is not None:
+                    ok = True  # dims need scope="tensor", whatever the default
+                elif getattr(t, field) != default:
+                    ok = True
+            assert ok, f"{name}.{field} is at its default in every example"
 
 
 def test_every_registered_transform_has_a_non_default_example():
@@ -266,7 +274,7 @@ def test_config_schema_covers_every_transform_and_validates_configs():
     for name in mo.available():
         if name != "DoubleIt":
             assert name in schema["$defs"]
-    good = mo.PipelineConfig(transforms=[NON_DEFAULT["ClipNorm"], mo.Adam()]).to_dict()
+    good = mo.PipelineConfig(transforms=[t for _, t in EXAMPLES if not t.is_optimizer] + [mo.Adam()]).to_dict()
     jsonschema.validate(good, schema)
     bad = {"transforms": [{"type": "ClipNorm", "max_norm": -1.0}]}
     with pytest.raises(jsonschema.ValidationError):
