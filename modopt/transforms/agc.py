@@ -5,7 +5,9 @@ from __future__ import annotations
 import fnmatch
 
 import torch
-from pydantic import Field, PositiveFloat
+from typing import Optional
+
+from pydantic import PositiveFloat
 
 from ..core.norms import acc_dtype
 from ..core.transform import Transform
@@ -30,7 +32,7 @@ class AGC(Transform):
     parameter names left unclipped (the paper leaves the final classifier
     alone); names come from ``Modular(model.named_parameters(), ...)``, and a
     non-empty ``exclude`` with unnamed parameters is an error. Defaults:
-    ``clipping=0.01``, ``eps=1e-3``, ``exclude=[]``. Reproduces AGC of
+    ``clipping=0.01``, ``eps=1e-3``, ``exclude=None`` (same as ``[]``: nothing excluded). Reproduces AGC of
     "High-Performance Large-Scale Image Recognition Without Normalization"
     (Brock et al. 2021) and timm's ``adaptive_clip_grad``.
 
@@ -46,7 +48,7 @@ class AGC(Transform):
 
     clipping: PositiveFloat = 0.01
     eps: PositiveFloat = 1e-3
-    exclude: list[str] = Field(default_factory=list)
+    exclude: Optional[list[str]] = None
 
     def _included(self, ctx, st) -> list[bool]:
         cache = st.runtime
