@@ -1,0 +1,236 @@
+"""The ``modopt`` command: run, compare, validate, schema, modules, bench.
+
+``main(argv)`` returns the exit status (0 on success, 1 on a bad config or a
+failed run, 2 on bad command-line usage); errors are one readable message on
+stderr, never a traceback (``MODOPT_DEBUG=1`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..config import ConfigError
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument("--trust-imports", action="store_true", help="allow tasks and optimizer classes named by import path (runs their code)")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modopt", description="Composable optimizer modules for PyTorch: experiments and configs.")
+    parser.add_argument("--version", action="version", version=f"modopt {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="train a task with a config's optimizer pipeline and write a run directory",
+                       description="Train a task with the optimizer pipeline of CONFIG (the built-in default experiment without one).")
+    p.add_argument("config", nargs="?", help="experiment config (.yaml/.yml/.json/.toml); omit for the default experiment")
+    p.add_argument("--out", help="run directory (default: output.dir of the config, else runs/<name>-<time>)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty run directory")
+    p.add_argument("--stop-after", type=int, metavar="K", help="stop after step K as if interrupted (to test --resume)")
+    _add_run_args(p)
+
+    p = sub.add_parser("compare", help="run several configs / variants and print a comparison table",
+                       description="Run every config (and every variant of each) and compare them.")
+    p.add_argument("configs", nargs="+", metavar="CONFIG")
+    p.add_argument("--out", help="directory for the runs, the table and the overlay plot (default runs/compare-<time>)")
+    p.add_argument("--spike-factor", type=float, help="a spike is a loss above FACTOR x the running median (default 1.5)")
+    p.add_argument("--spike-min-rise", type=float, help="... and at least this much above it (default 0.1)")
+    p.add_argument("--spike-window", type=int, help="steps in the running median (default 20)")
+    _add_run_args(p)
+
+    p = sub.add_parser("validate", help="check a config file (experiment or pipeline)")
+    p.add_argument("config")
+    p.add_argument("--trust-imports", action="store_true")
+
+    p = sub.add_parser("schema", help="print the JSON schema of configs (for editor completion)")
+    p.add_argument("--pipeline", action="store_true", help="the schema of a bare pipeline config instead of an experiment")
+    p.add_argument("--indent", type=int, default=2)
+
+    p = sub.add_parser("modules", help="list every registered transform with its fields and defaults")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sub.add_parser("bench", help="speed/memory benchmarks (modopt.bench)", add_help=False)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``modopt`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {
+            "run": _cmd_run,
+            "compare": _cmd_compare,
+            "validate": _cmd_validate,
+            "schema": _cmd_schema,
+            "modules": _cmd_modules,
+        }[args.command](args)
+    except (ConfigError, FileNotFoundError, PermissionError, ValueError) as e:
+        if os.environ.get("MODOPT_DEBUG"):
+            raise
+        print(f"modopt {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nmodopt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+# --- run ---------------------------------------------------------------------------------
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _apply_overrides(exp, args):
+    train = {}
+    if getattr(args, "steps", None) is not None:
+        train["steps"] = args.steps
+    if getattr(args, "seed", None) is not None:
+        train["seed"] = args.seed
+    if not train:
+        return exp
+    from .experiment import experiment_from_data
+
+    data = exp.to_dict()
+    data["train"] = {**data["train"], **train}
+    return experiment_from_data(data, "command line")
+
+
+def _cmd_run(args) -> int:
+    from .experiment import default_experiment, load_experiment
+    from .run import RunInterrupted, load_run_config, prepare_dir, run_experiment
+
+    if args.resume:
+        if args.config or args.out:
+            raise ConfigError("--resume DIR continues the run in DIR with its own config; drop CONFIG/--out")
+        out = Path(args.resume)
+        exp = _apply_overrides(load_run_config(out, args.trust_imports), args)
+        if args.steps is not None:
+            (out / "config.yaml").write_text(exp.to_yaml())
+    else:
+        exp = load_experiment(args.config, args.trust_imports) if args.config else default_experiment()
+        exp = _apply_overrides(exp.select(args.variant), args)
+        out = Path(args.out or exp.output.dir or f"runs/{exp.name}-{_stamp()}")
+        prepare_dir(out, args.force)
+    err = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
+    if not args.resume:
+        err(f"modopt run: {exp.name} ({exp.task.name}, {exp.train.steps} steps) -> {out}")
+    try:
+        summary = run_experiment(
+            exp, out, resume=bool(args.resume), trust_imports=args.trust_imports, stop_after=args.stop_after,
+            progress=not args.quiet, plots=False if args.no_plots else None, log=err,
+        )
+    except RunInterrupted as e:
+        err(f"modopt run: {e}; continue with: modopt run --resume {out}")
+        return 3
+    print(_format_summary(summary))
+    return 0
+
+
+def _fmt(x, spec=".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _format_summary(s: dict) -> str:
+    lines = [
+        f"run:          {s['run_dir']}",
+        f"steps:        {s['steps']}",
+        f"final loss:   {_fmt(s['final_loss'])} (mean of the last {s['final_loss_window']} steps)",
+        f"best loss:    {_fmt(s['best_loss'])}",
+    ]
+    if s.get("final_eval_loss") is not None:
+        lines.append(f"eval loss:    {_fmt(s['final_eval_loss'])} (best {_fmt(s['best_eval_loss'])})")
+    lines += [
+        f"loss spikes:  {s['loss_spikes']}" + (f" at steps {s['spike_steps'][:10]}" if s["spike_steps"] else ""),
+        f"clipped:      {s['clipped_pct']:.1f}% of steps; skipped {s['skipped_steps']}",
+        f"time/step:    {_fmt(s['time_per_step_ms'], '.2f')} ms",
+    ]
+    return "\n".join(lines)
+
+
+# --- compare -----------------------------------------------------------------------------
+def _cmd_compare(args) -> int:
+    from .compare import compare
+
+    spike_kw = {k: v for k, v in {
+        "factor": args.spike_factor, "min_rise": args.spike_min_rise, "window": args.spike_window,
+    }.items() if v is not None}
+    out = Path(args.out or f"runs/compare-{_stamp()}")
+    table = compare(args.configs, out, overrides=args, spike_kw=spike_kw, trust_imports=args.trust_imports,
+                    progress=not args.quiet, plots=not args.no_plots)
+    print(table)
+    return 0
+
+
+# --- validate / schema / modules ---------------------------------------------------------
+def _cmd_validate(args) -> int:
+    from ..config import read_file
+    from .experiment import load_experiment
+
+    data = read_file(args.config)
+    exp = load_experiment(args.config, args.trust_imports)
+    kind = "pipeline" if isinstance(data, dict) and "transforms" in data else "experiment"
+    print(f"{args.config}: valid {kind} config")
+    print(f"  task: {exp.task.name} {exp.task.options or ''}".rstrip())
+    print(f"  train: {exp.train.steps} steps, batch {exp.train.batch_size}, seed {exp.train.seed}")
+    for label, pipe in exp.pipelines().items():
+        names = " -> ".join(type(t).__name__ for t in pipe.transforms)
+        print(f"  optimizer {label}: {names} (nonfinite={pipe.nonfinite})")
+    return 0
+
+
+def _cmd_schema(args) -> int:
+    from ..config import config_schema
+    from .experiment import experiment_schema
+
+    schema = config_schema() if args.pipeline else experiment_schema()
+    print(json.dumps(schema, indent=args.indent))
+    return 0
+
+
+def _cmd_modules(args) -> int:
+    from .modules import describe_modules, format_modules
+
+    mods = describe_modules()
+    print(json.dumps(mods, indent=2) if args.json else format_modules(mods))
+    return 0
+
+
+# --- bench -------------------------------------------------------------------------------
+def _bench(argv: list[str]) -> int:
+    try:
+        from .. import bench
+    except ImportError as e:
+        if getattr(e, "name", None) not in ("modopt.bench", None):
+            raise
+        print("modopt bench: the benchmark module (modopt.bench) is not available in this installation", file=sys.stderr)
+        return 1
+    rc = bench.main(argv)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

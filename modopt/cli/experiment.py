@@ -1,0 +1,217 @@
+"""The experiment config of ``modopt run`` / ``modopt compare``: a pydantic model.
+
+::
+
+    name: transformer-zclip
+    task: {name: transformer, options: {seq_len: 24}}
+    optimizer:                      # a modopt PipelineConfig
+      transforms:
+        - {type: ZClip}
+        - {type: Adam, lr: 0.01}
+    train: {steps: 600, batch_size: 32, seed: 0}
+    output: {dir: runs/transformer-zclip}
+
+Instead of ``optimizer`` a file may hold ``variants``, a mapping of names to
+pipelines; ``modopt compare`` runs every variant, ``modopt run --variant NAME``
+one of them. Files are YAML, JSON or TOML (read by :func:`modopt.config.read_file`);
+errors name the file and the line (syntax) or the field path (validation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..config import ConfigError, PipelineConfig, format_validation_error, read_file
+from ..core.registry import trust_imports as _trust
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskConfig(_Strict):
+    """Which task to train: a built-in name or ``package.module:function``, and its options."""
+
+    name: str = "transformer"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Schedule(_Strict):
+    """Learning-rate multiplier over steps (applied to every param group's base ``lr``)."""
+
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_factor: float = Field(0.0, ge=0.0, le=1.0)
+
+    def factor(self, step: int, total: int) -> float:
+        """The multiplier at ``step`` (1-based) of ``total``."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return step / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, total - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        import math
+
+        shape = 0.5 * (1 + math.cos(math.pi * t)) if self.kind == "cosine" else 1 - t
+        return self.min_factor + (1 - self.min_factor) * shape
+
+
+class TrainConfig(_Strict):
+    """The training loop."""
+
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(32, ge=1)
+    seed: int = 0
+    eval_every: int = Field(0, ge=0, description="evaluate on held-out data every N steps (0: only at the end)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
+    threads: int = Field(1, ge=1, description="torch intra-op threads; 1 keeps runs bit-reproducible")
+    schedule: Schedule = Field(default_factory=Schedule)
+
+
+class OutputConfig(_Strict):
+    """Where and what to write."""
+
+    dir: str | None = Field(None, description="run directory (default runs/<name>-<time>); --out overrides")
+    plots: bool = True
+
+
+class Experiment(_Strict):
+    """A whole experiment: task, optimizer pipeline(s), training loop, output."""
+
+    name: str = "experiment"
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    optimizer: PipelineConfig | None = None
+    variants: dict[str, PipelineConfig] | None = None
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _one_optimizer_source(self):
+        if self.optimizer is None and not self.variants:
+            raise ValueError("an experiment needs 'optimizer' (a pipeline) or 'variants' (name -> pipeline)")
+        if self.optimizer is not None and self.variants:
+            raise ValueError("give either 'optimizer' or 'variants', not both")
+        if self.optimizer is not None and not self.optimizer.transforms:
+            raise ValueError("optimizer.transforms is empty: a pipeline needs at least an optimizer transform")
+        return self
+
+    def pipelines(self) -> dict[str, PipelineConfig]:
+        """``{label: pipeline}``: the one optimizer (labelled by the experiment name) or every variant."""
+        if self.optimizer is not None:
+            return {self.name: self.optimizer}
+        return dict(self.variants or {})
+
+    def select(self, variant: str | None) -> "Experiment":
+        """This experiment with a single ``optimizer`` (the named variant when it has variants)."""
+        if self.optimizer is not None:
+            if variant is not None:
+                raise ConfigError(f"experiment {self.name!r} has no variants; drop --variant")
+            return self
+        assert self.variants
+        if variant is None:
+            if len(self.variants) > 1:
+                raise ConfigError(
+                    f"experiment {self.name!r} has several variants ({', '.join(self.variants)}); "
+                    "choose one with --variant NAME, or run them all with `modopt compare`"
+                )
+            variant = next(iter(self.variants))
+        if variant not in self.variants:
+            raise ConfigError(f"unknown variant {variant!r}; this experiment has: {', '.join(self.variants)}")
+        return self.model_copy(update={"name": f"{self.name}-{variant}", "optimizer": self.variants[variant], "variants": None})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json", exclude={"optimizer", "variants"})
+        out: dict[str, Any] = {"name": data.pop("name")}
+        out["task"] = data.pop("task")
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.to_dict()
+        if self.variants:
+            out["variants"] = {k: v.to_dict() for k, v in self.variants.items()}
+        out.update(data)
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def default_experiment() -> Experiment:
+    """What ``modopt run`` trains without a config: ZClip in front of Adam on the transformer task."""
+    return Experiment.model_validate(
+        {
+            "name": "default",
+            "task": {"name": "transformer"},
+            "optimizer": {"transforms": [_default_clip(), {"type": "Adam", "lr": 0.01}]},
+            "train": {"steps": 600, "batch_size": 32, "seed": 0, "eval_every": 100, "checkpoint_every": 200},
+        }
+    )
+
+
+def _default_clip() -> dict[str, Any]:
+    from ..core.registry import available
+
+    return {"type": "ZClip"} if "ZClip" in available() else {"type": "ClipNorm", "max_norm": 1.0}
+
+
+def experiment_from_data(data: Any, source: str, trust_imports: bool = False) -> Experiment:
+    """Validate plain data as an :class:`Experiment`; errors name ``source`` and the field path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: an experiment config must be a mapping, got {type(data).__name__}")
+    try:
+        with _trust(trust_imports):
+            return Experiment.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment:
+    """Read an experiment from YAML / JSON / TOML.
+
+    A bare pipeline file (``transforms: [...]``) is accepted too: it becomes the
+    optimizer of the default experiment.
+    """
+    data = read_file(path)
+    if isinstance(data, dict) and "transforms" in data and "optimizer" not in data and "variants" not in data:
+        base = default_experiment().to_dict()
+        base["optimizer"] = data
+        base["name"] = Path(path).stem
+        data = base
+    elif isinstance(data, dict) and "name" not in data:
+        data = {**data, "name": Path(path).stem}
+    return experiment_from_data(data, str(path), trust_imports)
+
+
+def experiment_schema() -> dict[str, Any]:
+    """JSON schema of an experiment file, with the pipeline schema of every registered transform."""
+    from ..config import config_schema
+
+    pipe = config_schema()
+    defs = dict(pipe.pop("$defs", {}))
+    pipe.pop("title", None)
+    defs["PipelineConfig"] = pipe
+    props: dict[str, Any] = {"name": {"type": "string", "default": "experiment", "description": "run label"}}
+    for field, model in (("task", TaskConfig), ("train", TrainConfig), ("output", OutputConfig)):
+        sub = model.model_json_schema(ref_template="#/$defs/{model}")
+        defs.update(sub.pop("$defs", {}))
+        defs[model.__name__] = sub
+        props[field] = {"$ref": f"#/$defs/{model.__name__}"}
+    props["optimizer"] = {"$ref": "#/$defs/PipelineConfig", "description": "the optimizer pipeline"}
+    props["variants"] = {
+        "type": "object",
+        "additionalProperties": {"$ref": "#/$defs/PipelineConfig"},
+        "description": "several named pipelines instead of 'optimizer' (for modopt compare)",
+    }
+    return {
+        "title": "modopt experiment config",
+        "description": (Experiment.__doc__ or "").strip(),
+        "type": "object",
+        "properties": props,
+        "additionalProperties": False,
+        "oneOf": [{"required": ["optimizer"]}, {"required": ["variants"]}],
+        "$defs": defs,
+    }

@@ -1,0 +1,222 @@
+"""Built-in training tasks for ``modopt run``: data generated in process, nothing downloaded.
+
+A task is what :func:`make_task` returns: a :class:`Task` holding the model, a
+function giving the training batch of a step, and the loss. Batches are a pure
+function of ``(seed, step)``, so a resumed run sees exactly the data an
+uninterrupted one would.
+
+User tasks are named by import path (``mypkg.tasks:make_task``); the callable is
+called as ``make_task(seed=seed, **options)`` and must return a :class:`Task`
+(or any object with the same attributes). Importing user code runs it, so the
+command line allows it only with ``--trust-imports``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Task:
+    """A training problem.
+
+    * ``model``: the ``nn.Module`` to train (built after ``torch.manual_seed(seed)``).
+    * ``get_batch(step, batch_size)``: the training batch of ``step`` (1-based);
+      must depend only on the seed and its arguments.
+    * ``loss_fn(model, batch)``: a scalar loss tensor.
+    * ``eval_fn(model)``: optional, a float tensor: the loss on fixed held-out data.
+    """
+
+    model: nn.Module
+    get_batch: Callable[[int, int], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    eval_fn: Callable[[nn.Module], torch.Tensor] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _gen(seed: int, *salt: int) -> torch.Generator:
+    """A generator seeded by ``seed`` and a salt (a stream per purpose and per step)."""
+    g = torch.Generator()
+    h = seed & 0xFFFFFFFF
+    for s in salt:
+        h = (h * 1_000_003 + s + 0x9E3779B9) % (2**63 - 1)
+    g.manual_seed(h)
+    return g
+
+
+# --- teacher-student regression with heavy-tailed noise ------------------------------
+class MLP(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int, depth: int = 2):
+        super().__init__()
+        layers: list[nn.Module] = []
+        d = d_in
+        for _ in range(depth - 1):
+            layers += [nn.Linear(d, hidden), nn.Tanh()]
+            d = hidden
+        layers.append(nn.Linear(d, d_out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def teacher_student(
+    seed: int,
+    dim: int = 16,
+    hidden: int = 64,
+    teacher_hidden: int = 32,
+    noise_df: float = 1.5,
+    noise_scale: float = 0.1,
+    eval_size: int = 1024,
+) -> Task:
+    """Regress a random teacher MLP with a student MLP; targets carry Student-t noise.
+
+    With ``noise_df`` small (1.5: finite mean, infinite variance) most batches
+    are clean and a few hold huge outliers: the gradient norm spikes by orders
+    of magnitude, the setting where norm clipping matters. The eval loss is the
+    mean squared error against the noise-free teacher on a fixed batch.
+    """
+    g_teacher = _gen(seed, 1)
+    teacher = MLP(dim, teacher_hidden, 1)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g_teacher) / math.sqrt(max(1, p.shape[-1])))
+    teacher.requires_grad_(False)
+    model = MLP(dim, hidden, 1)
+    def get_batch(step: int, batch_size: int):
+        g = _gen(seed, 2, step)
+        x = torch.randn(batch_size, dim, generator=g)
+        noise = _student_t((batch_size, 1), noise_df, int(torch.randint(0, 2**62, (), generator=g)))
+        with torch.no_grad():
+            y = teacher(x) + noise_scale * noise
+        return x, y
+
+    ge = _gen(seed, 3)
+    x_eval = torch.randn(eval_size, dim, generator=ge)
+    with torch.no_grad():
+        y_eval = teacher(x_eval)
+
+    def loss_fn(m: nn.Module, batch):
+        x, y = batch
+        return nn.functional.mse_loss(m(x), y)
+
+    def eval_fn(m: nn.Module):
+        with torch.no_grad():
+            return nn.functional.mse_loss(m(x_eval), y_eval)
+
+    return Task(model, get_batch, loss_fn, eval_fn, {"noise": f"Student-t(df={noise_df}) x {noise_scale}"})
+
+
+def _student_t(shape: tuple[int, ...], df: float, seed: int) -> torch.Tensor:
+    """Student-t samples drawn from a private RNG stream (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.distributions.StudentT(df).sample(shape)
+
+
+# --- a tiny transformer on a synthetic sequence task -------------------------------------
+class TinyTransformer(nn.Module):
+    """Token + position embeddings, a causal ``nn.TransformerEncoder``, a linear head."""
+
+    def __init__(self, vocab: int, seq_len: int, d_model: int, nhead: int, layers: int, ff: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:n]
+        h = self.encoder(h, mask=self.mask[:n, :n], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def transformer(
+    seed: int,
+    vocab: int = 16,
+    seq_len: int = 24,
+    d_model: int = 32,
+    nhead: int = 2,
+    layers: int = 2,
+    ff: int = 64,
+    eval_size: int = 256,
+) -> Task:
+    """Next-token prediction on a copy task with a tiny causal transformer.
+
+    Each sequence is ``seq_len // 2`` random tokens followed by the same tokens
+    again; the loss is the cross-entropy on the predictable second half (the
+    first half is noise, not scored). Solving it needs an attention head that
+    looks back ``seq_len // 2`` positions, learnt in a sharp transition: at an
+    aggressive learning rate training shows loss spikes.
+    """
+    if seq_len < 4 or seq_len % 2:
+        raise ValueError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
+    model = TinyTransformer(vocab, seq_len, d_model, nhead, layers, ff)
+    half = seq_len // 2
+
+    def sample(g: torch.Generator, n: int) -> torch.Tensor:
+        first = torch.randint(0, vocab, (n, half), generator=g)
+        return torch.cat([first, first], dim=1)
+
+    def get_batch(step: int, batch_size: int):
+        return sample(_gen(seed, 2, step), batch_size)
+
+    x_eval = sample(_gen(seed, 3), eval_size)
+
+    def loss_fn(m: nn.Module, seq: torch.Tensor) -> torch.Tensor:
+        logits = m(seq[:, :-1])[:, half - 1 :]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, half:].reshape(-1))
+
+    def eval_fn(m: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return loss_fn(m, x_eval)
+
+    return Task(model, get_batch, loss_fn, eval_fn, {"chance_loss": math.log(vocab)})
+
+
+BUILTIN: dict[str, Callable[..., Task]] = {
+    "teacher_student": teacher_student,
+    "transformer": transformer,
+}
+
+
+def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool = False) -> Task:
+    """Build the task ``name`` (a built-in name, or ``package.module:function`` with ``trust_imports``)."""
+    if name in BUILTIN:
+        fn = BUILTIN[name]
+    elif ":" in name:
+        if not trust_imports:
+            raise PermissionError(
+                f"task {name!r} is an import path: loading it runs that module's code; "
+                "pass --trust-imports to allow it"
+            )
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load task {name!r}: {e}") from None
+        if not callable(fn):
+            raise ValueError(f"task {name!r} is not callable")
+    else:
+        raise ValueError(
+            f"unknown task {name!r}; built-in tasks: {', '.join(sorted(BUILTIN))} "
+            "(or an import path 'package.module:function' with --trust-imports)"
+        )
+    try:
+        task = fn(seed=seed, **options)
+    except TypeError as e:
+        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
+    for attr in ("model", "get_batch", "loss_fn"):
+        if not hasattr(task, attr):
+            raise ValueError(f"task {name!r} returned {type(task).__name__}, which has no {attr!r} (expected a Task)")
+    return task
