@@ -69,6 +69,18 @@ def check(out, ref, dtype, rel=None):
         assert not torch.isnan(o).any() or torch.isnan(r).any()
 
 
+def assert_close_to_inputs(out, ref, inputs):
+    """Centralization subtracts nearly equal numbers: the error is relative to the inputs' magnitude
+    (over all tensors, since a global mean mixes them), with a floor at the dtype's subnormal spacing."""
+    dtype = inputs[0].dtype
+    fi = torch.finfo(dtype)
+    scale = max([x.double().abs().max().item() for x in inputs if x.numel()] + [0.0])
+    atol = TOL[dtype] * scale * 4 + 2 * fi.tiny * fi.eps
+    for o, r in zip(out, ref):
+        assert o.dtype == dtype and o.shape == r.shape
+        assert torch.allclose(o.double(), r, rtol=0, atol=atol), (o, r)
+
+
 def params_for(ts):
     return [torch.zeros_like(t) for t in ts]
 
@@ -89,7 +101,7 @@ def test_clip_norm_matches_spec(data):
 
 @given(data=st.data())
 def test_normalize_matches_spec(data):
-    ts, group_of = data.draw(tensors_and_groups(dtype=data.draw(st.sampled_from([torch.float32, torch.float64]))))
+    ts, group_of = data.draw(tensors_and_groups())
     dtype = ts[0].dtype
     kw = scope_kwargs(data.draw, "tensor")
     ord = data.draw(st.sampled_from(ORDS))
@@ -101,24 +113,21 @@ def test_normalize_matches_spec(data):
 
 @given(data=st.data())
 def test_centralize_matches_spec(data):
-    ts, group_of = data.draw(tensors_and_groups(dtype=data.draw(st.sampled_from([torch.float32, torch.float64]))))
+    ts, group_of = data.draw(tensors_and_groups())
     dtype = ts[0].dtype
     kw = scope_kwargs(data.draw, "tensor")
     t = mo.Centralize(**kw)
     out = Harness(t, params_for(ts), group_of).step(ts)
     ref = spec.centralize([x.double() for x in ts], group_of, **kw)
-    # centralization subtracts nearly equal numbers: compare against the input's magnitude
-    for o, r, x in zip(out, ref, ts):
-        scale = max(x.double().abs().max().item() if x.numel() else 0.0, 1e-30)
-        assert torch.allclose(o.double(), r, rtol=0, atol=TOL[dtype] * scale * 4)
+    assert_close_to_inputs(out, ref, ts)
 
 
 @given(data=st.data())
 def test_gradient_centralization_matches_spec(data):
-    ts, group_of = data.draw(tensors_and_groups(dtype=torch.float64))
+    ts, group_of = data.draw(tensors_and_groups())
     out = Harness(mo.GradientCentralization(), params_for(ts), group_of).step(ts)
-    ref = spec.gradient_centralization(ts, group_of)
-    check(out, ref, torch.float64)
+    ref = spec.gradient_centralization([x.double() for x in ts], group_of)
+    assert_close_to_inputs(out, ref, ts)
 
 
 @given(data=st.data())
@@ -175,7 +184,8 @@ def test_scale_equivariance(data):
     kw = scope_kwargs(data.draw, "tensor")
     kw["min_size"] = 1  # segments left alone for their size are not rescaled
     c = data.draw(st.sampled_from([1e-3, 7.0, 1e3]))
-    ord = data.draw(st.sampled_from([1.0, 2.0, math.inf, "std", "mad"]))
+    # (std is left out: a constant or one-element slice has std 0 and is left unscaled by design)
+    ord = data.draw(st.sampled_from([1.0, 2.0, math.inf, "mad", "l3"]))
     t = mo.Normalize(ord=ord, **kw)
     a = Harness(t, params_for(ts), group_of).step(ts)
     b = Harness(t, params_for(ts), group_of).step([x * c for x in ts])
