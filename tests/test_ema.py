@@ -1,0 +1,138 @@
+"""The EMA family: runtime == spec step by step, special cases, state and telemetry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import modopt as mo
+from modopt.spec import ema as spec
+from families import layouts, run_vs_spec, same_state, scope_kw, snapshot
+from harness import Harness
+
+ORDS = [2.0, 1.0, math.inf, 3.0, "mad", "std", "sum", "l0"]
+# float64 checks the algorithm step by step; float32 only its precision: an EMA of alternating
+# signs cancels, and float32 rounding of the cancelled sum drifts from the float64 spec (~1e-4 after 50 steps)
+REL = {torch.float64: 1e-9, torch.float32: 1e-2}
+
+
+@settings(max_examples=25)
+@given(lay=layouts(), data=st.data())
+def test_clip_norm_by_ema_matches_spec(lay, data):
+    shp, group_of, dtype, seed = lay
+    kw = scope_kw(data.draw)
+    kw.update(
+        beta=data.draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
+        ord=data.draw(st.sampled_from(ORDS)),
+        eps=data.draw(st.sampled_from([0.0, 1e-6, 1e-2])),
+        max_ema_growth=data.draw(st.sampled_from([None, 1.5, 1.01, 4.0])),
+        ema_init=data.draw(st.sampled_from(["zeros", "update"])),
+    )
+    run_vs_spec(mo.ClipNormByEMA(**kw), spec.ClipNormByEMA(group_of, **kw), shp, group_of, dtype, seed, rel=REL[dtype])
+
+
+@settings(max_examples=25)
+@given(lay=layouts(), data=st.data())
+def test_normalize_by_ema_matches_spec(lay, data):
+    shp, group_of, dtype, seed = lay
+    kw = scope_kw(data.draw)
+    kw.update(
+        beta=data.draw(st.sampled_from([0.5, 0.9, 0.99])),
+        ord=data.draw(st.sampled_from(ORDS)),
+        eps=data.draw(st.sampled_from([0.0, 1e-6])),
+        max_ema_growth=data.draw(st.sampled_from([None, 1.5])),
+        ema_init=data.draw(st.sampled_from(["zeros", "update"])),
+    )
+    run_vs_spec(mo.NormalizeByEMA(**kw), spec.NormalizeByEMA(group_of, **kw), shp, group_of, dtype, seed, rel=REL[dtype])
+
+
+@settings(max_examples=20)
+@given(lay=layouts(), beta=st.sampled_from([0.0, 0.5, 0.99]), init=st.sampled_from(["zeros", "update"]))
+def test_clip_value_by_ema_matches_spec(lay, beta, init):
+    shp, group_of, dtype, seed = lay
+    run_vs_spec(mo.ClipValueByEMA(beta=beta, ema_init=init), spec.ClipValueByEMA(beta, init), shp, group_of, dtype, seed, rel=REL[dtype])
+
+
+def test_defaults_and_validation():
+    t = mo.ClipNormByEMA()
+    assert (t.beta, t.ord, t.eps, t.scope, t.max_ema_growth, t.ema_init) == (0.99, 2.0, 1e-6, "global", 1.5, "zeros")
+    assert mo.NormalizeByEMA().scope == "tensor"
+    assert (mo.ClipValueByEMA().beta, mo.ClipValueByEMA().ema_init) == (0.99, "zeros")
+    for bad in ({"beta": 1.0}, {"beta": -0.1}, {"eps": -1.0}, {"max_ema_growth": 0.0}, {"ema_init": "ones"}, {"ord": "l7"}):
+        with pytest.raises(Exception):
+            mo.ClipNormByEMA(**bad)
+
+
+def test_clip_norm_by_ema_by_hand():
+    """beta=0.5, ema_init=update, growth 1.5: the spike is cut to 1.5x the previous EMA norm."""
+    h = Harness(mo.ClipNormByEMA(beta=0.5, ema_init="update"), [torch.zeros(2)])
+    out = h.step([torch.tensor([3.0, 4.0])])
+    assert torch.allclose(out[0], torch.tensor([3.0, 4.0]))
+    out = h.step([torch.tensor([30.0, 40.0])])  # m would be (16.5, 22), norm 27.5 > 1.5 * 5
+    assert torch.allclose(out[0], torch.tensor([4.5, 6.0]))
+    assert torch.allclose(h.stats["0:ClipNormByEMA.ema_norm"], torch.tensor([7.5]))
+    assert torch.allclose(h.stats["0:ClipNormByEMA.norm"], torch.tensor([50.0]))
+    assert torch.allclose(h.stats["0:ClipNormByEMA.scale"], torch.tensor([0.15]))
+    assert bool(h.stats["0:ClipNormByEMA.clipped"][0])
+
+
+def test_zero_updates_stay_zero():
+    for t in (mo.ClipNormByEMA(eps=0.0), mo.NormalizeByEMA(eps=0.0), mo.ClipValueByEMA(), mo.NormalizeByEMA(ord="std")):
+        h = Harness(t, [torch.zeros(3), torch.zeros(2, 2)])
+        for _ in range(3):
+            out = h.step([torch.zeros(3), torch.zeros(2, 2)])
+            assert all(torch.equal(o, torch.zeros_like(o)) for o in out)
+
+
+@pytest.mark.parametrize("t", [mo.ClipNormByEMA(), mo.NormalizeByEMA(scope="global"), mo.ClipNormByEMA(scope="tensor")])
+def test_nonfinite_norm_never_enters_the_ema(t):
+    h = Harness(t, [torch.zeros(3), torch.zeros(2)])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        h.step([torch.randn(3, generator=g), torch.randn(2, generator=g)])
+    before = snapshot(h)
+    h.step([torch.tensor([1.0, float("inf"), 2.0]), torch.tensor([float("nan"), 1.0])])
+    same_state(before, snapshot(h))
+
+
+def test_clip_value_by_ema_skips_nonfinite_elements():
+    h = Harness(mo.ClipValueByEMA(beta=0.5, ema_init="update"), [torch.zeros(3)])
+    h.step([torch.tensor([1.0, 2.0, 3.0])])
+    h.step([torch.tensor([3.0, float("inf"), float("nan")])])
+    (m,) = [v for k, v in h.state[h.params[0]].items() if k.endswith(".ema")]
+    assert torch.equal(m, torch.tensor([2.0, 2.0, 3.0]))
+
+
+def test_half_precision_runs_and_stays_close():
+    for dtype in (torch.bfloat16, torch.float16):
+        shp = [(4, 3), (5,)]
+        for t, s in ((mo.ClipNormByEMA(), spec.ClipNormByEMA([0, 0])), (mo.ClipValueByEMA(), spec.ClipValueByEMA())):
+            h = Harness(t, [torch.zeros(x, dtype=dtype) for x in shp])
+            g = torch.Generator().manual_seed(1)
+            for _ in range(5):
+                us = [torch.randn(x, generator=g).to(dtype) for x in shp]
+                out, ref = h.step(us), s.step(us)
+                for o, r in zip(out, ref):
+                    assert o.dtype == dtype and torch.isfinite(o).all()
+                    assert torch.allclose(o.double(), r, rtol=3e-2, atol=3e-2 * r.abs().max().item())
+
+
+def test_mission_example_trains():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(256, 8)
+    y = (x[:, :1] * 2 - x[:, 1:2]).tanh()
+    opt = mo.Modular(model.parameters(), mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=1e-2))
+    losses = []
+    for _ in range(150):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+    for k in ("norm", "scale", "clipped", "ema_norm"):
+        assert isinstance(opt.stats[f"0:ClipNormByEMA.{k}"], torch.Tensor)
