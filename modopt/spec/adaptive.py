@@ -129,7 +129,10 @@ class ZClip:
                 sigma = math.sqrt(var)
                 c = None
                 if self.mode == "zscore":
-                    z = (g - mu) / (sigma + self.eps)
+                    if sigma + self.eps > 0:
+                        z = (g - mu) / (sigma + self.eps)
+                    else:  # no spread: any excess is an infinite z-score
+                        z = math.inf if g > mu else (-math.inf if g < mu else 0.0)
                     if z > self.z:
                         c = self.factor * (mu + self.z * sigma / (z / self.z)) if self.option == "adaptive_scaling" else mu
                 elif g > mu + self.z * sigma:
