@@ -141,13 +141,21 @@ class Experiment(_Strict):
 
 
 def default_experiment() -> Experiment:
-    """What ``modopt run`` trains without a config: ZClip in front of Adam on the transformer task."""
+    """What ``modopt run`` trains without a config.
+
+    ZClip in front of Adam on the tiny-transformer copy task at an aggressive
+    learning rate (``examples/configs/transformer_zclip.yaml``): 600 steps,
+    a few seconds on 2 CPU cores.
+    """
     return Experiment.model_validate(
         {
             "name": "default",
-            "task": {"name": "transformer"},
-            "optimizer": {"transforms": [_default_clip(), {"type": "Adam", "lr": 0.01}]},
-            "train": {"steps": 600, "batch_size": 32, "seed": 0, "eval_every": 100, "checkpoint_every": 200},
+            "task": {"name": "transformer", "options": {}},
+            "optimizer": {"transforms": [_default_clip(), {"type": "Adam", "lr": 0.02, "betas": [0.9, 0.99]}]},
+            "train": {
+                "steps": 600, "batch_size": 32, "seed": 0, "eval_every": 100, "checkpoint_every": 200,
+                "schedule": {"kind": "constant", "warmup_steps": 50},
+            },
         }
     )
 
@@ -155,7 +163,7 @@ def default_experiment() -> Experiment:
 def _default_clip() -> dict[str, Any]:
     from ..core.registry import available
 
-    return {"type": "ZClip"} if "ZClip" in available() else {"type": "ClipNorm", "max_norm": 1.0}
+    return {"type": "ZClip", "max_grad_norm": None} if "ZClip" in available() else {"type": "ClipNorm", "max_norm": 1.0}
 
 
 def experiment_from_data(data: Any, source: str, trust_imports: bool = False) -> Experiment:

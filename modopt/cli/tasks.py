@@ -149,13 +149,16 @@ def transformer(
     nhead: int = 2,
     layers: int = 2,
     ff: int = 64,
+    noise: float = 0.0,
     eval_size: int = 256,
 ) -> Task:
     """Next-token prediction on a copy task with a tiny causal transformer.
 
     Each sequence is ``seq_len // 2`` random tokens followed by the same tokens
     again; the loss is the cross-entropy on the predictable second half (the
-    first half is noise, not scored). Solving it needs an attention head that
+    first half is noise, not scored). With ``noise > 0`` each token of the second
+    half is replaced by a random one with that probability, so the loss has a
+    floor above zero and the gradients stay noisy. Solving it needs an attention head that
     looks back ``seq_len // 2`` positions, learnt in a sharp transition: at an
     aggressive learning rate training shows loss spikes.
     """
@@ -164,9 +167,16 @@ def transformer(
     model = TinyTransformer(vocab, seq_len, d_model, nhead, layers, ff)
     half = seq_len // 2
 
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"transformer task: noise must be in [0, 1], got {noise}")
+
     def sample(g: torch.Generator, n: int) -> torch.Tensor:
         first = torch.randint(0, vocab, (n, half), generator=g)
-        return torch.cat([first, first], dim=1)
+        second = first.clone()
+        if noise > 0:
+            flip = torch.rand(n, half, generator=g) < noise
+            second = torch.where(flip, torch.randint(0, vocab, (n, half), generator=g), second)
+        return torch.cat([first, second], dim=1)
 
     def get_batch(step: int, batch_size: int):
         return sample(_gen(seed, 2, step), batch_size)

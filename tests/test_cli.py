@@ -1,0 +1,308 @@
+"""The modopt command: determinism, resume, validation errors, schema, modules, compare."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import modopt as mo
+from modopt.cli import main
+from modopt.cli.run import count_spikes
+
+TINY_TASK = {"name": "transformer", "options": {"vocab": 8, "seq_len": 8, "d_model": 16, "nhead": 2, "layers": 1, "ff": 32, "eval_size": 32}}
+
+
+def write_config(path: Path, transforms: list[dict], steps: int = 24, **train) -> Path:
+    import yaml
+
+    data = {
+        "name": path.stem,
+        "task": TINY_TASK,
+        "optimizer": {"transforms": transforms},
+        "train": {"steps": steps, "batch_size": 8, "seed": 3, **train},
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def clip_transforms() -> list[dict]:
+    clip = {"type": "ZClip", "warmup_steps": 5} if "ZClip" in mo.available() else {"type": "ClipNorm", "max_norm": 0.5}
+    return [clip, {"type": "Adam", "lr": 0.02}]
+
+
+def run_cli(*args: str) -> int:
+    return main([*args])
+
+
+def test_run_writes_run_directory_and_is_deterministic(tmp_path, capsys):
+    cfg = write_config(tmp_path / "exp.yaml", clip_transforms(), eval_every=8)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_cli("run", str(cfg), "--out", str(a), "--quiet", "--no-plots") == 0
+    assert run_cli("run", str(cfg), "--out", str(b), "--quiet", "--no-plots") == 0
+    ma, mb = (a / "metrics.jsonl").read_bytes(), (b / "metrics.jsonl").read_bytes()
+    assert ma == mb
+    rows = [json.loads(x) for x in ma.decode().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    for key in ("loss", "lr", "grad_norm", "post_clip_norm", "clip_scale", "clipped", "skipped"):
+        assert key in rows[0], key
+    assert "time_s" not in rows[0]
+    assert sum("eval_loss" in r for r in rows) == 3
+    for r in rows:
+        assert r["post_clip_norm"] <= r["grad_norm"] * (1 + 1e-6)
+    summary = json.loads((a / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["time_per_step_ms"] > 0
+    assert {"config.yaml", "timing.jsonl", "checkpoint.pt"} <= {p.name for p in a.iterdir()}
+    # the resolved config re-validates and rebuilds the same pipeline
+    assert run_cli("validate", str(a / "config.yaml")) == 0
+    assert mo.load_config(a / "config.yaml") == mo.load_config(cfg)
+    out = capsys.readouterr().out
+    assert "final loss" in out
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path):
+    cfg = write_config(tmp_path / "exp.yaml", clip_transforms(), steps=30, checkpoint_every=10, eval_every=5)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_cli("run", str(cfg), "--out", str(full), "--quiet", "--no-plots") == 0
+    # killed after step 17: the checkpoint is from step 10, steps 11..17 are logged but lost
+    assert run_cli("run", str(cfg), "--out", str(cut), "--quiet", "--no-plots", "--stop-after", "17") == 3
+    assert len((cut / "metrics.jsonl").read_text().splitlines()) == 17
+    assert not (cut / "summary.json").exists()
+    assert run_cli("run", "--resume", str(cut), "--quiet", "--no-plots") == 0
+    assert (cut / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+    sf, sc = (json.loads((d / "summary.json").read_text()) for d in (full, cut))
+    for key in ("final_loss", "best_loss", "final_eval_loss", "loss_spikes", "clipped_pct"):
+        assert sf[key] == sc[key], key
+
+
+def test_resume_can_extend_a_finished_run(tmp_path):
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "ClipNorm", "max_norm": 1.0}, {"type": "SGD", "lr": 0.05, "momentum": 0.9}], steps=20)
+    full, short = tmp_path / "full", tmp_path / "short"
+    assert run_cli("run", str(cfg), "--out", str(full), "--quiet", "--no-plots") == 0
+    assert run_cli("run", str(cfg), "--out", str(short), "--steps", "12", "--quiet", "--no-plots") == 0
+    assert run_cli("run", "--resume", str(short), "--steps", "20", "--quiet", "--no-plots") == 0
+    # the extended run equals the full one (no schedule, so lr does not depend on the total);
+    # only the end-of-run evaluation at step 12 of the short run differs
+    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    rs, rf = rows(short), rows(full)
+    assert "eval_loss" in rs[11] and "eval_loss" not in rf[11]
+    del rs[11]["eval_loss"]
+    assert rs == rf
+
+
+def test_run_refuses_non_empty_out_without_force(tmp_path, capsys):
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
+    out = tmp_path / "r"
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots") == 0
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots") == 1
+    assert "--force" in capsys.readouterr().err
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots", "--force") == 0
+
+
+def test_run_writes_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    cfg = write_config(tmp_path / "exp.yaml", clip_transforms(), steps=8)
+    out = tmp_path / "r"
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet") == 0
+    for name in ("loss.png", "grad_norm.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_teacher_student_task_and_schedule(tmp_path):
+    import yaml
+
+    cfg = tmp_path / "ts.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "task": {"name": "teacher_student", "options": {"dim": 4, "hidden": 8, "eval_size": 16}},
+        "optimizer": {"transforms": [{"type": "ClipNorm", "max_norm": 1.0}, {"type": "SGD", "lr": 0.1}]},
+        "train": {"steps": 10, "batch_size": 4, "eval_every": 1, "schedule": {"kind": "cosine", "warmup_steps": 2}},
+    }))
+    out = tmp_path / "r"
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots") == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["lr"] == pytest.approx(0.05) and rows[1]["lr"] == pytest.approx(0.1)
+    assert rows[-1]["lr"] < 0.1
+    assert json.loads((out / "summary.json").read_text())["spike_series"] == "eval_loss"
+
+
+USER_TASK = '''
+import torch
+from modopt.cli.tasks import Task
+
+def make_task(seed, width=3):
+    model = torch.nn.Linear(width, 1)
+    def get_batch(step, batch_size):
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        return torch.randn(batch_size, width, generator=g)
+    return Task(model, get_batch, lambda m, x: m(x).pow(2).mean())
+'''
+
+
+def test_user_task_needs_trust_imports(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_tasks_mod.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import yaml
+
+    cfg = tmp_path / "user.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "task": {"name": "my_tasks_mod:make_task", "options": {"width": 5}},
+        "optimizer": {"transforms": [{"type": "SGD", "lr": 0.1}]},
+        "train": {"steps": 5, "batch_size": 4},
+    }))
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r1"), "--quiet", "--no-plots") == 1
+    assert "--trust-imports" in capsys.readouterr().err
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r2"), "--quiet", "--no-plots", "--trust-imports") == 0
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("typo.yaml", """
+            optimizer:
+              transforms:
+                - {type: ClipNorm, max_norm: 1.0, scpoe: global}
+                - {type: Adam}
+         """, ["optimizer.transforms.0.scpoe", "typo.yaml"]),
+        ("negative.yaml", """
+            optimizer:
+              transforms:
+                - {type: ClipNorm, max_norm: -1.0}
+                - {type: Adam}
+         """, ["optimizer.transforms.0.max_norm", "greater than 0"]),
+        ("broken.yaml", """
+            optimizer:
+              transforms:
+                - {type: ClipNorm, max_norm: 1.0
+                - {type: Adam}
+         """, ["broken.yaml", "line 4"]),
+        ("train.yaml", """
+            optimizer: {transforms: [{type: Adam}]}
+            train: {stpes: 10}
+         """, ["train.stpes"]),
+        ("unknown.yaml", """
+            optimizer: {transforms: [{type: ClipNrom, max_norm: 1}]}
+         """, ["ClipNrom", "optimizer.transforms.0"]),
+        ("both.json", '{"optimizer": {"transforms": [{"type": "Adam"}]}, "variants": {"a": {"transforms": [{"type": "SGD", "lr": 1}]}}}',
+         ["not both"]),
+    ],
+)
+def test_validate_errors_name_field_or_line(tmp_path, capsys, name, text, expected):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    assert run_cli("validate", str(path)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for piece in expected:
+        assert piece in err, (piece, err)
+
+
+def test_validate_ok_and_console_script_has_no_traceback(tmp_path):
+    good = write_config(tmp_path / "good.yaml", clip_transforms())
+    r = subprocess.run([sys.executable, "-m", "modopt.cli", "validate", str(good)], capture_output=True, text=True)
+    assert r.returncode == 0 and "valid experiment config" in r.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('transforms = [{type = "ClipNorm", max_norm = 1.0}, {type = "SGD"}]\n')
+    r = subprocess.run([sys.executable, "-m", "modopt.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "transforms.1.lr" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_schema_is_valid_json(capsys):
+    assert run_cli("schema") == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"optimizer", "variants", "task", "train", "output"} <= set(schema["properties"])
+    assert set(mo.available()) <= set(schema["$defs"])
+    assert run_cli("schema", "--pipeline") == 0
+    pipe = json.loads(capsys.readouterr().out)
+    assert pipe == json.loads(json.dumps(mo.config_schema()))
+
+
+def test_schema_accepts_example_with_jsonschema_if_installed(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert run_cli("schema") == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.validate({"optimizer": {"transforms": [{"type": "ClipNorm", "max_norm": 1.0}, {"type": "Adam"}]}}, schema)
+
+
+def test_modules_lists_every_registered_transform(capsys):
+    assert run_cli("modules") == 0
+    out = capsys.readouterr().out
+    listed = {line.split(":")[0].split(" ")[0] for line in out.splitlines() if line and not line.startswith(" ")}
+    assert listed == set(mo.available())
+    assert "max_norm: float (required)" in out
+    assert run_cli("modules", "--json") == 0
+    mods = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in mods] == mo.available()
+    clip = next(m for m in mods if m["name"] == "ClipNorm")
+    assert {f["name"]: f["default"] for f in clip["fields"]}["scope"] == "global"
+    assert all(m["description"] for m in mods)
+
+
+def test_compare_prints_table_and_writes_plot(tmp_path, capsys):
+    import yaml
+
+    a = write_config(tmp_path / "fixed.yaml", [{"type": "ClipNorm", "max_norm": 0.5}, {"type": "Adam", "lr": 0.02}], steps=12)
+    v = tmp_path / "variants.yaml"
+    v.write_text(yaml.safe_dump({
+        "name": "v", "task": TINY_TASK, "train": {"steps": 12, "batch_size": 8},
+        "variants": {"none": {"transforms": [{"type": "Adam", "lr": 0.02}]}, "clip": {"transforms": clip_transforms()}},
+    }))
+    out = tmp_path / "cmp"
+    argv = ["compare", str(a), str(v), "--out", str(out), "--quiet"]
+    if not _has_matplotlib():
+        argv.append("--no-plots")
+    assert run_cli(*argv) == 0
+    table = capsys.readouterr().out
+    lines = table.strip().splitlines()
+    assert lines[0].startswith("| run") and "loss spikes" in lines[0] and "% clipped" in lines[0] and "ms/step" in lines[0]
+    assert len(lines) == 2 + 3
+    assert {"fixed", "v-none", "v-clip"} <= {ln.split("|")[1].strip() for ln in lines[2:]}
+    assert (out / "compare.md").read_text().strip() == table.strip()
+    assert len(json.loads((out / "compare.json").read_text())) == 3
+    if _has_matplotlib():
+        assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_with_variants_needs_variant(tmp_path, capsys):
+    import yaml
+
+    v = tmp_path / "variants.yaml"
+    v.write_text(yaml.safe_dump({
+        "task": TINY_TASK, "train": {"steps": 3, "batch_size": 4},
+        "variants": {"a": {"transforms": [{"type": "SGD", "lr": 0.1}]}, "b": {"transforms": [{"type": "Adam"}]}},
+    }))
+    assert run_cli("run", str(v), "--out", str(tmp_path / "r"), "--quiet") == 1
+    assert "--variant" in capsys.readouterr().err
+    assert run_cli("run", str(v), "--variant", "b", "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 0
+
+
+def test_bench_is_delegated(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("modopt.bench")
+    fake.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "modopt.bench", fake)
+    monkeypatch.setattr(mo, "bench", fake, raising=False)
+    assert run_cli("bench", "--quick", "x") == 0
+    assert calls == [["--quick", "x"]]
+
+
+def test_count_spikes_definition():
+    flat = [1.0] * 30
+    assert count_spikes(flat) == []
+    spiky = [1.0] * 25 + [2.0, 2.5, 1.0] + [1.0] * 10 + [1.4] + [1.0] * 5 + [float("nan") and None]
+    # 2.0 > 1.5 x median 1.0 and rises by >= 0.1: one spike covering steps 25-26; 1.4 is not a spike; None (non-finite) is
+    assert count_spikes(spiky) == [25, 44]
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
