@@ -80,7 +80,7 @@ class ClipValueByPercentile(Scoped):
         if not dims:  # every element is its own slice: |u| is its own bound
             return
         keep = [d for d in range(u.dim()) if d not in dims]
-        n = math.prod(u.shape[d] for d in dims)
+        n = math.prod([u.shape[d] for d in dims])
         moved = u.permute(*keep, *dims).reshape(*[u.shape[d] for d in keep], n)
         bound = _kth_abs(moved, order_index(self.pct, n) + 1, dim=-1)
         shape = [1 if d in dims else s for d, s in enumerate(u.shape)]
