@@ -115,6 +115,13 @@ def test_two_sided_trigger_on_small_norm_never_scales_up():
     assert bool(h.stats["0:HistClip.triggered"][0]) and not bool(h.stats["0:HistClip.clipped"][0])
 
 
+def test_histclip_zero_warmup_variance_keeps_initial_variance():
+    _, stores, _ = run_trace(mo.HistClip(warmup_steps=3, warmup_max_norm=None), [2.0, 2.0, 2.0])
+    assert stores[-1]["mu"] == 2.0 and stores[-1]["v"] == 1.0
+    _, stores, _ = run_trace(mo.ZClip(warmup_steps=3, max_grad_norm=None), [2.0, 2.0, 2.0])
+    assert stores[-1]["mu"] == 2.0 and stores[-1]["var"] == 0.0  # the zclip package keeps its 0
+
+
 def test_histclip_warmup_clips_to_warmup_max_norm():
     h = Harness(mo.HistClip(warmup_steps=3, warmup_max_norm=1.0), [torch.zeros(2, dtype=torch.float64)])
     out = h.step([torch.tensor([3.0, 4.0], dtype=torch.float64)])

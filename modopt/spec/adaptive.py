@@ -88,6 +88,7 @@ class HistClip:
                     if len(seen) == self.W:
                         mean = sum(seen) / len(seen)
                         var = sum((y - mean) ** 2 for y in seen) / (len(seen) - 1) if len(seen) >= 2 else 1.0
+                        var = var if var > 0 else 1.0  # drytorch keeps its initial variance then
                         self.stats[s] = (mean, var)
                 scale = _scale_to(g, self.wmax, CLIP_EPS) if self.wmax is not None else 1.0
             else:

@@ -133,7 +133,7 @@ class HistClip(Scoped):
     Warm-up: the first ``warmup_steps`` steps record the pre-clip norm ``g`` and
     clip it to ``warmup_max_norm`` (None: no clip); then the statistics start
     from the recorded norms (``mu`` their mean, ``v`` their variance with
-    ddof 1, or 1.0 from fewer than 2 norms). After warm-up, when the
+    ddof 1; 1.0 from fewer than 2 norms or a zero variance, as drytorch). After warm-up, when the
     ``criterion`` triggers, ``u`` is clipped to the criterion's value ``c``
     (scale ``c / (g + eps)``, never up), and the statistics are updated with
     ``g`` (``update_stats_with="raw"``, drytorch) or with the clipped norm
@@ -185,7 +185,7 @@ class HistClip(Scoped):
             warm = n < W
             # warm-up
             n1, mean1, m21 = _welford(n, mu, v, g, ok)
-            var = torch.where(n1 >= 2, m21 / (n1 - 1).clamp(min=1), _ones(m21))
+            var = torch.where((n1 >= 2) & (m21 > 0), m21 / (n1 - 1).clamp(min=1), _ones(m21))
             v_w = torch.where(n1 >= W, var, m21)
             scale_w = clip_to(g, wmax, CLIP_EPS) if wmax is not None else _ones(g)
             # after warm-up
