@@ -59,7 +59,7 @@ def plot_run(out: Path, metrics: list[dict[str, Any]], title: str) -> str | None
     return None
 
 
-def plot_compare(path: Path, runs: dict[str, list[dict[str, Any]]], smooth: int = 1) -> str | None:
+def plot_compare(path: Path, runs: dict[str, list[dict[str, Any]]], dpi: int = 100) -> str | None:
     """Overlay of the loss and gradient-norm curves of several runs in one PNG."""
     plt = _pyplot()
     if plt is None:
@@ -76,6 +76,6 @@ def plot_compare(path: Path, runs: dict[str, list[dict[str, Any]]], smooth: int 
     a2.set_xlabel("step")
     a1.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return None
