@@ -7,38 +7,83 @@ from typing import Literal
 
 import torch
 
-from .state import StateHost, StepContext, TransformState
-from .transform import Transform, _final
+from .state import Layout, StateHost, StepContext, TransformState
+from .transform import Transform, run_sequence
 
 NonFinite = Literal["skip", "raise", "zero", "ignore"]
 
 
 def collect(host: StateHost, param_groups: list[dict], stats: dict) -> StepContext:
-    """The parameters with a gradient, by group (params whose ``.grad`` is None are skipped)."""
+    """The parameters with a gradient, by group (params whose ``.grad`` is None are skipped).
+
+    The per-step work is one pass over the parameters; everything derived from
+    which parameters have a gradient is cached in a :class:`Layout` (checks of
+    the parameters themselves run when the layout is first seen).
+    """
     params: list[torch.Tensor] = []
-    groups, group_ids, ranges, names = [], [], [], []
+    group_ids: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    masks: list = []
     for gi, group in enumerate(param_groups):
-        start = len(params)
-        gnames = group.get("param_names")
-        for j, p in enumerate(group["params"]):
-            g = p.grad
-            if g is None:
+        ps = group["params"]
+        keep = [p.grad is not None for p in ps]
+        if not all(keep):
+            if not any(keep):
                 continue
-            name = gnames[j] if gnames else None
-            if g.is_sparse:
-                raise RuntimeError(f"modopt does not support sparse gradients (parameter {name or j} of group {gi})")
-            if p.is_complex():
+            start = len(params)
+            params.extend([p for p, k in zip(ps, keep) if k])
+            masks.append(tuple(keep))
+        else:
+            if not ps:
+                continue
+            start = len(params)
+            params.extend(ps)
+            masks.append(None)
+        group_ids.append(gi)
+        ranges.append((start, len(params)))
+    groups = [param_groups[gi] for gi in group_ids]
+    key = (tuple(map(id, params)), tuple(group_ids), tuple(masks), tuple(map(id, groups)))
+    layouts = host.runtime_store("__layouts__")
+    layout = layouts.get(key)
+    if layout is None:
+        names = _names(param_groups, group_ids, masks)
+        _check_params(params, names, param_groups, group_ids, ranges)
+        if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small
+            layouts.clear()
+        layout = layouts[key] = Layout(key, params, ranges)
+        layout.cache["names"] = names
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
+    ctx = StepContext(layout.params, groups, group_ids, layout.ranges, layout.cache["names"], host, stats)
+    ctx.layout = layout
+    return ctx
+
+
+def _names(param_groups, group_ids, masks) -> list:
+    names: list = []
+    for gi, mask in zip(group_ids, masks):
+        group = param_groups[gi]
+        gnames = group.get("param_names")
+        n = len(group["params"])
+        idx = range(n) if mask is None else [j for j in range(n) if mask[j]]
+        names.extend(gnames[j] if gnames else None for j in idx)
+    return names
+
+
+def _check_params(params, names, param_groups, group_ids, ranges) -> None:
+    for (a, b), gi in zip(ranges, group_ids):
+        for i in range(a, b):
+            if params[i].is_complex():
                 raise RuntimeError(
-                    f"modopt does not support complex parameters (parameter {name or j} of group {gi}); "
+                    f"modopt does not support complex parameters (parameter {names[i] or i - a} of group {gi}); "
                     "use torch.view_as_real on the parameter"
                 )
-            params.append(p)
-            names.append(name)
-        if len(params) > start:
-            groups.append(group)
-            group_ids.append(gi)
-            ranges.append((start, len(params)))
-    return StepContext(params, groups, group_ids, ranges, names, host, stats)
+
+
+def _where(layout: Layout, p: torch.Tensor) -> str:
+    i = next(i for i, q in enumerate(layout.params) if q is p)
+    return str(layout.cache["names"][i] or i)
 
 
 def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -73,16 +118,17 @@ def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ..
     stopped the step).
     """
     updates = [p.grad for p in ctx.params]
-    last = len(transforms) - 1
-    for i, t in enumerate(transforms):
-        st = TransformState(host, ctx, f"{i}:{type(t).__name__}")
-        if write and i == last:
-            _final(t, ctx, st, updates)
+    states = [TransformState(host, ctx, f"{i}:{type(t).__name__}") for i, t in enumerate(transforms)]
+    try:
+        if write and transforms:
+            run_sequence(transforms, ctx, states, updates, True)
             return None
-        updates = t.apply(ctx, st, updates)
-        if updates is None:
+        updates = run_sequence(transforms, ctx, states, updates, False)
+        if write and updates is not None:
+            ctx.write_updates(updates)
             return None
-    if write:
-        ctx.write_updates(updates)
-        return None
-    return updates
+        return updates
+    finally:
+        memo = ctx.layout.cache.get("pnorm_memo") if ctx.layout is not None else None
+        if memo:
+            memo.clear()

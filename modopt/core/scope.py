@@ -56,12 +56,37 @@ class Scoped(Transform, abstract=True):
         return self
 
     def segments(self, ctx: "StepContext", st: "TransformState") -> "Segments":
+        layout = ctx.layout
+        if layout is not None:  # shared by every transform with the same scope, cached across steps
+            k = ("segments", self.scope, self.dim, self.inverse_dims, self.min_size)
+            seg = layout.cache.get(k)
+            if seg is None:
+                seg = layout.cache[k] = make_segments(
+                    ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size
+                )
+                seg.memo = layout.cache.setdefault("pnorm_memo", {})
+            return seg
         key = ctx.token
         cache = st.runtime
         if cache.get("_seg_key") != key:
             cache["_seg_key"] = key
             cache["_seg"] = make_segments(ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size)
         return cache["_seg"]
+
+
+    def scale_(self, ctx: "StepContext", seg: "Segments", updates: list[torch.Tensor], scale: "Stat") -> None:
+        """``updates *= scale`` per segment, or defer it to the next transform when that one takes it.
+
+        Deferring (global and group scopes, every segment active) hands the
+        multiplication to the next transform (``ctx.defer_scale``): a fused
+        optimizer folds it into its kernel, a normalization into its factor,
+        so the updates are read and written once fewer.
+        """
+        if ctx.defer_ok and seg.kind in ("global", "group") and seg.all_active and updates:
+            dev = updates[0].device
+            ctx.defer_scale(seg.ranges, [v.to(dev) for v in scale.unbind(0)])
+            return
+        seg.mul_(updates, scale)
 
 
 def _reduce_dims(ndim: int, dim: Dims, inverse: bool) -> tuple[int, ...]:
@@ -79,6 +104,11 @@ class Segments:
     counts: list[int]  # elements per segment (stacked) or per slice (slices: one per tensor)
     active: list[bool]  # per tensor: its segment/slice has at least min_size elements
     dims: list[tuple[int, ...]] | None = None  # slices: reduce dims per tensor
+    #: per-tensor p-norms of recently reduced tensor lists, shared by the transforms of a layout
+    memo: dict | None = None
+
+    def __post_init__(self) -> None:
+        self.all_active = all(self.active)
 
     @property
     def n(self) -> int:
@@ -96,7 +126,7 @@ class Segments:
             return [slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)]
         acc = common_acc_dtype(tensors)
         if isinstance(stat, float):
-            parts = torch.stack(foreach_pnorm(tensors, stat)).to(acc) if tensors else torch.zeros(0, dtype=acc)
+            parts = self.tensor_pnorms(tensors, stat, acc)
             if self.kind == "tensor":
                 return parts
             return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in self.ranges])
@@ -114,6 +144,29 @@ class Segments:
         sq = torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])
         var = torch.where(counts >= 2, self._segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
         return var if stat == "var" else var.sqrt()
+
+    def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+        """1-D tensor of the p-norm of each tensor (in ``acc``).
+
+        Remembered for the tensors as they are now (their identity and version
+        counters), so a later transform of the same step that needs the norms
+        of the same, unmodified updates reuses them instead of reading memory
+        again (e.g. a global clip followed by a per-tensor normalization). The
+        memo is emptied when the step ends (``run_chain``).
+        """
+        if not tensors:
+            return torch.zeros(0, dtype=acc)
+        memo = self.memo
+        if memo is None or torch.compiler.is_compiling():
+            return torch.stack(foreach_pnorm(tensors, p)).to(acc)
+        key = (p, acc, tuple(map(id, tensors)))
+        versions = tuple(t._version for t in tensors)
+        hit = memo.get(key)
+        if hit is not None and hit[0] == versions:
+            return hit[2]
+        parts = torch.stack(foreach_pnorm(tensors, p)).to(acc)
+        memo[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
+        return parts
 
     def _segment_sums(self, parts: torch.Tensor) -> torch.Tensor:
         if self.kind == "tensor":
@@ -145,6 +198,10 @@ class Segments:
                 if self.active[a]:
                     torch._foreach_mul_(tensors[a:b], vals[s].to(tensors[a].device))
             return
+        if self.all_active and self.kind == "tensor":
+            if tensors:
+                torch._foreach_mul_(tensors, stat.unbind(0))
+            return
         idx = [i for i, on in enumerate(self.active) if on]
         if idx:
             vals = self.expand(stat)
@@ -152,6 +209,10 @@ class Segments:
 
     def sub_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
         """``tensors[i] -= value of its segment`` for active tensors, in place."""
+        if self.all_active and self.kind == "tensor":
+            if tensors:
+                torch._foreach_sub_(tensors, stat.unbind(0))
+            return
         vals = self.expand(stat)
         idx = [i for i, on in enumerate(self.active) if on]
         if idx:

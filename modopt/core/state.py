@@ -30,6 +30,23 @@ class StateHost(Protocol):
     def runtime_store(self, key: str) -> dict: ...
 
 
+class Layout:
+    """Facts about one set of parameters with gradients, cached across steps.
+
+    ``collect`` returns the same ``Layout`` for every step whose parameters
+    with a gradient (and their param groups) are the same objects, so
+    per-layout work (segment tables, dtype/device grouping, fused-kernel
+    eligibility) runs once, not every step. ``cache`` is free for transforms;
+    keys should name the transform or helper that owns them.
+    """
+
+    __slots__ = ("key", "params", "ranges", "cache")
+
+    def __init__(self, key: tuple, params: list[torch.Tensor], ranges: list[tuple[int, int]]):
+        self.key, self.params, self.ranges = key, params, ranges
+        self.cache: dict = {}
+
+
 class StepContext:
     """What every transform sees of one step.
 
@@ -47,9 +64,61 @@ class StepContext:
         self.host = host
         self.stats = stats
         self.token = next(_tokens)
+        #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
+        self.layout: Layout | None = None
+        #: a per-segment scale not yet multiplied into the updates (see :meth:`defer_scale`)
+        self.pending: tuple[list[tuple[int, int]], list[torch.Tensor]] | None = None
+        #: True while the running transform may defer a scale (the next one takes it)
+        self.defer_ok = False
+        self._states: list[dict] | None = None
+
+    def param_states(self) -> list[dict]:
+        """``host.state[p]`` for every parameter of the step (looked up once per step)."""
+        if self._states is None:
+            state = self.host.state
+            self._states = [state[p] for p in self.params]
+        return self._states
+
+    # --- deferred scales ------------------------------------------------------
+    def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> None:
+        """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it.
+
+        Only allowed while :attr:`defer_ok` (the pipeline runner sets it when the
+        next transform declares :meth:`~modopt.core.transform.Transform.takes_scale`).
+        That transform folds the scale into its own arithmetic (a fused
+        optimizer kernel's ``grad_scale``, a normalization's factor) or calls
+        :meth:`flush_scale`. One scale may be pending at a time.
+        """
+        if self.pending is not None:
+            raise RuntimeError("a deferred scale is already pending")
+        self.pending = (list(ranges), list(scales))
+
+    def take_scale(self) -> tuple[list[tuple[int, int]], list[torch.Tensor]] | None:
+        """The pending scale (now the caller's to apply), or None."""
+        out, self.pending = self.pending, None
+        return out
+
+    def scale_for(self, a: int, b: int) -> torch.Tensor | None:
+        """The pending 0-d scale of ``updates[a:b]`` when one value covers all of them, else None."""
+        if self.pending is None:
+            return None
+        for (lo, hi), s in zip(*self.pending):
+            if lo <= a and b <= hi:
+                return s
+        return None
+
+    def flush_scale(self, updates: list[torch.Tensor]) -> None:
+        """Multiply a pending scale into ``updates`` (in place)."""
+        pend = self.take_scale()
+        if pend is None:
+            return
+        for (a, b), s in zip(*pend):
+            if b > a:
+                torch._foreach_mul_(updates[a:b], s.to(updates[a].device))
 
     def write_updates(self, updates: list[torch.Tensor]) -> None:
         """``p -= update`` for every parameter of the step."""
+        self.flush_scale(updates)
         if self.params:
             torch._foreach_sub_(self.params, updates)
 
@@ -86,9 +155,13 @@ class TransformState:
     def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """The buffer ``name`` of each parameter of the step, created by ``init(i, p)`` when missing."""
         k = f"{self.key}.{name}"
+        states = self.ctx.param_states()
+        try:
+            return [s[k] for s in states]
+        except KeyError:
+            pass
         out = []
-        for i, p in enumerate(self.ctx.params):
-            s = self.host.state[p]
+        for i, (p, s) in enumerate(zip(self.ctx.params, states)):
             v = s.get(k)
             if v is None:
                 v = s[k] = init(i, p)
@@ -97,7 +170,7 @@ class TransformState:
 
     def has_buffers(self, name: str) -> list[bool]:
         k = f"{self.key}.{name}"
-        return [k in self.host.state[p] for p in self.ctx.params]
+        return [k in s for s in self.ctx.param_states()]
 
     # --- per-segment values (scope-aware) ---------------------------------
     def seg_get(self, seg: "Segments", name: str, init: float, dtype=torch.float32) -> "Stat":
@@ -130,7 +203,8 @@ class TransformState:
             for gid, v in zip(self.ctx.group_ids, value.unbind(0)):
                 self.store[f"{name}@group{gid}"] = v
         else:
-            dst = [self.host.state[p][f"{self.key}.{name}"] for p in self.ctx.params]
+            k = f"{self.key}.{name}"
+            dst = [s[k] for s in self.ctx.param_states()]
             src = list(value.unbind(0)) if seg.kind == "tensor" else list(value)
             if dst:
                 torch._foreach_copy_(dst, src)

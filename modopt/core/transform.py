@@ -112,6 +112,16 @@ class Transform(BaseModel):
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
 
+    def takes_scale(self, final: bool) -> bool:
+        """True if this transform consumes a deferred scale (``ctx.pending``) itself.
+
+        ``final``: it runs as the last transform through :meth:`apply_final`.
+        The transform before it may then call ``ctx.defer_scale`` instead of
+        multiplying the updates, and this one must fold the scale into its
+        arithmetic or call ``ctx.flush_scale``. Saves a pass over memory.
+        """
+        return False
+
     # --- structure --------------------------------------------------------
     def children(self) -> tuple["Transform", ...]:
         """Sub-transforms run by this one (for keys, group keys and checks)."""
@@ -177,30 +187,55 @@ class Chain(Transform):
         return tuple(self.transforms)
 
     def apply(self, ctx, st, updates):
-        for i, t in enumerate(self.transforms):
-            updates = t.apply(ctx, st.child(i, t), updates)
-            if updates is None:
-                return None
-        return updates
+        return run_sequence(self.transforms, ctx, [st.child(i, t) for i, t in enumerate(self.transforms)], updates, False)
 
     def apply_final(self, ctx, st, updates):
         if not self.transforms:
             return False
-        for i, t in enumerate(self.transforms[:-1]):
-            updates = t.apply(ctx, st.child(i, t), updates)
-            if updates is None:
-                return True  # stopped: nothing to write
-        last = len(self.transforms) - 1
-        return _final(self.transforms[last], ctx, st.child(last, self.transforms[last]), updates)
+        run_sequence(self.transforms, ctx, [st.child(i, t) for i, t in enumerate(self.transforms)], updates, True)
+        return True
+
+
+def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, final: bool) -> list | None:
+    """Run ``transforms`` in order; with ``final`` the last one writes the parameters.
+
+    Returns the updates (not ``final``), or None when a transform stopped the
+    step or the parameters were written. A transform may defer a per-segment
+    scale to the next one when that one :meth:`~Transform.takes_scale`; the
+    runner applies a pending scale before any transform that does not.
+    """
+    n = len(transforms)
+    for i, t in enumerate(transforms):
+        last = i == n - 1
+        if ctx.pending is not None and not t.takes_scale(final and last):
+            ctx.flush_scale(updates)
+        ctx.defer_ok = not last and transforms[i + 1].takes_scale(final and i + 1 == n - 1)
+        try:
+            if final and last:
+                _final(t, ctx, states[i], updates)
+                return None
+            updates = t.apply(ctx, states[i], updates)
+        finally:
+            ctx.defer_ok = False
+        if updates is None:
+            ctx.pending = None
+            return None
+    if ctx.pending is not None:  # pragma: no cover - defer_ok is never set for the last transform
+        ctx.flush_scale(updates)
+    return updates
 
 
 def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list) -> bool:
     """Run ``t`` as the last transform; write ``p -= update`` unless it fused the write."""
     if t.apply_final(ctx, st, updates):
         return True
+    if ctx.pending is not None and not t.takes_scale(False):
+        ctx.flush_scale(updates)
     out = t.apply(ctx, st, updates)
     if out is not None:
         ctx.write_updates(out)
+    else:
+        ctx.pending = None
     return True
 
 

@@ -62,7 +62,7 @@ class ClipNorm(Scoped):
         seg = self.segments(ctx, st)
         norm = seg.reduce(updates, self.ord)
         scale = seg.map(lambda n: clip_scale(n, self.max_norm, self.eps), norm)
-        seg.mul_(updates, scale)
+        self.scale_(ctx, seg, updates, scale)  # may be folded into the next transform (fused optimizer)
         if seg.stacked:
             st.record("norm", norm)
             st.record("scale", scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from ..core.norms import Ord
+from ..core.norms import Ord, parse_ord
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
@@ -36,15 +36,46 @@ class Normalize(Scoped):
     scope: ScopeName = "tensor"
     eps: NonNegativeFloat = 0.0
 
+    def takes_scale(self, final):
+        return True
+
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
+        prior = self._prior_scale(ctx, seg, updates)
         norm = seg.reduce(updates, self.ord)
-        scale = seg.map(lambda n: normalize_scale(n, self.norm_value, self.eps), norm)
-        seg.mul_(updates, scale)
+        if prior is None:
+            scale = seg.map(lambda n: normalize_scale(n, self.norm_value, self.eps), norm)
+        else:  # u = prior * raw: n(u) = |prior| n(raw); one multiplication applies both factors
+            norm = seg.map(lambda n, s: n * s.abs(), norm, prior)
+            scale = seg.map(lambda n, s: s * normalize_scale(n, self.norm_value, self.eps), norm, prior)
+        self.scale_(ctx, seg, updates, scale)
         if seg.stacked:
             st.record("norm", norm)
             st.record("scale", scale)
         return updates
+
+
+    def _prior_scale(self, ctx, seg, updates):
+        """A scale deferred to this transform, per segment of ``seg`` (None: nothing pending or applied now)."""
+        if ctx.pending is None:
+            return None
+        ord = parse_ord(self.ord)
+        # an inactive segment (min_size) is not multiplied here, so the prior scale could not ride along
+        homogeneous = seg.all_active and ((isinstance(ord, float) and ord > 0) or ord in ("mad", "std"))
+        if homogeneous and seg.kind == "tensor":
+            vals = []
+            for (a, b), v in zip(*ctx.pending):
+                vals.extend([v] * (b - a))
+            if len(vals) == len(updates):
+                ctx.pending = None
+                return torch.stack(vals)
+        elif homogeneous and seg.kind in ("global", "group"):
+            vals = [ctx.scale_for(a, b) for a, b in seg.ranges]
+            if all(v is not None for v in vals):
+                ctx.pending = None
+                return torch.stack(vals)
+        ctx.flush_scale(updates)
+        return None
 
 
 class Centralize(Scoped):

@@ -33,6 +33,82 @@ def _step_tensor(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=p.device)
 
 
+def _plan(ctx, a: int, b: int) -> list[tuple[list[int] | None, bool, torch.dtype]]:
+    """How ``ctx.params[a:b]`` split into (device, dtype) sub-groups for the kernels, cached per layout.
+
+    Each entry: the indices into ``[a:b]`` (None: all of them), whether torch's
+    fused kernel applies, and the dtype.
+    """
+    cache = ctx.layout.cache if ctx.layout is not None else {}
+    key = ("optimizer_plan", a, b)
+    plan = cache.get(key)
+    if plan is None:
+        by: dict[tuple, list[int]] = {}
+        for i, p in enumerate(ctx.params[a:b]):
+            by.setdefault((p.device, p.dtype), []).append(i)
+        devices = _get_fused_kernels_supported_devices()
+        plan = [
+            (None if len(by) == 1 else idx, dev.type in devices and dtype in _FLOAT_DTYPES, dtype)
+            for (dev, dtype), idx in by.items()
+        ]
+        cache[key] = plan
+    return plan
+
+
+def _pick(xs: list, idx: list[int] | None) -> list:
+    return xs if idx is None else [xs[i] for i in idx]
+
+
+def _prepare_pending(ctx, updates) -> None:
+    """Keep a deferred scale only if every param group sees one value of it (else apply it now)."""
+    if ctx.pending is not None and any(ctx.scale_for(a, b) is None for a, b in ctx.ranges):
+        ctx.flush_scale(updates)
+
+
+def _grad_scale(ctx, a: int, b: int, grads: list[torch.Tensor], dtype: torch.dtype, fused: bool):
+    """The deferred clip scale of ``grads`` as a fused kernel's ``grad_scale`` (it divides by it).
+
+    Folded only for fused kernels on float32/16 parameters (the kernels take a
+    float32 scale; float64 parameters get the exact multiplication instead).
+    """
+    scale = ctx.scale_for(a, b)
+    if scale is None:
+        return None
+    if fused and dtype != torch.float64:
+        return torch.reciprocal(scale.to(device=grads[0].device, dtype=torch.float32))
+    torch._foreach_mul_(grads, scale.to(grads[0].device))
+    return None
+
+
+def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict]) -> None:
+    """``step += 1`` for every step tensor of a sub-group, as one kernel.
+
+    The per-parameter ``step`` tensors (torch's state layout, saved per
+    parameter) are made views of one packed 1-D tensor the first time a
+    layout is seen, so the increment is one op instead of one per tensor.
+    """
+    if not steps:
+        return
+    rt = st.runtime
+    key = ("packed_steps",) + sub
+    ent = rt.get(key)
+    if ent is not None and len(ent[1]) == len(steps) and all(x is y for x, y in zip(ent[1], steps)):
+        ent[0].add_(1)
+        return
+    s0 = steps[0]
+    if any(s.dim() != 0 or s.dtype != s0.dtype or s.device != s0.device for s in steps):
+        torch._foreach_add_(steps, 1)
+        return
+    flat = torch.stack(steps)
+    views = list(flat.unbind(0))
+    k = f"{st.key}.step"
+    for s, view in zip(param_states, views):
+        s[k] = view
+    steps[:] = views
+    rt[key] = (flat, views)
+    flat.add_(1)
+
+
 class LR(Transform):
     r"""Multiply the update by the learning rate: :math:`u \leftarrow \text{lr}\cdot u`.
 
@@ -76,26 +152,53 @@ class SGD(Transform):
 
     def _buffers(self, st, a, b):
         k = f"{st.key}.momentum_buffer"
-        return [st.host.state[p].get(k) for p in st.ctx.params[a:b]]
+        return [s.get(k) for s in st.ctx.param_states()[a:b]]
 
     def _save_buffers(self, st, a, b, bufs):
         k = f"{st.key}.momentum_buffer"
-        for p, buf in zip(st.ctx.params[a:b], bufs):
+        for s, buf in zip(st.ctx.param_states()[a:b], bufs):
             if buf is not None:
-                st.host.state[p][k] = buf
+                s[k] = buf
+
+    def takes_scale(self, final):
+        return final
 
     def apply_final(self, ctx, st, updates):
+        _prepare_pending(ctx, updates)
         for g, a, b in ctx.per_group():
-            params = ctx.params[a:b]
-            bufs = self._buffers(st, a, b)
-            fused = _fusable(params)
-            _torch_sgd(
-                params, updates[a:b], bufs, foreach=not fused, fused=fused,
-                weight_decay=g["weight_decay"], momentum=g["momentum"], lr=g["lr"],
-                dampening=g["dampening"], nesterov=g["nesterov"], maximize=False,
-            )
-            if g["momentum"] != 0:
+            mu = g["momentum"]
+            bufs = self._buffers(st, a, b) if mu != 0 else []
+            for idx, fused, dtype in _plan(ctx, a, b):
+                params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
+                gs = _grad_scale(ctx, a, b, grads, dtype, fused)
+                hyper = dict(weight_decay=g["weight_decay"], momentum=mu, lr=g["lr"], dampening=g["dampening"],
+                             nesterov=g["nesterov"], maximize=False)
+                if not fused:
+                    sub_bufs = _pick(bufs, idx)
+                    _torch_sgd(params, grads, sub_bufs, foreach=True, fused=False, **hyper)
+                    if mu != 0:
+                        for j, i in enumerate(idx if idx is not None else range(len(params))):
+                            bufs[i] = sub_bufs[j]
+                    continue
+                if mu == 0:
+                    torch._fused_sgd_(params, grads, [], is_first_step=False, grad_scale=gs, **hyper)
+                    continue
+                sel = list(range(len(params))) if idx is None else idx
+                new = [j for j, i in enumerate(sel) if bufs[i] is None]
+                if new:  # torch's first step: the buffer starts as the (scaled) gradient
+                    for j in new:
+                        bufs[sel[j]] = torch.empty_like(grads[j])
+                    torch._fused_sgd_([params[j] for j in new], [grads[j] for j in new], [bufs[sel[j]] for j in new],
+                                      is_first_step=True, grad_scale=gs, **hyper)
+                old = [j for j in range(len(sel)) if j not in set(new)] if new else None
+                if old is None:
+                    torch._fused_sgd_(params, grads, [bufs[i] for i in sel], is_first_step=False, grad_scale=gs, **hyper)
+                elif old:
+                    torch._fused_sgd_([params[j] for j in old], [grads[j] for j in old], [bufs[sel[j]] for j in old],
+                                      is_first_step=False, grad_scale=gs, **hyper)
+            if mu != 0:
                 self._save_buffers(st, a, b, bufs)
+        ctx.pending = None
         return True
 
     def apply(self, ctx, st, updates):
@@ -158,17 +261,36 @@ class Adam(Transform):
         )
         return steps, m, v, vmax
 
+    def takes_scale(self, final):
+        return final
+
     def apply_final(self, ctx, st, updates):
+        _prepare_pending(ctx, updates)
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         for g, a, b in ctx.per_group():
-            params = ctx.params[a:b]
-            steps, m, v, vmax = self._state(st, a, b, g["amsgrad"])
-            fused = _fusable(params)
+            amsgrad = g["amsgrad"]
+            steps, m, v, vmax = self._state(st, a, b, amsgrad)
             beta1, beta2 = g["betas"]
-            _torch_adam(
-                params, updates[a:b], m, v, vmax, steps, foreach=not fused, fused=fused,
-                decoupled_weight_decay=self.decoupled, amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2,
-                lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
-            )
+            for idx, fused, dtype in _plan(ctx, a, b):
+                params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
+                gs = _grad_scale(ctx, a, b, grads, dtype, fused)
+                sub_m, sub_v, sub_vmax = _pick(m, idx), _pick(v, idx), _pick(vmax, idx) if amsgrad else []
+                sub_steps = _pick(steps, idx)
+                if not fused:
+                    _torch_adam(
+                        params, grads, sub_m, sub_v, sub_vmax, sub_steps, foreach=True, fused=False,
+                        decoupled_weight_decay=self.decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
+                        lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+                    )
+                    continue
+                states = _pick(ctx.param_states()[a:b], idx)
+                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states)
+                kernel(
+                    params, grads, sub_m, sub_v, sub_vmax, sub_steps, lr=g["lr"], beta1=beta1, beta2=beta2,
+                    weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad, maximize=False,
+                    grad_scale=gs, found_inf=None,
+                )
+        ctx.pending = None
         return True
 
     def apply(self, ctx, st, updates):
