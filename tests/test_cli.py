@@ -192,7 +192,7 @@ def test_user_task_needs_trust_imports(tmp_path, monkeypatch, capsys):
 )
 def test_validate_errors_name_field_or_line(tmp_path, capsys, name, text, expected):
     path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
     assert run_cli("validate", str(path)) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -205,10 +205,10 @@ def test_validate_ok_and_console_script_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "modopt.cli", "validate", str(good)], capture_output=True, text=True)
     assert r.returncode == 0 and "valid experiment config" in r.stdout
     bad = tmp_path / "bad.toml"
-    bad.write_text('transforms = [{type = "ClipNorm", max_norm = 1.0}, {type = "SGD"}]\n')
+    bad.write_text('transforms = [{type = "ClipNorm", max_norm = -1.0}, {type = "SGD", lr = 0.1}]\n')
     r = subprocess.run([sys.executable, "-m", "modopt.cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1
-    assert "transforms.1.lr" in r.stderr and "Traceback" not in r.stderr
+    assert "transforms.0.max_norm" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_schema_is_valid_json(capsys):
