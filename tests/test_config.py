@@ -117,8 +117,8 @@ def test_config_round_trip_rebuilds_same_trajectory(name, t, fmt, tmp_path):
     assert back == cfg
     assert back.to_dict() == cfg.to_dict()
     ma, mb = _model(), _model()
-    pa = _train(cfg.build(ma.parameters()), ma)
-    pb = _train(mo.Modular.from_config(mb.parameters(), path), mb)
+    pa = _train(cfg.build(ma.named_parameters()), ma)
+    pb = _train(mo.Modular.from_config(mb.named_parameters(), path), mb)
     for x, y in zip(pa, pb):
         assert torch.equal(x, y)
 

@@ -1,9 +1,10 @@
 """The spec layer: reference definitions in plain float64 PyTorch.
 
 Readable, one segment at a time, written for clarity rather than speed. It
-documents the math and is the oracle of the runtime tests.
+documents the math and is the oracle of the runtime tests. One file per
+family, mirroring ``modopt/transforms``.
 """
 
-from . import core, scope, stats
+from . import adaptive, agc, core, ema, growth, guards, percentile, scope, stats
 
-__all__ = ["core", "scope", "stats"]
+__all__ = ["adaptive", "agc", "core", "ema", "growth", "guards", "percentile", "scope", "stats"]
