@@ -63,7 +63,7 @@ class StepContext:
         self.names: list[str | None] = names
         self.host = host
         self.stats = stats
-        self.token = next(_tokens)
+        self._token: int | None = None
         #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
         self.layout: Layout | None = None
         #: a per-segment scale not yet multiplied into the updates (see :meth:`defer_scale`)
@@ -71,6 +71,13 @@ class StepContext:
         #: True while the running transform may defer a scale (the next one takes it)
         self.defer_ok = False
         self._states: list[dict] | None = None
+
+    @property
+    def token(self) -> int:
+        """A number unique to this step (drawn lazily: compiled steps that never read it do not guard on it)."""
+        if self._token is None:
+            self._token = next(_tokens)
+        return self._token
 
     def param_states(self) -> list[dict]:
         """``host.state[p]`` for every parameter of the step (looked up once per step)."""

@@ -18,6 +18,7 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from torch.optim.sgd import sgd as _torch_sgd
 
+from ..core.distributed import is_sharded
 from ..core.registry import class_path, register_optimizer, resolve_optimizer
 from ..core.transform import Transform
 
@@ -45,14 +46,23 @@ def _plan(ctx, a: int, b: int) -> list[tuple[list[int] | None, bool, torch.dtype
     if plan is None:
         by: dict[tuple, list[int]] = {}
         for i, p in enumerate(ctx.params[a:b]):
-            by.setdefault((p.device, p.dtype), []).append(i)
+            by.setdefault((p.device, p.dtype, is_sharded(p)), []).append(i)
         devices = _get_fused_kernels_supported_devices()
+        # DTensors (FSDP2) take the foreach path, as torch.optim does: _fused_sgd_ has no sharding strategy
         plan = [
-            (None if len(by) == 1 else idx, dev.type in devices and dtype in _FLOAT_DTYPES, dtype)
-            for (dev, dtype), idx in by.items()
+            (None if len(by) == 1 else idx, dev.type in devices and dtype in _FLOAT_DTYPES and not sharded, dtype)
+            for (dev, dtype, sharded), idx in by.items()
         ]
         cache[key] = plan
     return plan
+
+
+def _lr_value(lr, like: torch.Tensor):
+    """``lr`` for a foreach multiply. Compiled, a 0-d tensor: a scheduler's new value is then
+    a graph input, not a constant that forces a recompile (a Python scalar is specialised)."""
+    if torch.compiler.is_compiling() and not isinstance(lr, torch.Tensor):
+        return torch.ones((), dtype=torch.float32, device=like.device) * lr  # tensor * float: tensorified
+    return lr
 
 
 def _pick(xs: list, idx: list[int] | None) -> list:
@@ -121,7 +131,7 @@ class LR(Transform):
 
     def apply(self, ctx, st, updates):
         for g, a, b in ctx.per_group():
-            torch._foreach_mul_(updates[a:b], g["lr"])
+            torch._foreach_mul_(updates[a:b], _lr_value(g["lr"], updates[a]))
         return updates
 
 
@@ -161,9 +171,11 @@ class SGD(Transform):
                 s[k] = buf
 
     def takes_scale(self, final):
-        return final
+        return final and not torch.compiler.is_compiling()
 
     def apply_final(self, ctx, st, updates):
+        if torch.compiler.is_compiling():
+            return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
         _prepare_pending(ctx, updates)
         for g, a, b in ctx.per_group():
             mu = g["momentum"]
@@ -217,7 +229,7 @@ class SGD(Transform):
                         buf.mul_(mu).add_(grad, alpha=1 - g["dampening"])
                 self._save_buffers(st, a, b, bufs)
                 grads = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs
-            out.extend(torch._foreach_mul(grads, g["lr"]))
+            out.extend(torch._foreach_mul(grads, _lr_value(g["lr"], grads[0])))
         return out
 
 
@@ -262,9 +274,11 @@ class Adam(Transform):
         return steps, m, v, vmax
 
     def takes_scale(self, final):
-        return final
+        return final and not torch.compiler.is_compiling()
 
     def apply_final(self, ctx, st, updates):
+        if torch.compiler.is_compiling():
+            return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
         _prepare_pending(ctx, updates)
         kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         for g, a, b in ctx.per_group():
