@@ -72,8 +72,14 @@ def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, idx in by_dtype.items():
-        ts = [tensors[i] for i in idx]
         acc = acc_dtype(dtype)
+        if math.isinf(p):  # max |x| of an empty tensor has no identity in torch: it is 0 here (as in spec)
+            for i in [i for i in idx if tensors[i].numel() == 0]:
+                out[i] = tensors[i].new_zeros((), dtype=acc)
+            idx = [i for i in idx if tensors[i].numel() > 0]
+            if not idx:
+                continue
+        ts = [tensors[i] for i in idx]
         norms = torch._foreach_norm(ts, p, dtype=acc) if dtype != acc else torch._foreach_norm(ts, p)
         for i, n in zip(idx, norms):
             out[i] = n
@@ -102,6 +108,8 @@ def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> tor
             return x
         return torch.zeros_like(x)  # var / std of one element
     size = math.prod(t.shape[d] for d in dims)
+    if size == 0 and stat == math.inf:  # max over no elements: 0 (torch has no identity for it)
+        return t.new_zeros([1 if d in dims else s for d, s in enumerate(t.shape)], dtype=acc)
     if isinstance(stat, float):
         return torch.linalg.vector_norm(t, stat, dim=dims, keepdim=True, dtype=acc)
     if stat == "mad":

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from .distributed import any_nonfinite, any_sharded
+from .norms import foreach_pnorm
 from .state import Layout, StateHost, StepContext, TransformState
 from .transform import Transform, run_sequence
 
@@ -88,7 +90,9 @@ def _where(layout: Layout, p: torch.Tensor) -> str:
 
 def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     """0-d bool tensor: does any gradient hold inf or NaN (no host sync)."""
-    maxabs = [n.float() for n in torch._foreach_norm(grads, math.inf)]
+    if any_sharded(grads):  # FSDP2: every rank must reach the same decision
+        return any_nonfinite(grads)
+    maxabs = [n.float() for n in foreach_pnorm(grads, math.inf)]  # empty tensors count as 0
     return ~torch.isfinite(torch.stack(maxabs)).all()
 
 

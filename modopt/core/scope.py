@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Union
 import torch
 from pydantic import Field, model_validator
 
+from . import distributed
+from .distributed import any_sharded
 from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, slice_stat
 from .transform import Transform
 
@@ -62,7 +64,7 @@ class Scoped(Transform, abstract=True):
             seg = layout.cache.get(k)
             if seg is None:
                 seg = layout.cache[k] = make_segments(
-                    ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size
+                    ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
                 )
                 seg.memo = layout.cache.setdefault("pnorm_memo", {})
             return seg
@@ -70,7 +72,9 @@ class Scoped(Transform, abstract=True):
         cache = st.runtime
         if cache.get("_seg_key") != key:
             cache["_seg_key"] = key
-            cache["_seg"] = make_segments(ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size)
+            cache["_seg"] = make_segments(
+                ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
+            )
         return cache["_seg"]
 
 
@@ -122,6 +126,8 @@ class Segments:
     def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> Stat:
         """The ``ord`` statistic (or ``"mean"``) of each segment, accumulated in >= float32."""
         stat = ord if ord == "mean" else parse_ord(ord)
+        if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (modopt.core.distributed)
+            return distributed.reduce(self, tensors, stat)
         if not self.stacked:
             return [slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)]
         acc = common_acc_dtype(tensors)
@@ -228,9 +234,13 @@ def _device(tensors: list[torch.Tensor]) -> torch.device:
 
 
 def make_segments(
-    tensors: list[torch.Tensor], ranges: list[tuple[int, int]], scope: str, dim: Dims, inverse_dims: bool, min_size: int
+    tensors: list[torch.Tensor], ranges: list[tuple[int, int]], scope: str, dim: Dims, inverse_dims: bool, min_size: int,
+    names: list | None = None,
 ) -> Segments:
-    """How ``scope`` splits ``tensors`` (``ranges``: the tensor index range of each param group)."""
+    """How ``scope`` splits ``tensors`` (``ranges``: the tensor index range of each param group).
+
+    ``names`` (optional) name the tensors in errors (per-slice scopes refuse sharded tensors).
+    """
     numels = [t.numel() for t in tensors]
     if scope == "global":
         count = sum(numels)
@@ -242,5 +252,7 @@ def make_segments(
     if dim is None and not inverse_dims:
         return Segments("tensor", [(i, i + 1) for i in range(len(tensors))], numels, [n >= min_size for n in numels])
     dims = [_reduce_dims(t.dim(), dim, inverse_dims) for t in tensors]
+    if any_sharded(tensors):
+        distributed.check_slices(tensors, dims, names or [])
     sizes = [math.prod(t.shape[d] for d in ds) for t, ds in zip(tensors, dims)]
     return Segments("slices", [], sizes, [s >= min_size for s in sizes], dims)

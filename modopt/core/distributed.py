@@ -1,0 +1,199 @@
+"""Statistics of sharded tensors (FSDP2 / DTensor): the one place modopt talks to ``torch.distributed``.
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``) parameters, gradients and
+every buffer made with ``zeros_like`` are ``DTensor``\\ s, each rank holding a
+shard (``Shard(0)``) of the full tensor. A statistic must be that of the full,
+unsharded tensor, so :meth:`modopt.core.scope.Segments.reduce` hands lists that
+hold DTensors to :func:`reduce`, which
+
+1. computes *partial* statistics of each tensor on its local shard
+   (``to_local()``): the max and the scaled sum of ``|x|**p`` for p-norms, the
+   count of non-zeros, sums for means, sums of squared deviations for
+   variances, all accumulated in at least float32;
+2. all-reduces them over the process groups of the mesh dims on which the
+   tensor is ``Shard``-ed (``Replicate`` dims hold the same values everywhere
+   and are not reduced; a ``Partial`` tensor is an error), batched: one
+   collective per kind of partial and group, per call;
+3. returns plain tensors, exactly as in a single process, so everything a
+   transform computes from a statistic (scales, EMAs of norms, warm-up
+   counters, histories) is a plain tensor, identical on every rank.
+
+A plain 0-d scale multiplies a DTensor as a replicated scalar, so the scales
+apply back with the transforms' ordinary (local) ops.
+
+Per-slice statistics (``scope="tensor"`` with ``dim``) of sharded parameters
+are refused with a :class:`ValueError` naming the parameter and its sharded
+dims (:func:`check_slices`, when the transform first builds its scope's
+layout, on the first step).
+
+DDP needs nothing of this: its gradients are plain tensors, already averaged
+over the ranks before ``step``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, slice_stat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .scope import Segments, Stat
+
+
+
+def _dtensor_cls() -> type | None:
+    """``DTensor`` if ``torch.distributed.tensor`` was imported (no DTensor can exist otherwise).
+
+    Looked up in ``sys.modules`` so that importing modopt never imports
+    torch.distributed (seconds of import time) for single-process users.
+    """
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_sharded(t: Any) -> bool:
+    """True for a DTensor (the only kind of tensor whose statistics need communication)."""
+    cls = _dtensor_cls()
+    return cls is not None and isinstance(t, cls)
+
+
+def any_sharded(tensors: list) -> bool:
+    """True if any of ``tensors`` is a DTensor (cheap: ``False`` at once when DTensor was never imported)."""
+    cls = _dtensor_cls()
+    if cls is None or not tensors:
+        return False
+    return any(isinstance(t, cls) for t in tensors)
+
+
+def _groups_of(t: torch.Tensor, where: str = "") -> tuple:
+    """The process groups to all-reduce a partial statistic of ``t`` over (empty: it is whole here)."""
+    if not is_sharded(t):
+        return ()
+    mesh = t.device_mesh
+    groups = []
+    for mesh_dim, pl in enumerate(t.placements):
+        if pl.is_shard():
+            groups.append(mesh.get_group(mesh_dim))
+        elif pl.is_partial():
+            raise ValueError(
+                f"modopt: {where or 'a tensor'} is a DTensor with a Partial placement (an unreduced sum); "
+                "statistics need Shard or Replicate placements (redistribute it first)"
+            )
+    return tuple(groups)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
+
+
+def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
+    """All-reduce entry ``i`` of the 1-D ``values`` over the groups ``keys[i]`` (batched per key)."""
+    import torch.distributed as dist
+
+    out = values.clone()
+    by_key: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k:
+            by_key.setdefault(k, []).append(i)
+    for key, idx in by_key.items():
+        ix = torch.tensor(idx, device=values.device)
+        buf = out.index_select(0, ix).contiguous()
+        for group in key:
+            dist.all_reduce(buf, op=op, group=group)
+        out.index_copy_(0, ix, buf)
+    return out
+
+
+def tensor_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """1-D plain tensor: the p-norm of each *full* tensor (DTensors reduced over their shards), in ``acc``.
+
+    The partials are scaled by the global per-tensor maximum before summing
+    ``|x|**p``, so no magnitude that a single-process norm can represent
+    overflows here. inf and NaN propagate as in a single process.
+    """
+    import torch.distributed as dist
+
+    if not tensors:
+        return torch.zeros(0, dtype=acc)
+    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
+    local = torch.stack(foreach_pnorm([_local(t) for t in tensors], p)).to(acc)
+    if p == 0:  # non-zero counts add up
+        return _all_reduce(local, keys, dist.ReduceOp.SUM)
+    nan = _all_reduce(local.isnan().to(acc), keys, dist.ReduceOp.SUM) > 0
+    big = _all_reduce(torch.nan_to_num(local, nan=0.0), keys, dist.ReduceOp.MAX)
+    if math.isinf(p):
+        out = big
+    else:
+        safe = torch.where((big > 0) & torch.isfinite(big), big, torch.ones_like(big))
+        q = torch.where(torch.isfinite(local), local / safe, torch.zeros_like(local)).pow(p)
+        s = _all_reduce(torch.nan_to_num(q, nan=0.0), keys, dist.ReduceOp.SUM)
+        out = torch.where(torch.isfinite(big) & (big > 0), safe * s.pow(1.0 / p), big)
+    return torch.where(nan, torch.full_like(out, math.nan), out)
+
+
+def _tensor_sums(locals_: list[torch.Tensor], keys: list[tuple], acc: torch.dtype, fn) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = torch.stack([fn(t) for t in locals_]) if locals_ else torch.zeros(0, dtype=acc)
+    return _all_reduce(parts.to(acc), keys, dist.ReduceOp.SUM)
+
+
+def reduce(seg: "Segments", tensors: list[torch.Tensor], stat: float | str) -> "Stat":
+    """:meth:`Segments.reduce` for lists that hold DTensors (``stat`` already parsed)."""
+    if not seg.stacked:  # sharded parameters were refused when the layout was built (check_slices)
+        return [slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)]
+    acc = common_acc_dtype(tensors)
+    if isinstance(stat, float):
+        parts = tensor_pnorms(tensors, stat, acc)
+        if seg.kind == "tensor":
+            return parts
+        return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in seg.ranges])
+    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
+    locals_ = [_local(t) for t in tensors]
+    counts = torch.tensor(seg.counts, dtype=acc, device=_device(locals_))
+    if stat == "mad":
+        return seg._segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.abs().sum(dtype=acc))) / counts.clamp(min=1)
+    sums = seg._segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.sum(dtype=acc)))
+    if stat == "sum":
+        return sums
+    mean = sums / counts.clamp(min=1)
+    if stat == "mean":
+        return mean
+    means = iter(seg.expand(mean))
+    sq = _tensor_sums(locals_, keys, acc, lambda t: (t.to(acc) - next(means)).square().sum())
+    var = torch.where(counts >= 2, seg._segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
+    return var if stat == "var" else var.sqrt()
+
+
+def _device(tensors: list[torch.Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names: list) -> None:
+    """Refuse per-slice statistics (``scope="tensor"`` with ``dim``) of sharded parameters, naming the first.
+
+    Called when a transform first builds its scope's layout (its first step).
+    """
+    for i, (p, ds) in enumerate(zip(params, dims)):
+        if is_sharded(p):
+            name = (names[i] if i < len(names) else None) or f"#{i}"
+            sharded = [pl.dim % max(p.dim(), 1) for pl in p.placements if pl.is_shard()]
+            raise ValueError(
+                f"modopt: parameter {name} (shape {tuple(p.shape)}) is a DTensor sharded on dim(s) {sharded}; "
+                f"per-slice statistics (scope='tensor' with dim/inverse_dims; here over dims {tuple(ds)}) of "
+                "sharded parameters are not supported. Use scope='tensor' without dim, 'group' or 'global' "
+                "(computed over the full tensors), or keep this parameter out of FSDP"
+            )
+
+
+def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """0-d plain bool: does any element of any (full) gradient hold inf or NaN; the same on every rank."""
+    maxabs = tensor_pnorms(grads, math.inf, torch.float32)
+    return ~torch.isfinite(maxabs).all()
+
+
+__all__ = ["any_nonfinite", "any_sharded", "check_slices", "is_sharded", "reduce", "tensor_pnorms"]

@@ -1,0 +1,165 @@
+"""Worker of the distributed tests: ``python dist_worker.py MODE PORT OUT`` spawns 2 gloo ranks on 127.0.0.1.
+
+MODE is ``ddp``, ``fsdp`` or ``single`` (the single-process reference, no
+process group). Every case of :data:`CASES` trains the same small model for
+``STEPS`` steps on the same data; under DDP/FSDP each rank sees its half of the
+batch and the wrapper averages the gradients, so the full-batch gradient (and
+so the trajectory) is the single-process one. Rank 0 (or the single process)
+saves ``{case: {"params": [...], "clipped": bool, "error": str | None}}`` to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+import modopt as mo
+
+STEPS = 10
+WORLD = 2
+
+
+def cases() -> dict[str, list]:
+    """name -> the pipeline (fresh transforms; the small max_norms make every clip active)."""
+    return {
+        "ClipNorm-global": [mo.ClipNorm(0.05), mo.SGD(lr=0.1)],
+        "ClipNorm-global-l1": [mo.ClipNorm(0.2, ord="l1"), mo.SGD(lr=0.1)],
+        "ClipNorm-global-linf": [mo.ClipNorm(0.01, ord="linf"), mo.SGD(lr=0.1)],
+        "ClipNorm-global-l0-l3": [mo.ClipNorm(5.0, ord=0), mo.ClipNorm(0.03, ord=3.0), mo.SGD(lr=0.1)],
+        "ClipNorm-global-std-mad-sum": [
+            mo.ClipNorm(0.003, ord="std"), mo.ClipNorm(0.002, ord="mad"), mo.ClipNorm(0.001, ord="sum"), mo.SGD(lr=0.1)
+        ],
+        "ClipNorm-group": [mo.ClipNorm(0.03, scope="group"), mo.SGD(lr=0.1)],
+        "ClipNorm-tensor": [mo.ClipNorm(0.02, scope="tensor"), mo.SGD(lr=0.1)],
+        "Normalize-tensor": [mo.Normalize(0.01), mo.SGD(lr=0.1)],
+        "Normalize-tensor-linf": [mo.Normalize(0.01, ord="linf"), mo.SGD(lr=0.1)],
+        "Normalize-global": [mo.Normalize(0.01, scope="global"), mo.SGD(lr=0.1)],
+        "Centralize-ZScoreNormalize-tensor": [mo.Centralize(), mo.ZScoreNormalize(), mo.SGD(lr=0.01)],
+        "ClipNormByEMA": [mo.ClipNormByEMA(beta=0.5), mo.Adam(lr=0.01)],
+        "ClipNormByEMA-tensor-update": [mo.ClipNormByEMA(beta=0.5, scope="tensor", ema_init="update"), mo.Adam(lr=0.01)],
+        "ClipNormGrowth": [mo.ClipNormGrowth(mul=1.01), mo.SGD(lr=0.1, momentum=0.9)],
+        "HistClip": [mo.HistClip(mo.EMACriterion(r_thresh=1.01), warmup_steps=3, warmup_max_norm=0.05), mo.SGD(lr=0.1)],
+        "HistClip-zstat": [mo.HistClip(warmup_steps=2, warmup_max_norm=0.05), mo.SGD(lr=0.1)],
+        "ZClip": [mo.ZClip(warmup_steps=3, max_grad_norm=0.05), mo.AdamW(lr=0.01)],
+        "AutoClip": [mo.AutoClip(percentile=30), mo.SGD(lr=0.1)],
+        "NormalizeByEMA-group": [mo.NormalizeByEMA(beta=0.8, scope="group"), mo.SGD(lr=0.05)],
+    }
+
+
+#: pipelines that must raise a clear error under FSDP: per-slice statistics of sharded parameters
+ERROR_CASES = {
+    "ClipNorm-dim1": [mo.ClipNorm(0.01, scope="tensor", dim=1), mo.SGD(lr=0.1)],
+    "Normalize-dim0-inverse": [mo.Normalize(0.01, dim=0, inverse_dims=True), mo.SGD(lr=0.1)],
+}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # odd sizes: uneven shards; Linear(4, 1): rank 1 holds an empty shard of its weight and bias
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)
+    )
+
+
+def param_groups(model):
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for _, p in named[:2]], "param_names": [n for n, _ in named[:2]]},
+        {"params": [p for _, p in named[2:]], "param_names": [n for n, _ in named[2:]]},
+    ]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(8, 6, generator=g) * (1 + step % 3)
+    y = torch.randn(8, 1, generator=g)
+    return x, y
+
+
+def plain_store(opt) -> bool:
+    """Every per-transform value (global/group statistics, counters, histories) is a plain tensor."""
+    return all(type(v) is torch.Tensor for store in opt._store.values() for v in store.values()
+               if isinstance(v, torch.Tensor))
+
+
+def train(mode: str, rank: int, pipeline: list) -> tuple[list[torch.Tensor], bool, bool]:
+    model = make_model()
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    elif mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = model
+    opt = mo.Modular(param_groups(model), *pipeline)
+    clipped = False
+    for step in range(STEPS):
+        x, y = batch(step)
+        if mode != "single":
+            half = x.shape[0] // WORLD
+            x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        opt.zero_grad()
+        (wrapped(x) - y).pow(2).mean().backward()
+        opt.step()
+        clipped |= any(bool(v.any()) for k, v in opt.stats.items() if k.endswith((".clipped", ".scale")) and
+                       (k.endswith(".clipped") or bool((v != 1).any())))
+    out = []
+    for p in model.parameters():
+        out.append(p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone())
+    return out, clipped, plain_store(opt)
+
+
+def run_all(mode: str, rank: int) -> dict:
+    results: dict = {}
+    for name, pipeline in cases().items():
+        try:
+            params, clipped, plain = train(mode, rank, pipeline)
+            results[name] = {"params": params, "clipped": clipped, "plain_state": plain, "error": None}
+        except Exception:  # reported to the test, which fails with the traceback
+            results[name] = {"params": None, "clipped": False, "error": traceback.format_exc()}
+    if mode == "fsdp":
+        for name, pipeline in ERROR_CASES.items():
+            try:
+                train(mode, rank, pipeline)
+                results[name] = {"params": None, "clipped": False, "error": None}
+            except Exception as e:
+                results[name] = {"params": None, "clipped": False, "error": f"{type(e).__name__}: {e}"}
+    return results
+
+
+def _rank_main(rank: int, mode: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        results = run_all(mode, rank)
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    mode, port, out = argv[0], int(argv[1]), argv[2]
+    if mode == "single":
+        torch.set_num_threads(1)
+        torch.save(run_all(mode, 0), out)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(mode, port, out), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main(sys.argv[1:])
