@@ -11,7 +11,15 @@ import torch
 from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .transform import Transform, to_plain, walk
 
+#: the checkpoint format ``state_dict`` writes (``sd["modopt"]["format_version"]``)
 FORMAT_VERSION = 1
+#: ``MIGRATIONS[n]`` upgrades a state dict of format ``n`` to format ``n + 1``.
+#: When a change to ``state_dict`` bumps ``FORMAT_VERSION`` to ``n + 1``, register
+#: here the function that rewrites an ``n`` checkpoint (renamed keys, new
+#: buffers with their initial values, ...). It must return a new dict and never
+#: modify its argument; ``load_state_dict`` runs the chain ``n -> n+1 -> ...``
+#: before any check, so an old checkpoint is validated as a current one.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 _GROUP_BASE_KEYS = {"params", "param_names"}
 
 
@@ -34,6 +42,23 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
                 return d
         return None
     return None if a == b else f"{path.rstrip('.')}: {a!r} != {b!r}"
+
+
+def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
+    """Upgrade a state dict of format ``version`` to :data:`FORMAT_VERSION` through :data:`MIGRATIONS`."""
+    while version < FORMAT_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise ValueError(
+                f"load_state_dict: no migration from checkpoint format_version {version} to {version + 1} "
+                f"(this modopt writes {FORMAT_VERSION})"
+            )
+        sd = step(sd)
+        version += 1
+        got = sd.get("modopt", {}).get("format_version") if isinstance(sd, dict) else None
+        if got != version:
+            raise ValueError(f"load_state_dict: the migration to format_version {version} returned format {got!r}")
+    return sd
 
 
 class Modular(torch.optim.Optimizer):
@@ -172,8 +197,11 @@ class Modular(torch.optim.Optimizer):
         if not isinstance(meta, dict):
             raise ValueError("load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry)")
         version = meta.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
             raise ValueError(f"load_state_dict: unsupported checkpoint format_version {version!r} (this modopt reads <= {FORMAT_VERSION})")
+        if version < FORMAT_VERSION:
+            sd = migrate(sd, version)
+            meta = sd["modopt"]
         diff = _first_difference(to_plain(meta.get("config")), self._pipeline.to_dict())
         if diff is not None:
             raise ValueError(f"load_state_dict: the checkpoint's pipeline differs from this optimizer's: config.{diff}")

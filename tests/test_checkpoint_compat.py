@@ -1,0 +1,103 @@
+"""Checkpoint compatibility: the committed format-1 fixture loads and resumes; format migrations chain."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import modopt as mo
+from modopt.core import modular
+
+DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(DATA))
+import make_checkpoint_v1 as v1  # noqa: E402
+
+
+def load_fixture():
+    return torch.load(DATA / "checkpoint_v1.pt", weights_only=True)
+
+
+def test_v1_fixture_loads_and_resumes():
+    ck = load_fixture()
+    assert ck["optimizer"]["modopt"]["format_version"] == 1
+    m = v1.model()
+    m.load_state_dict(ck["model"])
+    opt = mo.Modular(v1.groups(m), *v1.pipeline())
+    assert opt.config.to_dict() == ck["config"]  # the pipeline still serialises as it did
+    opt.load_state_dict(ck["optimizer"])
+    assert opt.param_groups[1]["lr"] == 5e-3
+    v1.train(m, opt, ck["resume_batches"])
+    for p, e in zip(m.parameters(), ck["expected"]):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
+def test_v1_fixture_rebuilds_from_its_own_config():
+    ck = load_fixture()
+    m = v1.model()
+    m.load_state_dict(ck["model"])
+    opt = mo.Modular.from_config(v1.groups(m), ck["config"])
+    opt.load_state_dict(ck["optimizer"])
+    v1.train(m, opt, ck["resume_batches"])
+    for p, e in zip(m.parameters(), ck["expected"]):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
+def test_a_changed_pipeline_names_the_first_difference():
+    ck = load_fixture()
+    m = v1.model()
+    pipe = v1.pipeline()
+    pipe[1] = mo.ClipNormByEMA(beta=0.8, scope="tensor", dim=0, inverse_dims=True)
+    opt = mo.Modular(v1.groups(m), *pipe)
+    with pytest.raises(ValueError, match=r"config\.transforms\.1\.beta: 0\.9 != 0\.8"):
+        opt.load_state_dict(ck["optimizer"])
+    opt = mo.Modular(v1.groups(m), *v1.pipeline(), nonfinite="zero")
+    with pytest.raises(ValueError, match=r"config\.nonfinite: 'skip' != 'zero'"):
+        opt.load_state_dict(ck["optimizer"])
+    opt = mo.Modular(v1.groups(m), *v1.pipeline()[:-1], mo.Adam(lr=1e-2))
+    with pytest.raises(ValueError, match=r"config\.transforms\.3\.type: 'AdamW' != 'Adam'"):
+        opt.load_state_dict(ck["optimizer"])
+
+
+def test_load_state_dict_runs_the_migration_chain(monkeypatch):
+    """Format N -> N+1: simulate the next format; the v1 fixture is migrated before any check, then resumes."""
+    ck = load_fixture()
+    calls = []
+
+    def v1_to_v2(sd):
+        calls.append(1)
+        return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
+
+    monkeypatch.setattr(modular, "FORMAT_VERSION", 2)
+    monkeypatch.setitem(modular.MIGRATIONS, 1, v1_to_v2)
+    m = v1.model()
+    m.load_state_dict(ck["model"])
+    opt = mo.Modular(v1.groups(m), *v1.pipeline())
+    opt.load_state_dict(ck["optimizer"])
+    assert calls == [1]
+    assert opt.state_dict()["modopt"]["format_version"] == 2
+    v1.train(m, opt, ck["resume_batches"])
+    for p, e in zip(m.parameters(), ck["expected"]):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
+def test_missing_or_broken_migration_is_a_clear_error_and_changes_nothing(monkeypatch):
+    ck = load_fixture()
+    m = v1.model()
+    opt = mo.Modular(v1.groups(m), *v1.pipeline())
+    v1.train(m, opt, ck["resume_batches"][:1])
+    before = copy.deepcopy(opt.state_dict())
+    monkeypatch.setattr(modular, "FORMAT_VERSION", 3)
+    monkeypatch.setitem(modular.MIGRATIONS, 1, lambda sd: {**sd, "modopt": {**sd["modopt"], "format_version": 2}})
+    with pytest.raises(ValueError, match="no migration from checkpoint format_version 2 to 3"):
+        opt.load_state_dict(ck["optimizer"])
+    monkeypatch.setitem(modular.MIGRATIONS, 2, lambda sd: sd)  # forgets to bump the version
+    with pytest.raises(ValueError, match="migration to format_version 3 returned format 2"):
+        opt.load_state_dict(ck["optimizer"])
+    after = opt.state_dict()
+    for k in before["state"]:
+        for name, v in before["state"][k].items():
+            assert torch.equal(v, after["state"][k][name])
