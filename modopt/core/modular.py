@@ -245,6 +245,7 @@ class Modular(torch.optim.Optimizer):
             for k in entry:
                 if not (isinstance(k, str) and k.split(".", 1)[0] in prefixes):
                     raise ValueError(f"load_state_dict: state key {k!r} of parameter {idx} belongs to no transform of this pipeline")
+            _check_buffers(entry, p, self.state.get(p), idx)
             new_state[p] = _copy_state(entry, p, f"parameter {idx}")
         store = meta.get("transforms", {})
         if not isinstance(store, dict) or any(k not in prefixes for k in store):
@@ -286,6 +287,34 @@ def _check_last(transforms: tuple[Transform, ...]) -> None:
 
 #: keys torch's LR schedulers add to param groups
 _SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "initial_momentum"}
+
+
+def _check_buffers(entry: dict, p: torch.Tensor, current: dict | None, idx: Any) -> None:
+    """Refuse per-parameter buffers that cannot belong to ``p`` (before anything changes).
+
+    A buffer is 0-d (a counter, a per-tensor value), shaped like the parameter,
+    or a per-slice value (the parameter's shape with reduced dims of size 1);
+    only histories (``*.history``) are 1-D of any length. Where this optimizer
+    already holds the same buffer, the loaded one must have its shape and dtype.
+    """
+    for k, v in entry.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        where = f"load_state_dict: buffer {k!r} of parameter {idx} (shape {tuple(p.shape)})"
+        if v.is_complex() or v.is_sparse:
+            raise ValueError(f"{where} is {'complex' if v.is_complex() else 'sparse'}")
+        history = k.endswith("history")
+        if v.dim() and not history:
+            if v.dim() != p.dim() or any(a not in (b, 1) for a, b in zip(v.shape, p.shape)):
+                raise ValueError(f"{where} has shape {tuple(v.shape)}, which does not fit the parameter")
+        if history and v.dim() != 1:
+            raise ValueError(f"{where} must be 1-D, got shape {tuple(v.shape)}")
+        old = current.get(k) if current else None
+        if isinstance(old, torch.Tensor):
+            if old.dtype != v.dtype:
+                raise ValueError(f"{where} has dtype {v.dtype}, this optimizer's is {old.dtype}")
+            if not history and old.shape != v.shape:
+                raise ValueError(f"{where} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
 
 
 def _copy_state(value: Any, p: torch.Tensor | None, where: str, device: torch.device | None = None) -> Any:

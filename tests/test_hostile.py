@@ -1,0 +1,183 @@
+"""Hostile input: configs never run code (library and CLI), bad checkpoints are refused before anything
+changes, sparse gradients and complex parameters are clear errors (Modular and attach)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import modopt as mo
+from modopt.cli import main as cli_main
+
+PWN = "!!python/object/apply:os.system ['touch {marker}']"
+
+
+def model_and_opt(*transforms, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = mo.Modular(model.parameters(), *(transforms or (mo.ClipNormByEMA(scope="tensor"), mo.Adam(lr=1e-2))))
+    return model, opt
+
+
+def train(model, opt, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(5, 3, generator=g)).pow(2).sum().backward()
+        opt.step()
+
+
+def snapshot(opt):
+    return copy.deepcopy(opt.state_dict())
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+# --- configs never run code ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["top", "field", "experiment"])
+def test_yaml_tags_never_run_code_library_and_cli(tmp_path, capsys, where):
+    marker = tmp_path / "pwned"
+    tag = PWN.format(marker=marker)
+    text = {
+        "top": f"transforms: {tag}\n",
+        "field": f"transforms:\n  - {{type: ClipNorm, max_norm: {tag}}}\n",
+        "experiment": f"optimizer:\n  transforms:\n    - {{type: Adam}}\ntask: {tag}\n",
+    }[where]
+    path = tmp_path / "evil.yaml"
+    path.write_text(text)
+    with pytest.raises(mo.ConfigError, match="invalid YAML"):
+        mo.load_config(path)
+    assert cli_main(["validate", str(path)]) == 1
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "run"), "--quiet", "--no-plots"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_cli_refuses_import_paths_outside_the_allow_list(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text("optimizer:\n  transforms:\n    - {type: TorchOptimizer, cls: os.system}\ntrain: {steps: 2}\n")
+    assert cli_main(["validate", str(path)]) == 1
+    assert "not allowed" in capsys.readouterr().err
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "--quiet", "--no-plots"]) == 1
+    # trusting imports still refuses what is not an optimizer class
+    assert cli_main(["validate", str(path), "--trust-imports"]) == 1
+    assert "not a torch.optim.Optimizer" in capsys.readouterr().err
+
+
+# --- checkpoints --------------------------------------------------------------------------------------
+
+
+def test_truncated_checkpoint_file_raises_and_changes_nothing():
+    model, opt = model_and_opt()
+    train(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    data = buf.getvalue()
+    train(model, opt, 1, seed=1)
+    before = snapshot(opt)
+    for cut in (len(data) // 3, len(data) - 50):
+        with pytest.raises(Exception):
+            opt.load_state_dict(torch.load(io.BytesIO(data[:cut]), weights_only=True))
+        assert_same(before, snapshot(opt))
+
+
+def _drop_param_state(sd):
+    sd["state"].pop(next(iter(sd["state"])))
+
+
+@pytest.mark.parametrize(
+    "tamper,match",
+    [
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(99)), "does not fit the parameter"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, 2)), "does not fit"),
+        (lambda sd: sd["state"][0].__setitem__("0:ClipNormByEMA.ema", torch.zeros(3, 4)), "does not fit"),
+        (lambda sd: sd["state"][1].__setitem__("1:Adam.exp_avg_sq", torch.zeros(2)), "does not fit"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.float64)), "dtype"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.complex64)), "complex"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.step", torch.zeros(1, 1, 1)), "does not fit"),
+        (lambda sd: sd["modopt"].__setitem__("format_version", "1"), "format_version"),
+        (lambda sd: sd["modopt"].__setitem__("format_version", True), "format_version"),
+        (lambda sd: sd["modopt"].__setitem__("config", {"transforms": []}), "pipeline differs"),
+        (lambda sd: sd["modopt"].__setitem__("skipped_steps", 3), "skipped_steps"),
+        (lambda sd: sd.__setitem__("state", [1, 2]), "'state' must be a dict"),
+        (lambda sd: sd["param_groups"][0].__setitem__("params", "all"), "malformed"),
+    ],
+)
+def test_tampered_buffers_are_refused_before_anything_changes(tamper, match):
+    model, opt = model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    tamper(sd)
+    train(model, opt, 1, seed=1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(opt))
+    train(model, opt, 1, seed=2)  # still steps normally
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_wrong_shape_buffer_is_refused_on_a_fresh_optimizer():
+    model, opt = model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][2]["1:Adam.exp_avg"] = torch.zeros(3, 4)  # the (2, 4) weight's buffer, transposed
+    _, fresh = model_and_opt()
+    with pytest.raises(ValueError, match=r"buffer '1:Adam.exp_avg' of parameter 2 \(shape \(2, 4\)\) has shape \(3, 4\)"):
+        fresh.load_state_dict(sd)
+    assert len(fresh.state) == 0
+
+
+def test_a_checkpoint_missing_a_parameter_state_loads_as_fresh_state():
+    """Documented: a parameter without saved state starts fresh (as torch.optim does), it is not an error."""
+    model, opt = model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    _drop_param_state(sd)
+    _, o2 = model_and_opt()
+    o2.load_state_dict(sd)
+    assert len(o2.state) == len(opt.state) - 1
+
+
+# --- sparse gradients, complex parameters --------------------------------------------------------------
+
+
+def test_sparse_gradients_and_complex_parameters_are_clear_errors_with_attach():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with mo.attach(opt, mo.ClipNorm(1.0)):
+        before = emb.weight.detach().clone()
+        with pytest.raises(RuntimeError, match="sparse gradients"):
+            opt.step()
+        assert torch.equal(before, emb.weight)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        mo.Modular(emb.parameters(), mo.ClipNorm(1.0), mo.SGD(lr=0.1)).step()
+    c = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    c.grad = torch.ones(2, dtype=torch.complex64)
+    copt = torch.optim.SGD([c], lr=0.1)
+    mo.attach(copt, mo.Normalize())
+    with pytest.raises(RuntimeError, match="complex parameters.*view_as_real"):
+        copt.step()
+    named = mo.Modular([("z", c)], mo.Normalize(), mo.SGD(lr=0.1))
+    with pytest.raises(RuntimeError, match="complex parameters \\(parameter z of group 0\\)"):
+        named.step()
+    assert torch.equal(c.detach(), torch.ones(2, dtype=torch.complex64))
