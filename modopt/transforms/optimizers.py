@@ -13,7 +13,9 @@ import inspect
 from typing import Any, ClassVar
 
 import torch
-from pydantic import NonNegativeFloat, PrivateAttr, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from torch.optim.sgd import sgd as _torch_sgd
@@ -21,6 +23,10 @@ from torch.optim.sgd import sgd as _torch_sgd
 from ..core.distributed import is_sharded
 from ..core.registry import class_path, register_optimizer, resolve_optimizer
 from ..core.transform import Transform
+
+#: a finite number >= 0: an infinite or NaN learning rate, eps, momentum or decay can only produce NaN parameters
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -148,7 +154,7 @@ class SGD(Transform):
 
     lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
-    dampening: float = 0.0
+    dampening: FiniteFloat = 0.0
     nesterov: bool = False
     weight_decay: NonNegativeFloat = 0.0
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
