@@ -31,9 +31,33 @@ class ClipValue(Transform):
     value: PositiveFloat
 
     def apply(self, ctx, st, updates):
-        torch._foreach_clamp_min_(updates, -self.value)
-        torch._foreach_clamp_max_(updates, self.value)
+        big, small = _split_by_size(ctx, updates)
+        for u in big:  # one sweep per large tensor (the foreach pair below takes two)
+            u.clamp_(-self.value, self.value)
+        if small:
+            torch._foreach_clamp_min_(small, -self.value)
+            torch._foreach_clamp_max_(small, self.value)
         return updates
+
+
+#: tensors at least this large are worth one op each (per-op overhead is small next to a memory sweep)
+_BIG = 1 << 16
+
+
+def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``updates`` split into large tensors and the rest (the split is cached per layout)."""
+    cache = ctx.layout.cache if ctx.layout is not None and len(ctx.layout.params) == len(updates) else None
+    idx = cache.get("big_tensors") if cache is not None else None
+    if idx is None:
+        idx = [i for i, u in enumerate(updates) if u.numel() >= _BIG]
+        if cache is not None:
+            cache["big_tensors"] = idx
+    if not idx:
+        return [], updates
+    if len(idx) == len(updates):
+        return updates, []
+    big = set(idx)
+    return [updates[i] for i in idx], [u for i, u in enumerate(updates) if i not in big]
 
 
 class ClipNorm(Scoped):
