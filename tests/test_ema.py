@@ -14,9 +14,9 @@ from families import layouts, run_vs_spec, same_state, scope_kw, snapshot
 from harness import Harness
 
 ORDS = [2.0, 1.0, math.inf, 3.0, "mad", "std", "sum", "l0"]
-# float64 checks the algorithm step by step; float32 only its precision: an EMA of alternating
-# signs cancels, and float32 rounding of the cancelled sum drifts from the float64 spec (~1e-4 after 50 steps)
-REL = {torch.float64: 1e-9, torch.float32: 1e-2}
+# float64 checks the algorithm step by step; float32 its precision (families.FLOOR covers the rounding an EMA of
+# alternating signs carries from the spike it has seen)
+REL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 @settings(max_examples=25)
