@@ -50,7 +50,7 @@ def _params(seed=0):
 def _set_grads(params, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * (5.0 if step % 3 == 2 else 1.0)
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * (5.0 if step % 3 == 2 else 1.0)
 
 
 def _groups(params):
@@ -103,3 +103,88 @@ def test_compiled_step_fullgraph_matches_eager(name):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     # a graph for the first step (state is created) and one for the rest: a changing lr does not recompile
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+# --- deferred scales (a clip folded into the next transform) -------------------------
+
+
+def _run(transforms, params_fn, steps=6, **kw):
+    params = params_fn()
+    opt = mo.Modular(_groups(params), *transforms, **kw)
+    for i in range(steps):
+        _set_grads(params, i)
+        opt.step()
+    return params
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)],
+        lambda: [mo.ClipNorm(1.0, scope="group"), mo.AdamW(lr=1e-2)],
+        lambda: [mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, nesterov=True)],
+        lambda: [mo.ClipNorm(1.0), mo.Normalize(), mo.Adam(lr=1e-2)],
+        lambda: [mo.ClipNorm(1.0, scope="group"), mo.Normalize(scope="global"), mo.Adam(lr=1e-2)],
+        lambda: [mo.ClipNorm(1.0), mo.Normalize(min_size=10), mo.Adam(lr=1e-2)],  # inactive slices
+        lambda: [mo.Chain(mo.ClipNorm(1.0), mo.Adam(lr=1e-2))],
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_deferred_scale_equals_applying_it_at_once(make, dtype):
+    """The same pipeline with an Identity after every clip (which blocks the hand-over) moves the same."""
+
+    def blocked(ts):
+        out = []
+        for t in ts:
+            if isinstance(t, mo.Chain):
+                out.append(mo.Chain(*blocked(list(t.transforms))))
+                continue
+            out.append(t)
+            if isinstance(t, mo.ClipNorm):
+                out.append(mo.Identity())
+        return out
+
+    def params_fn():
+        return [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+
+    a = _run(make(), params_fn)
+    b = _run(blocked(make()), params_fn)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, **tol)
+
+
+def test_folded_clip_leaves_the_clipped_gradient_in_grad():
+    """As without the fold, ``p.grad`` holds the clipped gradient after the step (torch's fused
+    kernels write the unscaled gradient back)."""
+    a, b = _params(), _params()
+    opt = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    ref = torch.optim.Adam(b, lr=1e-2)
+    for i in range(3):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(b, 1.0)
+        ref.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_attach_applies_a_clip_before_the_torch_optimizer():
+    a, b = _params(), _params()
+    opt = torch.optim.Adam(a, lr=1e-2)
+    handle = mo.attach(opt, mo.ClipNorm(1.0), mo.Normalize(scope="global"))
+    ref = torch.optim.Adam(b, lr=1e-2)
+    for i in range(3):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(b, 1.0)
+        total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in b]))
+        for q in b:
+            q.grad.div_(total)
+        ref.step()
+    handle.remove()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
