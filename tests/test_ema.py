@@ -136,3 +136,19 @@ def test_mission_example_trains():
     assert losses[-1] < 0.2 * losses[0]
     for k in ("norm", "scale", "clipped", "ema_norm"):
         assert isinstance(opt.stats[f"0:ClipNormByEMA.{k}"], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: (mo.ClipNormByEMA(beta=0.9), spec.ClipNormByEMA(g, beta=0.9)),
+        lambda g: (mo.NormalizeByEMA(beta=0.5, ema_init="update"), spec.NormalizeByEMA(g, beta=0.5, ema_init="update")),
+        lambda g: (mo.ClipValueByEMA(beta=0.9), spec.ClipValueByEMA(0.9, "zeros")),
+    ],
+)
+def test_guarded_path_without_a_nonfinite_check_matches_spec(make):
+    """With nonfinite="ignore" the EMA transforms guard their statistics element-wise (a slower
+    path than the fused lerp used when the policy has checked the gradients): same results."""
+    shp, group_of = [(3, 4), (5,), ()], [0, 0, 1]
+    t, ref = make(group_of)
+    run_vs_spec(t, ref, shp, group_of, torch.float64, seed=7, rel=REL[torch.float64], checked=False)

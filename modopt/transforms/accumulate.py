@@ -42,13 +42,18 @@ class Accumulate(Transform):
 
     def apply(self, ctx, st, updates):
         sums = st.buffers("sum", lambda i, p: torch.zeros_like(updates[i], dtype=acc_dtype(updates[i].dtype)))
-        torch._foreach_add_(sums, [u.to(s.dtype) for u, s in zip(updates, sums)])
+        same = [i for i, (u, s) in enumerate(zip(updates, sums)) if u.dtype == s.dtype]
+        if len(same) == len(updates):
+            torch._foreach_add_(sums, updates)
+        else:  # half-precision updates accumulate in float32
+            torch._foreach_add_(sums, [u.to(s.dtype) for u, s in zip(updates, sums)])
         calls = int(st.store.get("calls", 0)) + 1
         if calls < self.steps:
             st.store["calls"] = calls
             return None
         st.store["calls"] = 0
-        out = [(s / self.steps).to(u.dtype) for s, u in zip(sums, updates)]
-        for s in sums:
-            s.zero_()
-        return out
+        # the mean goes into the update buffers themselves: no full-size copy
+        torch._foreach_div_(sums, float(self.steps))
+        torch._foreach_copy_(updates, sums)
+        torch._foreach_zero_(sums)
+        return updates

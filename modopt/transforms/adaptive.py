@@ -203,7 +203,7 @@ class HistClip(Scoped):
             )
 
         scale, n, mu, v, trig = map_many(seg, rule, g, n, mu, v)
-        seg.mul_(updates, scale)
+        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
         st.seg_set(seg, "count", n)
         st.seg_set(seg, "mu", mu)
         st.seg_set(seg, "v", v)
@@ -302,7 +302,7 @@ class ZClip(Scoped):
             )
 
         scale, n, mu, var, spike = map_many(seg, rule, g, n, mu, var)
-        seg.mul_(updates, scale)
+        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
         st.seg_set(seg, "count", n)
         st.seg_set(seg, "mu", mu)
         st.seg_set(seg, "var", var)
@@ -370,7 +370,7 @@ class AutoClip(Scoped):
             thresholds.append(_percentile(hist, q).to(gs.dtype))
         c = torch.stack(thresholds)
         scale = clip_to(g, c, self.eps)
-        seg.mul_(updates, scale)
+        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
         record_clip(st, seg, g, scale, threshold=c)
         return updates
 

@@ -40,8 +40,11 @@ class _NormEMA(Scoped, abstract=True):
         else:
             m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
         w = 1.0 - self.beta
-        for mi, ui, oi in zip(m, updates, ok_t):
-            mi.copy_(torch.where(oi, torch.lerp(mi, ui.to(mi.dtype), w), mi))
+        if ctx.inputs_finite:  # the non-finite policy already guarantees finite updates: one fused pass
+            torch._foreach_lerp_(m, updates, w)
+        else:
+            for mi, ui, oi in zip(m, updates, ok_t):
+                mi.copy_(torch.where(oi, torch.lerp(mi, ui.to(mi.dtype), w), mi))
         nm = seg.map(torch.abs, seg.reduce(m, self.ord))
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
@@ -60,7 +63,7 @@ class _NormEMA(Scoped, abstract=True):
             scale = seg.map(lambda a, b: torch.where(a > 0, torch.clamp(b, min=eps) / a, torch.ones_like(a)), nu, nm)
         else:
             scale = seg.map(lambda a, b: below_one(torch.clamp(b, min=eps) / a), nu, nm)
-        seg.mul_(updates, scale)
+        self.scale_(ctx, seg, updates, scale)
         record_clip(st, seg, nu, scale, ema_norm=nm)
         return updates
 
@@ -155,8 +158,11 @@ class ClipValueByEMA(Transform):
             m = st.buffers("ema", lambda i, p: torch.where(fin[i], updates[i].abs(), 0).to(updates[i].dtype))
         w = 1.0 - self.beta
         clipped = []
+        if ctx.inputs_finite:
+            torch._foreach_lerp_(m, torch._foreach_abs(updates), w)
         for mi, ui, fi in zip(m, updates, fin):
-            mi.copy_(torch.where(fi, torch.lerp(mi, ui.abs().to(mi.dtype), w), mi))
+            if not ctx.inputs_finite:
+                mi.copy_(torch.where(fi, torch.lerp(mi, ui.abs().to(mi.dtype), w), mi))
             bound = mi.to(ui.dtype)
             clipped.append((ui.abs() > bound).any())
             ui.clamp_(min=-bound, max=bound)
