@@ -17,12 +17,8 @@ class Harness:
     group of tensor i (groups must be contiguous, as in an optimizer).
     """
 
-    def __init__(self, transform, params, group_of=None, group_dicts=None, names=None, checked=True):
-        """``checked``: behave like a Modular whose non-finite policy checks the gradients (the
-        default "skip"): steps with finite updates are marked finite, so transforms take their
-        unguarded fast paths; ``checked=False`` behaves like ``nonfinite="ignore"``."""
+    def __init__(self, transform, params, group_of=None, group_dicts=None, names=None):
         self.t = transform
-        self.checked = checked
         self.params = list(params)
         self.group_of = list(group_of) if group_of is not None else [0] * len(self.params)
         gids = sorted(set(self.group_of))
@@ -48,7 +44,6 @@ class Harness:
     def step(self, updates):
         self.stats = {}
         ctx = StepContext(self.params, self.groups, self.gids, self.ranges, self.names, self, self.stats)
-        ctx.inputs_finite = self.checked and all(bool(torch.isfinite(u).all()) for u in updates)
         st = TransformState(self, ctx, f"0:{type(self.t).__name__}")
         out = self.t.apply(ctx, st, [u.clone() for u in updates])
         return out

@@ -103,12 +103,10 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     if policy == "zero":
         for g in grads:
             torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
-        ctx.inputs_finite = True
         return True
     bad = nonfinite_mask(grads)
     ctx.stats["nonfinite"] = bad
     if not bool(bad):  # the one sync of the step
-        ctx.inputs_finite = True
         return True
     if policy == "raise":
         which = [ctx.names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]

@@ -66,9 +66,6 @@ class StepContext:
         self._token: int | None = None
         #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
         self.layout: Layout | None = None
-        #: True when the non-finite policy has already ensured every gradient is finite
-        #: (transforms may then skip their own per-element guards of running statistics)
-        self.inputs_finite = False
         #: a per-segment scale not yet multiplied into the updates (see :meth:`defer_scale`)
         self.pending: tuple[list[tuple[int, int]], list[torch.Tensor]] | None = None
         #: True while the running transform may defer a scale (the next one takes it)

@@ -6,7 +6,6 @@ param group of each tensor); ``step(updates)`` returns the new updates.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -34,11 +33,9 @@ class ClipNormByEMA:
             x = gather(out, seg)
             m = gather(self.m, seg)
             n_u = abs(float(stat(x, self.ord)))
-            finite = math.isfinite(n_u)
-            if finite:
-                if first and self.ema_init == "update":
-                    m = x.clone()
-                m = self.beta * m + (1 - self.beta) * x
+            if first and self.ema_init == "update":
+                m = x.clone()
+            m = self.beta * m + (1 - self.beta) * x
             n_m = abs(float(stat(m, self.ord)))
             if self.max_ema_growth is not None:
                 prev = self.prev_norm.get(s, 0.0)
@@ -46,8 +43,7 @@ class ClipNormByEMA:
                 if prev > 0 and n_m > allowed:
                     m = m * (allowed / n_m)
                     n_m = allowed
-                if finite:
-                    self.prev_norm[s] = n_m
+                self.prev_norm[s] = n_m
             scatter(self.m, seg, m)
             if x.numel() < self.min_size:
                 continue
@@ -76,14 +72,13 @@ class ClipValueByEMA:
         out = [u.detach().to(torch.float64).clone() for u in updates]
         if self.m is None:
             if self.ema_init == "update":
-                self.m = [torch.where(torch.isfinite(u), u.abs(), 0.0) for u in out]
+                self.m = [u.abs() for u in out]
             else:
                 self.m = [torch.zeros_like(u) for u in out]
         for i, u in enumerate(out):
             m = self.m[i]
             for j in range(u.numel()):
                 a = u.reshape(-1)[j]
-                if torch.isfinite(a):
-                    m.reshape(-1)[j] = self.beta * m.reshape(-1)[j] + (1 - self.beta) * a.abs()
+                m.reshape(-1)[j] = self.beta * m.reshape(-1)[j] + (1 - self.beta) * a.abs()
             out[i] = torch.maximum(torch.minimum(u, m), -m)
         return out

@@ -2,8 +2,10 @@
 
 The EMA ``m`` is kept per parameter, as full vectors (``m <- beta*m + (1-beta)*u``);
 the norm of ``m`` over the transform's scope is the yardstick the update is
-measured against. A segment whose update norm is non-finite leaves ``m`` (and
-the growth bookkeeping) exactly as it was.
+measured against. Non-finite updates never reach ``m`` under the optimizer's
+non-finite policy (the default ``"skip"`` leaves every state as it was;
+``"zero"`` zeroes them first); with ``nonfinite="ignore"`` nothing is checked
+and they enter ``m``, as the user asked.
 """
 
 from __future__ import annotations
@@ -33,18 +35,11 @@ class _NormEMA(Scoped, abstract=True):
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
-        ok = seg.map(torch.isfinite, nu)
-        ok_t = seg.expand(ok)
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
-        w = 1.0 - self.beta
-        if ctx.inputs_finite:  # the non-finite policy already guarantees finite updates: one fused pass
-            torch._foreach_lerp_(m, updates, w)
-        else:
-            for mi, ui, oi in zip(m, updates, ok_t):
-                mi.copy_(torch.where(oi, torch.lerp(mi, ui.to(mi.dtype), w), mi))
+            m = st.buffers("ema", lambda i, p: updates[i].detach().clone())
+        torch._foreach_lerp_(m, updates, 1.0 - self.beta)
         nm = seg.map(torch.abs, seg.reduce(m, self.ord))
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
@@ -57,7 +52,7 @@ class _NormEMA(Scoped, abstract=True):
             factor = seg.map(limit, nm, prev)
             seg.mul_(m, factor)
             nm = seg.map(torch.mul, nm, factor)
-            st.seg_set(seg, "prev_ema_norm", seg.map(lambda o, n, pv: torch.where(o, n, pv.to(n.dtype)), ok, nm, prev))
+            st.seg_set(seg, "prev_ema_norm", nm)
         eps = self.eps
         if self.normalize:
             scale = seg.map(lambda a, b: torch.where(a > 0, torch.clamp(b, min=eps) / a, torch.ones_like(a)), nu, nm)
@@ -133,8 +128,7 @@ class ClipValueByEMA(Transform):
         m &\leftarrow \beta m + (1-\beta) |u| \\
         u &\leftarrow \operatorname{clamp}(u, -m, m)
 
-    ``ema_init="update"`` starts ``m`` at ``|u|``. Non-finite elements never
-    enter ``m``. Defaults: ``beta=0.99``, ``ema_init="zeros"``. Reproduces
+    ``ema_init="update"`` starts ``m`` at ``|u|``. Defaults: ``beta=0.99``, ``ema_init="zeros"``. Reproduces
     torchzero's ``ClipValueByEMA``.
 
     Telemetry: ``clipped`` (any element clipped).
@@ -151,21 +145,15 @@ class ClipValueByEMA(Transform):
     ema_init: EmaInit = "zeros"
 
     def apply(self, ctx, st, updates):
-        fin = [torch.isfinite(u) for u in updates]
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m = st.buffers("ema", lambda i, p: torch.where(fin[i], updates[i].abs(), 0).to(updates[i].dtype))
-        w = 1.0 - self.beta
+            m = st.buffers("ema", lambda i, p: updates[i].detach().abs())
+        torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
         clipped = []
-        if ctx.inputs_finite:
-            torch._foreach_lerp_(m, torch._foreach_abs(updates), w)
-        for mi, ui, fi in zip(m, updates, fin):
-            if not ctx.inputs_finite:
-                mi.copy_(torch.where(fi, torch.lerp(mi, ui.abs().to(mi.dtype), w), mi))
-            bound = mi.to(ui.dtype)
-            clipped.append((ui.abs() > bound).any())
-            ui.clamp_(min=-bound, max=bound)
+        for mi, ui in zip(m, updates):
+            clipped.append((ui.abs() > mi).any())
+            ui.clamp_(min=-mi, max=mi)
         if clipped:
             st.record("clipped", torch.stack(clipped).any())
         return updates
