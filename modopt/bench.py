@@ -274,7 +274,8 @@ def torchzero_side(make_modules: Callable[[Any], list]) -> Callable[[list], Side
         return None
 
     def build(params):
-        opt = tz.Modular(params, *make_modules(tz.m))
+        cls = getattr(tz, "Modular", None) or tz.Optimizer  # the class was renamed across releases
+        opt = cls(params, *make_modules(tz.m))
 
         def state():
             return [dict(s) for s in opt.state.values()]
@@ -304,7 +305,7 @@ def cases() -> list[Case]:
         Case("ClipNorm(1.0)+Adam", ("ClipNorm", "Adam"),
              lambda: modopt_side(mo.ClipNorm(1.0), mo.Adam(lr=1e-3)),
              torch_clipnorm_adam, "clip_grad_norm_(foreach) + Adam(fused)",
-             lambda m: [m.ClipNorm(1.0), m.Adam(), m.LR(1e-3)]),
+             lambda m: [m.ClipNorm(1.0, dim="global"), m.Adam(), m.LR(1e-3)]),
         Case("ClipValue(0.01)+SGD(momentum=0.9)", ("ClipValue", "SGD"),
              lambda: modopt_side(mo.ClipValue(0.01), mo.SGD(lr=1e-2, momentum=0.9)),
              torch_clipvalue_sgd, "clip_grad_value_(foreach) + SGD(fused)",
@@ -316,7 +317,7 @@ def cases() -> list[Case]:
         Case("ClipNormByEMA+Normalize+Adam", ("ClipNormByEMA", "Normalize", "Adam"),
              lambda: modopt_side(mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=1e-3)),
              torch_emaclip_normalize_adam, "foreach EMA clip/normalize + Adam(fused)",
-             lambda m: [m.ClipNormByEMA(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
+             lambda m: [m.ClipNormByEMA(tensorwise=False), m.Normalize(), m.Adam(), m.LR(1e-3)]),
         Case("ZClip+AdamW", ("ZClip", "AdamW"),
              lambda: modopt_side(mo.ZClip(), mo.AdamW(lr=1e-3)),
              torch_zclip_adamw, "foreach z-score clip + AdamW(fused)"),
