@@ -141,7 +141,17 @@ class LR(Transform):
         return updates
 
 
-class SGD(Transform):
+class _FusedOptimizer(Transform, abstract=True):
+    """An optimizer transform that, as the last one, writes the parameters with torch's fused
+    kernels and folds a deferred clip scale into them (their ``grad_scale``)."""
+
+    is_optimizer: ClassVar[bool] = True
+
+    def takes_scale(self, final):
+        return final and not torch.compiler.is_compiling()
+
+
+class SGD(_FusedOptimizer):
     r"""Stochastic gradient descent, identical to ``torch.optim.SGD``.
 
     .. math::
@@ -158,7 +168,6 @@ class SGD(Transform):
     nesterov: bool = False
     weight_decay: NonNegativeFloat = 0.0
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
-    is_optimizer: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _nesterov(self):
@@ -175,9 +184,6 @@ class SGD(Transform):
         for s, buf in zip(st.ctx.param_states()[a:b], bufs):
             if buf is not None:
                 s[k] = buf
-
-    def takes_scale(self, final):
-        return final and not torch.compiler.is_compiling()
 
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
@@ -239,7 +245,7 @@ class SGD(Transform):
         return out
 
 
-class Adam(Transform):
+class Adam(_FusedOptimizer):
     r"""Adam, identical to ``torch.optim.Adam`` (eps added after the bias-corrected square root).
 
     .. math::
@@ -257,7 +263,6 @@ class Adam(Transform):
     weight_decay: NonNegativeFloat = 0.0
     amsgrad: bool = False
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-    is_optimizer: ClassVar[bool] = True
     decoupled: ClassVar[bool] = False
 
     @field_validator("betas")
@@ -278,9 +283,6 @@ class Adam(Transform):
             if amsgrad else []
         )
         return steps, m, v, vmax
-
-    def takes_scale(self, final):
-        return final and not torch.compiler.is_compiling()
 
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
