@@ -27,7 +27,6 @@ def test_docstring_examples_run(name):
 
 
 def test_every_registered_transform_with_a_docstring_example_is_exercised():
-    runner = doctest.DocTestRunner()
     attempted = 0
     for name in MODULES:
         if name.startswith("modopt.transforms"):
