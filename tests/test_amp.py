@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import modopt as mo
+from checks import assert_same
 from examples import all_examples, pipeline_for
 
 EXAMPLES = all_examples()
@@ -84,20 +85,6 @@ def test_skipped_scaler_step_leaves_every_transform_state_unchanged(name, t):
         assert torch.equal(p, q)
     assert_same(before_sd, opt.state_dict())
 
-
-def assert_same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) or (a.isnan().any() and torch.equal(a.isnan(), b.isnan()))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_attach_with_grad_scaler_clips_unscaled_gradients():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import modopt as mo
+from checks import assert_same
 
 
 def model_and_opt(*transforms, seed=0, **kw):
@@ -36,20 +37,6 @@ def roundtrip(sd):
 def snapshot(opt):
     return copy.deepcopy(opt.state_dict())
 
-
-def assert_same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_state_dict_is_plain_data_with_the_config():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import modopt as mo
+from checks import assert_same
 from modopt.cli import main as cli_main
 
 PWN = "!!python/object/apply:os.system ['touch {marker}']"
@@ -33,20 +34,6 @@ def train(model, opt, n, seed=0):
 def snapshot(opt):
     return copy.deepcopy(opt.state_dict())
 
-
-def assert_same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 # --- configs never run code ---------------------------------------------------------------------

@@ -1,0 +1,26 @@
+"""Shared assertions of the test suite."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_same(a, b, path: str = "") -> None:
+    """Two state trees (dicts, lists, tensors, numbers) are identical: same keys, dtypes and bits
+    (NaNs in the same places count as equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        same = torch.equal(a, b)
+        if not same and a.is_floating_point():
+            same = torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert same, path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
