@@ -90,9 +90,15 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     """The p-norm of a concatenation, from the p-norms of its parts (1-D ``norms``)."""
     if p == 0:
         return norms.sum()
+    if not norms.numel():
+        return norms.new_zeros(())
     if math.isinf(p):
-        return norms.amax() if norms.numel() else norms.new_zeros(())
-    return torch.linalg.vector_norm(norms, p)
+        return norms.amax()
+    # scaled by the largest part, so that finite parts whose p-th powers overflow the
+    # accumulator (e.g. 3e19 ** 3 in float32) still combine to a finite norm
+    top = norms.amax()
+    unit = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
+    return unit * torch.linalg.vector_norm(norms / unit, p)
 
 
 def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> torch.Tensor:

@@ -35,11 +35,16 @@ class _NormEMA(Scoped, abstract=True):
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
+        # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync)
+        ok = seg.map(torch.isfinite, nu)
+        ok_t = seg.expand(ok)
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m = st.buffers("ema", lambda i, p: updates[i].detach().clone())
-        torch._foreach_lerp_(m, updates, 1.0 - self.beta)
+            m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
+        # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half)
+        torch._foreach_lerp_(m, updates, [oi.to(mi.dtype) * (1.0 - self.beta) for oi, mi in zip(ok_t, m)])
         nm = seg.map(torch.abs, seg.reduce(m, self.ord))
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
@@ -52,7 +57,7 @@ class _NormEMA(Scoped, abstract=True):
             factor = seg.map(limit, nm, prev)
             seg.mul_(m, factor)
             nm = seg.map(torch.mul, nm, factor)
-            st.seg_set(seg, "prev_ema_norm", nm)
+            st.seg_set(seg, "prev_ema_norm", seg.map(lambda o, n, pv: torch.where(o, n, pv.to(n.dtype)), ok, nm, prev))
         eps = self.eps
         if self.normalize:
             scale = seg.map(lambda a, b: torch.where(a > 0, torch.clamp(b, min=eps) / a, torch.ones_like(a)), nu, nm)
