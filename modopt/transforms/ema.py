@@ -2,10 +2,12 @@
 
 The EMA ``m`` is kept per parameter, as full vectors (``m <- beta*m + (1-beta)*u``);
 the norm of ``m`` over the transform's scope is the yardstick the update is
-measured against. Non-finite updates never reach ``m`` under the optimizer's
+measured against. Non-finite gradients never reach ``m`` under the optimizer's
 non-finite policy (the default ``"skip"`` leaves every state as it was;
-``"zero"`` zeroes them first); with ``nonfinite="ignore"`` nothing is checked
-and they enter ``m``, as the user asked.
+``"zero"`` zeroes them first). A segment whose norm is not finite (finite
+values whose norm overflowed) leaves ``m`` as it was. With
+``nonfinite="ignore"`` nothing is checked, and an inf or NaN element turns
+its ``m`` into NaN, as the user asked.
 """
 
 from __future__ import annotations
@@ -43,8 +45,15 @@ class _NormEMA(Scoped, abstract=True):
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
             m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
-        # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half)
-        torch._foreach_lerp_(m, updates, [oi.to(mi.dtype) * (1.0 - self.beta) for oi, mi in zip(ok_t, m)])
+        # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
+        # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
+        w = 1.0 - self.beta
+        if seg.stacked:
+            per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
+            weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
+        else:
+            weights = [oi.to(mi.dtype) * w for oi, mi in zip(ok_t, m)]
+        torch._foreach_lerp_(m, updates, weights)
         nm = seg.map(torch.abs, seg.reduce(m, self.ord))
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
