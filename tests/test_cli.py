@@ -305,3 +305,12 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_validate_bare_pipeline_names_the_fields_as_written(tmp_path, capsys):
+    cfg = tmp_path / "pipe.yaml"
+    cfg.write_text("transforms:\n  - {type: ClipNorm, max_norm: -1}\n  - {type: Adam, lrr: 0.1}\n")
+    assert run_cli("validate", str(cfg)) != 0
+    err = capsys.readouterr().err
+    assert "transforms.0.max_norm" in err and "transforms.1.lrr" in err
+    assert "optimizer.transforms" not in err  # the file has no 'optimizer' key: don't name one

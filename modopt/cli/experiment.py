@@ -185,6 +185,10 @@ def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment
     """
     data = read_file(path)
     if isinstance(data, dict) and "transforms" in data and "optimizer" not in data and "variants" not in data:
+        try:  # errors name the pipeline's own fields (transforms.0.max_norm), as in the file
+            PipelineConfig.from_dict(data, trust_imports=trust_imports)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, str(path))) from None
         base = default_experiment().to_dict()
         base["optimizer"] = data
         base["name"] = Path(path).stem
