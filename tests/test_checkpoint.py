@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import modopt as mo
-from checks import assert_same
+from checks import assert_same, train
 
 
 def model_and_opt(*transforms, seed=0, **kw):
@@ -18,13 +18,6 @@ def model_and_opt(*transforms, seed=0, **kw):
     opt = mo.Modular(model.parameters(), *(transforms or (mo.ClipNorm(1.0), mo.Adam(lr=1e-2))), **kw)
     return model, opt
 
-
-def train(model, opt, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        opt.zero_grad()
-        model(torch.randn(5, 3, generator=g)).pow(2).sum().backward()
-        opt.step()
 
 
 def roundtrip(sd):

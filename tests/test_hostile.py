@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import modopt as mo
-from checks import assert_same
+from checks import assert_same, train
 from modopt.cli import main as cli_main
 
 PWN = "!!python/object/apply:os.system ['touch {marker}']"
@@ -22,13 +22,6 @@ def model_and_opt(*transforms, seed=0):
     opt = mo.Modular(model.parameters(), *(transforms or (mo.ClipNormByEMA(scope="tensor"), mo.Adam(lr=1e-2))))
     return model, opt
 
-
-def train(model, opt, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        opt.zero_grad()
-        model(torch.randn(5, 3, generator=g)).pow(2).sum().backward()
-        opt.step()
 
 
 def snapshot(opt):

@@ -127,6 +127,16 @@ def _welford(n, mean, m2, g, ok):
     return n1, mean1, m21
 
 
+def _finish(t, ctx, st, seg, updates, g, scale, saved: dict, **telemetry):
+    """The end of a history clipper's step: scale (folded into the next transform when it
+    can), save the per-segment statistics, record telemetry (the statistics included)."""
+    t.scale_(ctx, seg, updates, scale)
+    for name, value in saved.items():
+        st.seg_set(seg, name, value)
+    record_clip(st, seg, g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
+    return updates
+
+
 class HistClip(Scoped):
     r"""Clip the norm when it is an outlier of its own history (drytorch's ``HistClipper``).
 
@@ -203,12 +213,7 @@ class HistClip(Scoped):
             )
 
         scale, n, mu, v, trig = map_many(seg, rule, g, n, mu, v)
-        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
-        st.seg_set(seg, "count", n)
-        st.seg_set(seg, "mu", mu)
-        st.seg_set(seg, "v", v)
-        record_clip(st, seg, g, scale, triggered=trig, mu=mu, v=v)
-        return updates
+        return _finish(self, ctx, st, seg, updates, g, scale, {"count": n, "mu": mu, "v": v}, triggered=trig)
 
 
 class ZClip(Scoped):
@@ -302,12 +307,7 @@ class ZClip(Scoped):
             )
 
         scale, n, mu, var, spike = map_many(seg, rule, g, n, mu, var)
-        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
-        st.seg_set(seg, "count", n)
-        st.seg_set(seg, "mu", mu)
-        st.seg_set(seg, "var", var)
-        record_clip(st, seg, g, scale, spike=spike, mu=mu, var=var)
-        return updates
+        return _finish(self, ctx, st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 
 
 class AutoClip(Scoped):
