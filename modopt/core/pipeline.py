@@ -8,7 +8,8 @@ from typing import Literal
 import torch
 
 from .distributed import any_nonfinite, any_sharded
-from .norms import foreach_pnorm
+from .norms import common_acc_dtype, foreach_pnorm
+from .scope import NormMemo
 from .state import Layout, StateHost, StepContext, TransformState
 from .transform import Transform, run_sequence
 
@@ -59,6 +60,11 @@ def collect(host: StateHost, param_groups: list[dict], stats: dict) -> StepConte
             raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
     ctx = StepContext(layout.params, groups, group_ids, layout.ranges, layout.cache["names"], host, stats)
     ctx.layout = layout
+    memo = layout.cache.get("norm_memo")
+    if memo is None:
+        memo = layout.cache["norm_memo"] = NormMemo()
+    memo.clear()  # the runner owns it: nothing from an earlier step survives
+    ctx.norm_memo = memo
     return ctx
 
 
@@ -89,24 +95,70 @@ def _where(layout: Layout, p: torch.Tensor) -> str:
 
 
 def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor: does any gradient hold inf or NaN (no host sync)."""
+    """0-d bool tensor: does any gradient hold inf or NaN (exact; no host sync).
+
+    Uses the largest magnitude of each tensor, which is finite exactly when
+    every element is (finite values never overflow a max). Slow on CPU (about
+    18x a 2-norm), so the step runs it only when the cheap check fails.
+    """
     if any_sharded(grads):  # FSDP2: every rank must reach the same decision
         return any_nonfinite(grads)
     maxabs = [n.float() for n in foreach_pnorm(grads, math.inf)]  # empty tensors count as 0
     return ~torch.isfinite(torch.stack(maxabs)).all()
 
 
+def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor:
+    """0-d bool tensor, cheap: False proves every gradient finite; True means "possibly not".
+
+    It is the finiteness of the per-tensor 2-norms: an inf or NaN element makes
+    its tensor's 2-norm inf or NaN, so finite norms prove finite gradients. The
+    converse fails only when finite values' squares overflow the accumulator
+    (float32 values near 1e19 and above), which :func:`nonfinite_mask` then
+    settles. The norms are the ones a global or per-tensor 2-norm of the
+    chain needs anyway: they go into the step's norm memo
+    (:meth:`~modopt.core.scope.NormMemo.pnorms`), so a following
+    ``ClipNorm`` reads them instead of the gradients.
+    """
+    memo = ctx.norm_memo
+    if memo is not None:
+        parts = memo.pnorms(grads, 2.0, common_acc_dtype(grads))
+    else:
+        parts = torch.stack(foreach_pnorm(grads, 2.0)).float()
+    return ~torch.isfinite(parts).all()
+
+
 def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tensor]) -> bool:
-    """Apply the policy; return False when the step must be skipped. At most one host sync."""
+    """Apply the policy; return False when the step must be skipped.
+
+    One host sync per step when the gradients are finite (the common case):
+    the finiteness of the 2-norms (:func:`maybe_nonfinite`). Only when that
+    says "possibly non-finite" does the exact check (:func:`nonfinite_mask`)
+    run, with a second sync, so finite-but-huge gradients are never called
+    non-finite.
+    """
     if policy == "ignore" or not grads:
         return True
     if policy == "zero":
+        counts = []
         for g in grads:
-            torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+            bad = ~torch.isfinite(g)
+            counts.append(bad.sum())
+            g.masked_fill_(bad, 0)
+        zeroed = torch.stack(counts).sum()
+        ctx.stats["zeroed"] = zeroed  # the number of elements set to 0 this step (no sync)
+        ctx.stats["nonfinite"] = zeroed > 0
         return True
-    bad = nonfinite_mask(grads)
+    if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
+        bad = nonfinite_mask(grads)
+        is_bad = bool(bad)  # the one sync of the step
+    else:
+        bad = maybe_nonfinite(ctx, grads)
+        is_bad = bool(bad)  # the one sync of the step; true only for a non-finite (or overflowing) norm
+        if is_bad:  # rare: settle it exactly (a second sync)
+            bad = nonfinite_mask(grads)
+            is_bad = bool(bad)
     ctx.stats["nonfinite"] = bad
-    if not bool(bad):  # the one sync of the step
+    if not is_bad:
         return True
     if policy == "raise":
         which = [ctx.names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]
@@ -133,6 +185,5 @@ def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ..
             return None
         return updates
     finally:
-        memo = ctx.layout.cache.get("pnorm_memo") if ctx.layout is not None else None
-        if memo:
-            memo.clear()
+        if ctx.norm_memo is not None:  # holds the step's tensors: let them go
+            ctx.norm_memo.clear()

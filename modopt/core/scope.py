@@ -66,7 +66,7 @@ class Scoped(Transform, abstract=True):
                 seg = layout.cache[k] = make_segments(
                     ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
                 )
-                seg.memo = layout.cache.setdefault("pnorm_memo", {})
+                seg.memo = layout.cache.get("norm_memo")
             return seg
         key = ctx.token
         cache = st.runtime
@@ -79,17 +79,19 @@ class Scoped(Transform, abstract=True):
 
 
     def scale_(self, ctx: "StepContext", seg: "Segments", updates: list[torch.Tensor], scale: "Stat") -> None:
-        """``updates *= scale`` per segment, or defer it to the next transform when that one takes it.
+        """``updates *= scale`` per segment, or defer it to the next transform when the runner allows.
 
         Deferring (global and group scopes, every segment active) hands the
-        multiplication to the next transform (``ctx.defer_scale``): a fused
-        optimizer folds it into its kernel, a normalization into its factor,
-        so the updates are read and written once fewer.
+        multiplication to the next transform that declares ``folds_scale``
+        (see ``modopt.core.state.DeferredScale``): a fused optimizer folds it
+        into its kernel, a normalization into its factor, so the updates are
+        read and written once fewer. A transform that ends with this call and
+        writes the updates nowhere else declares ``update_access = "scale"``.
         """
-        if ctx.defer_ok and seg.kind in ("global", "group") and seg.all_active and updates:
+        if seg.kind in ("global", "group") and seg.all_active and updates and ctx._may_defer:
             dev = updates[0].device
-            ctx.defer_scale(seg.ranges, [v.to(dev) for v in scale.unbind(0)])
-            return
+            if ctx.defer_scale(seg.ranges, [v.to(dev) for v in scale.unbind(0)]):
+                return
         seg.mul_(updates, scale)
 
 
@@ -108,8 +110,8 @@ class Segments:
     counts: list[int]  # elements per segment (stacked) or per slice (slices: one per tensor)
     active: list[bool]  # per tensor: its segment/slice has at least min_size elements
     dims: list[tuple[int, ...]] | None = None  # slices: reduce dims per tensor
-    #: per-tensor p-norms of recently reduced tensor lists, shared by the transforms of a layout
-    memo: dict | None = None
+    #: the step's per-tensor norm memo (set for segments cached on a layout; see :class:`NormMemo`)
+    memo: "NormMemo | None" = None
 
     def __post_init__(self) -> None:
         self.all_active = all(self.active)
@@ -152,27 +154,10 @@ class Segments:
         return var if stat == "var" else var.sqrt()
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in ``acc``).
-
-        Remembered for the tensors as they are now (their identity and version
-        counters), so a later transform of the same step that needs the norms
-        of the same, unmodified updates reuses them instead of reading memory
-        again (e.g. a global clip followed by a per-tensor normalization). The
-        memo is emptied when the step ends (``run_chain``).
-        """
-        if not tensors:
-            return torch.zeros(0, dtype=acc)
-        memo = self.memo
-        if memo is None or torch.compiler.is_compiling():
-            return torch.stack(foreach_pnorm(tensors, p)).to(acc)
-        key = (p, acc, tuple(map(id, tensors)))
-        versions = tuple(t._version for t in tensors)
-        hit = memo.get(key)
-        if hit is not None and hit[0] == versions:
-            return hit[2]
-        parts = torch.stack(foreach_pnorm(tensors, p)).to(acc)
-        memo[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
-        return parts
+        """1-D tensor of the p-norm of each tensor (in ``acc``), through the step's :class:`NormMemo`."""
+        if self.memo is not None:
+            return self.memo.pnorms(tensors, p, acc)
+        return _pnorms(tensors, p, acc)
 
     def _segment_sums(self, parts: torch.Tensor) -> torch.Tensor:
         if self.kind == "tensor":
@@ -227,6 +212,53 @@ class Segments:
     def per_tensor(self, stat: Stat) -> list[torch.Tensor]:
         """Alias of :meth:`expand` for readability in transforms."""
         return self.expand(stat)
+
+
+def _pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=acc)
+    return torch.stack(foreach_pnorm(tensors, p)).to(acc)
+
+
+class NormMemo:
+    """Per-tensor p-norms of the step's update lists, shared by the transforms of one step.
+
+    Owned by the pipeline runner, which makes it correct by construction: it
+    is emptied when a step starts and ends, and after every transform that may
+    have written the updates (see ``Transform.update_access``); it survives
+    only transforms that provably did not write them (``Identity``, or a
+    clip whose scale was deferred to the next transform). So the non-finite
+    check's 2-norms serve a following global ``ClipNorm``, and a global clip's
+    per-tensor norms a per-tensor normalization, without reading memory again;
+    a write through ``.data`` (which no version counter sees) cannot make a
+    later transform read a stale norm. Entries also check the tensors' version
+    counters, as a second guard against in-place writes inside a transform.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+
+    def clear(self) -> None:
+        if self._entries:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+        """1-D tensor of the p-norm of each tensor (in ``acc``), computed once per step and list."""
+        if not tensors or torch.compiler.is_compiling():
+            return _pnorms(tensors, p, acc)
+        key = (p, acc, tuple(map(id, tensors)))
+        versions = tuple(t._version for t in tensors)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == versions:
+            return hit[2]
+        parts = _pnorms(tensors, p, acc)
+        self._entries[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
+        return parts
 
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:

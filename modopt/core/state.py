@@ -66,11 +66,13 @@ class StepContext:
         self._token: int | None = None
         #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
         self.layout: Layout | None = None
-        #: a per-segment scale not yet multiplied into the updates (see :meth:`defer_scale`)
-        self.pending: tuple[list[tuple[int, int]], list[torch.Tensor]] | None = None
-        #: True while the running transform may defer a scale (the next one takes it)
-        self.defer_ok = False
+        # the deferred scale (see DeferredScale): run by the runner (modopt.core.transform.run_sequence)
+        self._pending: DeferredScale | None = None  # deferred, not yet handed to anyone
+        self._incoming: DeferredScale | None = None  # handed to the running transform
+        self._may_defer = False  # the running transform may defer (a later one folds)
         self._states: list[dict] | None = None
+        #: the step's per-tensor norm memo (``modopt.core.scope.NormMemo``), owned by the runner; None ad hoc
+        self.norm_memo = None
 
     @property
     def token(self) -> int:
@@ -86,46 +88,45 @@ class StepContext:
             self._states = [state[p] for p in self.params]
         return self._states
 
-    # --- deferred scales ------------------------------------------------------
-    def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> None:
-        """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it.
+    # --- the deferred scale ------------------------------------------------------
+    # One mechanism, run by ``run_sequence``. A transform declares what it can do
+    # (``Transform.folds_scale``, ``Transform.update_access``); the runner decides
+    # who may defer, hands a deferred scale to the transform that folds it, and
+    # multiplies it in for every other one. Transforms only ever call
+    # ``Scoped.scale_`` (which defers when the runner allows it) and, when they
+    # declare ``folds_scale``, read :attr:`incoming_scale` and ``take`` or ``apply`` it.
+    def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> bool:
+        """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it, if allowed.
 
-        Only allowed while :attr:`defer_ok` (the pipeline runner sets it when the
-        next transform declares :meth:`~modopt.core.transform.Transform.takes_scale`).
-        That transform folds the scale into its own arithmetic (a fused
-        optimizer kernel's ``grad_scale``, a normalization's factor) or calls
-        :meth:`flush_scale`. One scale may be pending at a time.
+        Returns False (and records nothing) unless the runner allows the running
+        transform to defer: a later transform declares ``folds_scale`` and only
+        transforms that neither read nor write the updates stand between them.
+        The caller then multiplies the updates itself (``Scoped.scale_`` does
+        both). Never call it for a scale that does not cover every tensor of a range.
         """
-        if self.pending is not None:
-            raise RuntimeError("a deferred scale is already pending")
-        self.pending = (list(ranges), list(scales))
+        if not self._may_defer or self._pending is not None:
+            return False
+        self._pending = DeferredScale(list(ranges), list(scales))
+        return True
 
-    def take_scale(self) -> tuple[list[tuple[int, int]], list[torch.Tensor]] | None:
-        """The pending scale (now the caller's to apply), or None."""
-        out, self.pending = self.pending, None
-        return out
+    @property
+    def incoming_scale(self) -> "DeferredScale | None":
+        """The scale deferred to the running transform (only a transform that declares
+        ``folds_scale`` ever sees one). It must :meth:`~DeferredScale.take` it (and fold it into
+        its arithmetic) or :meth:`~DeferredScale.apply` it to the updates; the runner checks."""
+        return self._incoming
 
-    def scale_for(self, a: int, b: int) -> torch.Tensor | None:
-        """The pending 0-d scale of ``updates[a:b]`` when one value covers all of them, else None."""
-        if self.pending is None:
-            return None
-        for (lo, hi), s in zip(*self.pending):
-            if lo <= a and b <= hi:
-                return s
-        return None
-
-    def flush_scale(self, updates: list[torch.Tensor]) -> None:
-        """Multiply a pending scale into ``updates`` (in place)."""
-        pend = self.take_scale()
-        if pend is None:
-            return
-        for (a, b), s in zip(*pend):
-            if b > a:
-                torch._foreach_mul_(updates[a:b], s.to(updates[a].device))
+    def _apply_pending(self, updates: list[torch.Tensor]) -> None:
+        """(runner) Multiply a pending scale into ``updates``."""
+        pend, self._pending = self._pending, None
+        if pend is not None:
+            pend.apply(updates)
+            if self.norm_memo is not None:
+                self.norm_memo.clear()
 
     def write_updates(self, updates: list[torch.Tensor]) -> None:
-        """``p -= update`` for every parameter of the step."""
-        self.flush_scale(updates)
+        """``p -= update`` for every parameter of the step (a pending scale multiplied in first)."""
+        self._apply_pending(updates)
         if self.params:
             torch._foreach_sub_(self.params, updates)
 
@@ -133,6 +134,51 @@ class StepContext:
         """``(group, a, b)`` for each param group of the step."""
         for g, (a, b) in zip(self.groups, self.ranges):
             yield g, a, b
+
+
+class DeferredScale:
+    """``updates[a:b] *= values[s]`` for ``(a, b) = ranges[s]``, not yet done.
+
+    A transform whose last act is such a multiplication (a clip, through
+    ``Scoped.scale_``) may leave it to the next transform that can fold it into
+    its own arithmetic (a fused optimizer's ``grad_scale``, a normalization's
+    factor): the updates are then read and written once fewer. The transform
+    that receives it (``ctx.incoming_scale``) either :meth:`take` s it,
+    promising to fold it, or :meth:`apply` s it.
+    """
+
+    __slots__ = ("ranges", "values", "state")
+
+    def __init__(self, ranges: list[tuple[int, int]], values: list[torch.Tensor]):
+        self.ranges, self.values = ranges, values
+        #: "pending", "taken" (the receiver folds it) or "applied" (multiplied into the updates)
+        self.state = "pending"
+
+    def for_range(self, a: int, b: int) -> torch.Tensor | None:
+        """The 0-d scale of ``updates[a:b]`` when one value covers all of them, else None."""
+        for (lo, hi), s in zip(self.ranges, self.values):
+            if lo <= a and b <= hi:
+                return s
+        return None
+
+    def per_tensor(self, n: int) -> list[torch.Tensor] | None:
+        """The scale of each of ``n`` tensors (None if the ranges do not cover exactly ``n``)."""
+        vals: list[torch.Tensor] = []
+        for (a, b), v in zip(self.ranges, self.values):
+            vals.extend([v] * (b - a))
+        return vals if len(vals) == n else None
+
+    def take(self) -> "DeferredScale":
+        """The receiver folds the scale into its own arithmetic (it becomes its responsibility)."""
+        self.state = "taken"
+        return self
+
+    def apply(self, updates: list[torch.Tensor]) -> None:
+        """Multiply the scale into ``updates`` (in place)."""
+        for (a, b), s in zip(self.ranges, self.values):
+            if b > a:
+                torch._foreach_mul_(updates[a:b], s.to(updates[a].device))
+        self.state = "applied"
 
 
 class TransformState:

@@ -10,7 +10,7 @@ step: nothing after it runs and the parameters do not move).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
@@ -50,6 +50,18 @@ class Transform(BaseModel):
     is_optimizer: ClassVar[bool] = False
     #: False for transforms that cannot run in front of another optimizer (``mo.attach``)
     attachable: ClassVar[bool] = True
+    #: what ``apply`` does to the updates, for the runner's deferred scale and norm memo:
+    #: ``"rewrite"`` (default: anything), ``"scale"`` (only multiplies them, through
+    #: ``Scoped.scale_``), ``"read"`` (reads, never writes), ``"none"`` (neither reads nor
+    #: writes them: a deferred scale passes by it to the next transform)
+    update_access: ClassVar[Literal["rewrite", "scale", "read", "none"]] = "rewrite"
+    #: whether it folds a per-segment scale deferred by the transform before it (see
+    #: ``modopt.core.state.DeferredScale``): False (default: the runner multiplies the scale
+    #: into the updates before this transform runs), True (``apply`` receives it as
+    #: ``ctx.incoming_scale``), or ``"final"`` (only ``apply_final`` does, as the last
+    #: transform; if ``apply_final`` declines, the runner multiplies it in and calls ``apply``).
+    #: A transform that receives a scale must ``take()`` or ``apply()`` it, or the step raises.
+    folds_scale: ClassVar[bool | Literal["final"]] = False
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
@@ -110,16 +122,6 @@ class Transform(BaseModel):
 
     def apply_final(self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]) -> bool:
         """As the last transform, write the parameters itself (fused); return False if not supported."""
-        return False
-
-    def takes_scale(self, final: bool) -> bool:
-        """True if this transform consumes a deferred scale (``ctx.pending``) itself.
-
-        ``final``: it runs as the last transform through :meth:`apply_final`.
-        The transform before it may then call ``ctx.defer_scale`` instead of
-        multiplying the updates, and this one must fold the scale into its
-        arithmetic or call ``ctx.flush_scale``. Saves a pass over memory.
-        """
         return False
 
     # --- structure --------------------------------------------------------
@@ -196,49 +198,103 @@ class Chain(Transform):
         return True
 
 
+def _scale_mode(t: Transform, final: bool) -> str:
+    """How the runner treats a deferred scale at ``t``: ``"fold"``, ``"pass"`` (by it) or ``"apply"`` (first)."""
+    if t.update_access == "none":
+        return "pass"
+    f = t.folds_scale
+    return "fold" if f is True or (f == "final" and final) else "apply"
+
+
 def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, final: bool) -> list | None:
     """Run ``transforms`` in order; with ``final`` the last one writes the parameters.
 
     Returns the updates (not ``final``), or None when a transform stopped the
-    step or the parameters were written. A transform may defer a per-segment
-    scale to the next one when that one :meth:`~Transform.takes_scale`; the
-    runner applies a pending scale before any transform that does not.
+    step or the parameters were written.
+
+    This runner owns two things no transform handles by hand:
+
+    * the deferred scale: a transform may defer its closing multiplication
+      (``Scoped.scale_``) only when the next transform that touches the updates
+      declares ``folds_scale``; that one receives it (``ctx.incoming_scale``)
+      and must take or apply it; for every other transform the runner
+      multiplies it in first; transforms with ``update_access="none"`` let it
+      pass by;
+    * the step's norm memo (``ctx.norm_memo``): emptied after every transform
+      that may have written the updates, kept only across transforms that
+      provably did not (``update_access`` ``"read"``/``"none"``, or ``"scale"``
+      whose scale was deferred).
     """
     n = len(transforms)
+    modes = [_scale_mode(t, final and i == n - 1) for i, t in enumerate(transforms)]
     for i, t in enumerate(transforms):
         last = i == n - 1
-        if ctx.pending is not None and not t.takes_scale(final and last):
-            ctx.flush_scale(updates)
-        ctx.defer_ok = not last and transforms[i + 1].takes_scale(final and i + 1 == n - 1)
+        mode = modes[i]
+        if mode == "apply":
+            ctx._apply_pending(updates)
+        if mode == "fold":
+            ctx._incoming, ctx._pending = ctx._pending, None
+        # t may defer only to the next transform that touches the updates, and only if that one folds
+        ctx._may_defer = mode != "pass" and next((m for m in modes[i + 1 :] if m != "pass"), None) == "fold"
+        incoming = ctx._incoming
         try:
             if final and last:
-                _final(t, ctx, states[i], updates)
+                _final(t, ctx, states[i], updates, mode)
                 return None
             updates = t.apply(ctx, states[i], updates)
         finally:
-            ctx.defer_ok = False
+            ctx._may_defer = False
+            ctx._incoming = None
+        _check_taken(t, incoming, "apply")
         if updates is None:
-            ctx.pending = None
+            ctx._pending = None
             return None
-    if ctx.pending is not None:  # pragma: no cover - defer_ok is never set for the last transform
-        ctx.flush_scale(updates)
+        _after(t, ctx, incoming)
+    ctx._apply_pending(updates)  # a scale that passed by the last transforms
     return updates
 
 
-def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list) -> bool:
+def _check_taken(t: Transform, incoming, where: str) -> None:
+    if incoming is not None and incoming.state == "pending":
+        raise RuntimeError(
+            f"{type(t).__name__} declares folds_scale but its {where} neither took nor applied the incoming "
+            "scale (ctx.incoming_scale.take() / .apply(updates))"
+        )
+
+
+def _after(t: Transform, ctx: "StepContext", incoming) -> None:
+    """Empty the norm memo unless ``t`` provably left the updates as they were."""
+    memo = ctx.norm_memo
+    if memo is None or not len(memo):
+        return
+    access = t.update_access
+    kept = access in ("read", "none") or (
+        access == "scale" and ctx._pending is not None and (incoming is None or incoming.state == "taken")
+    )
+    if not kept:
+        memo.clear()
+
+
+def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list, mode: str) -> None:
     """Run ``t`` as the last transform; write ``p -= update`` unless it fused the write."""
+    incoming = ctx._incoming
     if t.apply_final(ctx, st, updates):
-        return True
-    if ctx.pending is not None and not t.takes_scale(False):
-        ctx.flush_scale(updates)
+        _check_taken(t, incoming, "apply_final")
+        return
+    if incoming is not None and incoming.state != "pending":
+        raise RuntimeError(f"{type(t).__name__}.apply_final took the incoming scale, then declined the step")
+    if incoming is not None and t.folds_scale == "final":  # declined: the scale is the runner's again
+        ctx._incoming = None
+        incoming.apply(updates)
+        incoming = None
+        if ctx.norm_memo is not None:
+            ctx.norm_memo.clear()
     out = t.apply(ctx, st, updates)
+    _check_taken(t, incoming, "apply")
     if out is not None:
         ctx.write_updates(out)
     else:
-        ctx.pending = None
-    return True
-
-
+        ctx._pending = None
 def walk(transforms: list[Transform] | tuple[Transform, ...], prefix: str = "") -> list[tuple[str, Transform]]:
     """Every transform (nested ones included) with its stable key, in chain order."""
     out: list[tuple[str, Transform]] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
@@ -81,6 +83,7 @@ class ClipNorm(Scoped):
     max_norm: PositiveFloat
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
+    update_access: ClassVar[str] = "scale"
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)

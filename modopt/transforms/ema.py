@@ -33,6 +33,7 @@ class _NormEMA(Scoped, abstract=True):
     ema_init: EmaInit = "zeros"
 
     normalize: ClassVar[bool] = False
+    update_access: ClassVar[str] = "scale"  # m is its own buffer; the updates only get scale_
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)

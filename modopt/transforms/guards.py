@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..core.transform import Transform
 
 
 class Identity(Transform):
-    """Pass the update through unchanged (drytorch's ``NoOp``)."""
+    """Pass the update through unchanged (drytorch's ``NoOp``).
+
+    It neither reads nor writes the updates, so a scale deferred across it and
+    the step's norm memo pass by: inserting it anywhere changes nothing, bit for bit.
+    """
+
+    update_access: ClassVar[str] = "none"
 
     def apply(self, ctx, st, updates):
         return updates

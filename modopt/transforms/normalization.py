@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
@@ -36,8 +38,8 @@ class Normalize(Scoped):
     scope: ScopeName = "tensor"
     eps: NonNegativeFloat = 0.0
 
-    def takes_scale(self, final):
-        return True
+    folds_scale: ClassVar[bool] = True  # a scale deferred to it rides along in its own factor
+    update_access: ClassVar[str] = "scale"
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -56,25 +58,24 @@ class Normalize(Scoped):
 
 
     def _prior_scale(self, ctx, seg, updates):
-        """A scale deferred to this transform, per segment of ``seg`` (None: nothing pending or applied now)."""
-        if ctx.pending is None:
+        """A scale deferred to this transform, per segment of ``seg`` (None: nothing incoming, or applied now)."""
+        incoming = ctx.incoming_scale
+        if incoming is None:
             return None
         ord = parse_ord(self.ord)
         # an inactive segment (min_size) is not multiplied here, so the prior scale could not ride along
         homogeneous = seg.all_active and ((isinstance(ord, float) and ord > 0) or ord in ("mad", "std"))
         if homogeneous and seg.kind == "tensor":
-            vals = []
-            for (a, b), v in zip(*ctx.pending):
-                vals.extend([v] * (b - a))
-            if len(vals) == len(updates):
-                ctx.pending = None
+            vals = incoming.per_tensor(len(updates))
+            if vals is not None:
+                incoming.take()
                 return torch.stack(vals)
         elif homogeneous and seg.kind in ("global", "group"):
-            vals = [ctx.scale_for(a, b) for a, b in seg.ranges]
+            vals = [incoming.for_range(a, b) for a, b in seg.ranges]
             if all(v is not None for v in vals):
-                ctx.pending = None
+                incoming.take()
                 return torch.stack(vals)
-        ctx.flush_scale(updates)
+        incoming.apply(updates)
         return None
 
 

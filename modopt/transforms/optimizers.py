@@ -76,9 +76,14 @@ def _pick(xs: list, idx: list[int] | None) -> list:
 
 
 def _prepare_pending(ctx, updates) -> None:
-    """Keep a deferred scale only if every param group sees one value of it (else apply it now)."""
-    if ctx.pending is not None and any(ctx.scale_for(a, b) is None for a, b in ctx.ranges):
-        ctx.flush_scale(updates)
+    """Take the incoming deferred scale if every param group sees one value of it (else apply it now)."""
+    incoming = ctx.incoming_scale
+    if incoming is None:
+        return
+    if any(incoming.for_range(a, b) is None for a, b in ctx.ranges):
+        incoming.apply(updates)
+    else:
+        incoming.take()
 
 
 def _grad_scale(ctx, a: int, b: int, grads: list[torch.Tensor], dtype: torch.dtype, fused: bool):
@@ -87,9 +92,10 @@ def _grad_scale(ctx, a: int, b: int, grads: list[torch.Tensor], dtype: torch.dty
     Folded only for fused kernels on float32/16 parameters (the kernels take a
     float32 scale; float64 parameters get the exact multiplication instead).
     """
-    scale = ctx.scale_for(a, b)
-    if scale is None:
+    incoming = ctx.incoming_scale
+    if incoming is None or incoming.state != "taken":
         return None
+    scale = incoming.for_range(a, b)
     if fused and dtype != torch.float64:
         return torch.reciprocal(scale.to(device=grads[0].device, dtype=torch.float32))
     torch._foreach_mul_(grads, scale.to(grads[0].device))
@@ -146,9 +152,7 @@ class _FusedOptimizer(Transform, abstract=True):
     kernels and folds a deferred clip scale into them (their ``grad_scale``)."""
 
     is_optimizer: ClassVar[bool] = True
-
-    def takes_scale(self, final):
-        return final and not torch.compiler.is_compiling()
+    folds_scale: ClassVar[str] = "final"  # apply_final folds it (_prepare_pending, _grad_scale)
 
 
 class SGD(_FusedOptimizer):
@@ -222,7 +226,6 @@ class SGD(_FusedOptimizer):
                                       is_first_step=False, grad_scale=gs, **hyper)
             if mu != 0:
                 self._save_buffers(st, a, b, bufs)
-        ctx.pending = None
         return True
 
     def apply(self, ctx, st, updates):
@@ -312,7 +315,6 @@ class Adam(_FusedOptimizer):
                     weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad, maximize=False,
                     grad_scale=gs, found_inf=None,
                 )
-        ctx.pending = None
         return True
 
     def apply(self, ctx, st, updates):
