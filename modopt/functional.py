@@ -6,11 +6,13 @@ functional and the module layer share one implementation.
 
 from __future__ import annotations
 
+import types
+import warnings
 from typing import Iterable
 
 import torch
 
-from .core.norms import Ord
+from .core.norms import ORD_NAMES, Ord, parse_ord
 from .core.scope import ScopeName
 from .core.state import StepContext, TransformState
 from .core.transform import Transform
@@ -68,20 +70,55 @@ def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
     return seg.reduce(grads, ord)[0]
 
 
+def _torch_ord(ord: Ord | None, norm_type: float | str | None) -> float | str:
+    """``ord`` (or torch's name for it, ``norm_type``); a string torch accepts (``"inf"``) is a number."""
+    if norm_type is not None:
+        if ord is not None and ord != norm_type:
+            raise TypeError("clip_grad_norm_ got both ord and norm_type; they are the same argument")
+        ord = norm_type
+    if ord is None:
+        return 2.0
+    if isinstance(ord, str) and ord not in ORD_NAMES:
+        try:
+            return float(ord)  # "inf", "2": torch's float(norm_type)
+        except ValueError:
+            pass
+    return ord
+
+
 def clip_grad_norm_(
     parameters: TensorOrTensors,
     max_norm: float,
-    ord: Ord = 2.0,
+    ord: Ord | None = None,
     error_if_nonfinite: bool = False,
     eps: float = 1e-6,
+    *,
+    norm_type: float | str | None = None,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the gradients' total norm to ``max_norm`` in place; return the pre-clip total norm.
 
     The same contract as ``torch.nn.utils.clip_grad_norm_`` (scale
     ``min(1, max_norm / (norm + eps))``), with modopt's whole ``ord`` vocabulary.
+    As in torch: ``norm_type`` is accepted as another name of ``ord``, and
+    either may be a string torch accepts (``"inf"``); an empty generator of
+    parameters warns; ``error_if_nonfinite`` raises torch's error. With float32
+    gradients and ``ord=2`` the returned norm and the clipped gradients equal
+    torch's bit for bit. ``foreach`` is accepted for compatibility (modopt
+    always uses the multi-tensor kernels).
+
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
+    >>> mo.clip_grad_norm_([p], 1.0, norm_type="inf")
+    tensor(4.)
     """
     from .transforms.clipping import ClipNorm
 
+    ord = _torch_ord(ord, norm_type)
+    if isinstance(parameters, types.GeneratorType):
+        parameters = list(parameters)
+        if not parameters:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=2)
     t = ClipNorm(max_norm=max_norm, ord=ord, eps=eps)
     params = _with_grad(parameters)
     if not params:
@@ -89,9 +126,11 @@ def clip_grad_norm_(
     if error_if_nonfinite:
         n = grad_norm(params, ord)
         if not torch.isfinite(n):
+            shown = float(parse_ord(ord)) if isinstance(parse_ord(ord), float) else ord
             raise RuntimeError(
-                f"The total norm of order {ord} for gradients from `parameters` is non-finite, "
-                "so it cannot be clipped. Set error_if_nonfinite=False to clip anyway."
+                f"The total norm of order {shown} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
             )
     stats = run_on_grads(t, params)
     return stats["norm"][0]

@@ -94,11 +94,14 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
         return norms.new_zeros(())
     if math.isinf(p):
         return norms.amax()
-    # scaled by the largest part, so that finite parts whose p-th powers overflow the
-    # accumulator (e.g. 3e19 ** 3 in float32) still combine to a finite norm
+    # the plain combination, as torch.nn.utils.get_total_norm computes it (bit for bit in the
+    # common case); where it overflows although every part is finite (e.g. 3e19 ** 3 in float32)
+    # the form scaled by the largest part is used instead, chosen on device (no host sync)
+    plain = torch.linalg.vector_norm(norms, p)
     top = norms.amax()
     unit = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
-    return unit * torch.linalg.vector_norm(norms / unit, p)
+    scaled = unit * torch.linalg.vector_norm(norms / unit, p)
+    return torch.where(torch.isfinite(plain) | ~torch.isfinite(top), plain, scaled)
 
 
 def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> torch.Tensor:

@@ -103,8 +103,8 @@ def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     """
     if any_sharded(grads):  # FSDP2: every rank must reach the same decision
         return any_nonfinite(grads)
-    maxabs = [n.float() for n in foreach_pnorm(grads, math.inf)]  # empty tensors count as 0
-    return ~torch.isfinite(torch.stack(maxabs)).all()
+    maxabs = foreach_pnorm(grads, math.inf)  # empty tensors count as 0; float64 kept (1e300 is finite)
+    return ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
 
 
 def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -20,8 +20,11 @@ class Accumulate(Transform):
     On the other calls it returns None: the transforms after it do not run and
     the parameters do not move. Put it first to accumulate gradients, then call
     ``opt.step()`` after every micro-batch. Sums are kept in at least float32;
-    a parameter without a gradient on some call contributes zero for that call
-    (it must have one on the final call of a cycle to move, as with torch).
+    a parameter without a gradient on some call contributes zero for that call.
+    A parameter without a gradient on the final call of a cycle does not move
+    (as with torch, which skips parameters whose ``.grad`` is None), and what it
+    accumulated earlier in the cycle is dropped: every cycle's sums are cleared
+    at its end, so nothing leaks into the next cycle.
     A step skipped by the non-finite policy is not a call. Count LR-scheduler
     steps accordingly (they see every micro-step). ``Accumulate`` cannot be
     used with :func:`modopt.attach` (a pre-hook cannot stop the optimizer).
@@ -55,5 +58,12 @@ class Accumulate(Transform):
         # the mean goes into the update buffers themselves: no full-size copy
         torch._foreach_div_(sums, float(self.steps))
         torch._foreach_copy_(updates, sums)
-        torch._foreach_zero_(sums)
+        self._end_cycle(ctx, st)
         return updates
+
+    def _end_cycle(self, ctx, st) -> None:
+        """Clear every sum of the cycle, also of parameters without a gradient on this final call."""
+        k = f"{st.key}.sum"
+        stale = [s[k] for s in ctx.host.state.values() if k in s]
+        if stale:
+            torch._foreach_zero_(stale)

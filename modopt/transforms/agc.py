@@ -51,9 +51,13 @@ class AGC(Transform):
     exclude: Optional[list[str]] = None
 
     def _included(self, ctx, st) -> list[bool]:
-        cache = st.runtime
-        if cache.get("_agc_key") == ctx.token:
-            return cache["_agc_mask"]
+        """Per parameter of the step: not excluded. Cached per layout (the names do not change)."""
+        cache = ctx.layout.cache if ctx.layout is not None else None
+        key = ("AGC.included", tuple(self.exclude or ()))
+        if cache is not None:
+            mask = cache.get(key)
+            if mask is not None:
+                return mask
         if not self.exclude:
             mask = [True] * len(ctx.params)
         else:
@@ -64,7 +68,8 @@ class AGC(Transform):
                     "no name: build the optimizer from model.named_parameters() (or drop exclude)"
                 )
             mask = [not any(fnmatch.fnmatchcase(n, pat) for pat in self.exclude) for n in ctx.names]
-        cache["_agc_key"], cache["_agc_mask"] = ctx.token, mask
+        if cache is not None:
+            cache[key] = mask
         return mask
 
     def apply(self, ctx, st, updates):

@@ -1,0 +1,181 @@
+"""Bit for bit with torch where it can be (issue 9, item 7), and the default non-finite check (item 1)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import modopt as mo
+from modopt.core.norms import combine_pnorms
+
+
+@st.composite
+def float32_grads(draw):
+    n = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    shapes = [tuple(draw(st.lists(st.integers(1, 40), min_size=0, max_size=3))) for _ in range(n)]
+    mag = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    return [torch.randn(s, generator=g) * mag * torch.rand((), generator=g) for s in shapes]
+
+
+def params_with(grads):
+    ps = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    return ps
+
+
+@given(float32_grads())
+def test_global_two_norm_equals_get_total_norm_bit_for_bit(grads):
+    ref = torch.nn.utils.get_total_norm(grads, 2.0)
+    # the functional layer, and ClipNorm's telemetry through Modular.step() with defaults
+    assert torch.equal(mo.grad_norm(params_with(grads)), ref)
+    ps = params_with(grads)
+    opt = mo.Modular(ps, mo.ClipNorm(1.0), mo.Adam())
+    opt.step()
+    assert torch.equal(opt.stats["0:ClipNorm.norm"][0], ref)
+
+
+@given(float32_grads(), st.sampled_from([0.1, 1.0, 100.0]))
+def test_clip_grad_norm_equals_torch_bit_for_bit(grads, max_norm):
+    a, b = params_with(grads), params_with(grads)
+    na = mo.clip_grad_norm_(a, max_norm)
+    nb = torch.nn.utils.clip_grad_norm_(b, max_norm)
+    assert torch.equal(na, nb)
+    for p, q in zip(a, b):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_combine_pnorms_falls_back_to_the_scaled_form_only_on_overflow():
+    parts = torch.tensor([3e19, 4e19])  # their squares overflow float32, the norm does not
+    assert torch.allclose(combine_pnorms(parts, 2.0), torch.tensor(5e19))
+    parts = torch.tensor([3e12, 4e12, 1.0])
+    assert torch.isfinite(combine_pnorms(parts, 3.0))
+    assert torch.equal(combine_pnorms(torch.tensor([float("inf"), 1.0]), 2.0), torch.tensor(float("inf")))
+    assert torch.isnan(combine_pnorms(torch.tensor([float("nan"), 1.0]), 2.0))
+
+
+@pytest.mark.parametrize("kw", [dict(ord="inf"), dict(norm_type="inf"), dict(norm_type=float("inf"))])
+def test_clip_grad_norm_accepts_inf_as_a_string(kw):
+    g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
+    a, b = params_with(g), params_with(g)
+    norm_type = kw.get("ord", kw.get("norm_type"))
+    assert torch.equal(mo.clip_grad_norm_(a, 1.0, **kw), torch.nn.utils.clip_grad_norm_(b, 1.0, norm_type=norm_type))
+    for p, q in zip(a, b):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_clip_grad_norm_warns_on_an_empty_generator_like_torch():
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        n = mo.clip_grad_norm_((p for p in []), 1.0)
+    with warnings.catch_warnings(record=True) as theirs:
+        warnings.simplefilter("always")
+        torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs] != []
+    assert ours[0].filename == __file__  # points at the caller
+    assert float(n) == 0.0
+    # an exhausted generator too
+    gen = (p for p in params_with([torch.ones(2)]))
+    list(gen)
+    with pytest.warns(UserWarning, match="empty generator"):
+        mo.clip_grad_norm_(gen, 1.0)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, "inf", 1.0])
+def test_clip_grad_norm_nonfinite_error_text_matches_torch(norm_type):
+    g = [torch.tensor([float("inf"), 1.0])]
+    with pytest.raises(RuntimeError) as theirs:
+        torch.nn.utils.clip_grad_norm_(params_with(g), 1.0, norm_type=norm_type, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError) as ours:
+        mo.clip_grad_norm_(params_with(g), 1.0, norm_type=norm_type, error_if_nonfinite=True)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_ord_and_norm_type_together_must_agree():
+    with pytest.raises(TypeError, match="same argument"):
+        mo.clip_grad_norm_(params_with([torch.ones(2)]), 1.0, ord=1.0, norm_type=2.0)
+
+
+# --- the default non-finite check -----------------------------------------------------
+
+
+def count_syncs(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                n[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return n[0]
+
+
+@pytest.mark.parametrize(
+    "dtype,value",
+    [(torch.float32, 1e30), (torch.float32, 3e38), (torch.float16, 65504.0), (torch.bfloat16, 3e38), (torch.float64, 1e300)],
+)
+def test_finite_but_huge_gradients_are_not_skipped(dtype, value):
+    """Their squares overflow the 2-norm's accumulator; the exact fallback must call them finite."""
+    p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    p.grad = torch.full((1000,), value, dtype=dtype)
+    opt = mo.Modular([p], mo.SGD(lr=1e-40 if dtype != torch.float16 else 1e-8))
+    opt.step()
+    assert not bool(opt.stats["skipped"]) and not bool(opt.stats["nonfinite"])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_nonfinite_gradients_are_skipped_in_every_dtype(bad, dtype):
+    p = torch.nn.Parameter(torch.ones(50, dtype=dtype))
+    q = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
+    p.grad = torch.ones(50, dtype=dtype)
+    q.grad = torch.ones(3, dtype=dtype)
+    q.grad[1] = bad
+    opt.step()
+    assert bool(opt.stats["skipped"]) and bool(opt.stats["nonfinite"])
+    assert torch.equal(p.detach(), torch.ones(50, dtype=dtype)) and len(opt.state) == 0
+
+
+def test_default_check_is_one_sync_and_its_norms_serve_clipnorm(monkeypatch):
+    from modopt.core import norms, pipeline
+
+    p = torch.nn.Parameter(torch.zeros(100))
+    q = torch.nn.Parameter(torch.zeros(7))
+    opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
+    calls = []
+    real = norms.foreach_pnorm
+    monkeypatch.setattr(pipeline, "foreach_pnorm", lambda ts, p: calls.append(("pipeline", p)) or real(ts, p))
+    import modopt.core.scope as scope
+
+    monkeypatch.setattr(scope, "foreach_pnorm", lambda ts, p: calls.append(("scope", p)) or real(ts, p))
+    p.grad, q.grad = torch.randn(100), torch.randn(7)
+    assert count_syncs(opt.step) == 1
+    assert calls == [("scope", 2.0)]  # one 2-norm pass over the gradients, no inf-norm, no second pass
+    # a non-finite step: the exact check runs too (a second sync, only then)
+    calls.clear()
+    p.grad, q.grad = torch.randn(100), torch.full((7,), float("nan"))
+    assert count_syncs(opt.step) == 2
+    assert calls == [("scope", 2.0), ("pipeline", float("inf"))]
+
+
+def test_zero_policy_records_what_it_zeroed():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = mo.Modular([p], mo.LR(1.0), nonfinite="zero")
+    p.grad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    opt.step()
+    assert int(opt.stats["zeroed"]) == 3 and bool(opt.stats["nonfinite"])
+    assert torch.equal(p.detach(), torch.tensor([-1.0, 0.0, 0.0, 0.0]))
+    p.grad = torch.ones(4)
+    opt.step()
+    assert int(opt.stats["zeroed"]) == 0 and not bool(opt.stats["nonfinite"])

@@ -1,0 +1,117 @@
+"""State never leaks across steps or cycles (issue 9, item 5): Accumulate's sums, the per-tensor
+norm memo (a write through ``.data``), AGC's exclusion cache."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+import modopt as mo
+from modopt.core.transform import Transform
+
+
+def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call():
+    a = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([a, b], mo.Accumulate(2), mo.SGD(lr=1.0))
+    # cycle 1: b has a gradient on the first call only
+    a.grad, b.grad = torch.ones(2), torch.full((2,), 10.0)
+    opt.step()
+    a.grad, b.grad = torch.ones(2), None
+    opt.step()
+    assert torch.equal(b.detach(), torch.zeros(2))  # no grad on the final call: b does not move
+    assert torch.equal(a.detach(), -torch.ones(2))
+    # cycle 2: zero gradients for both. Nothing of cycle 1 may come back.
+    for _ in range(2):
+        a.grad, b.grad = torch.zeros(2), torch.zeros(2)
+        opt.step()
+    assert torch.equal(b.detach(), torch.zeros(2)), b
+    assert torch.equal(a.detach(), -torch.ones(2)), a
+    key = "0:Accumulate.sum"
+    for p in (a, b):
+        assert torch.equal(opt.state[p][key], torch.zeros(2))
+
+
+class DataWriter(Transform):
+    """A user transform that doubles the updates through ``.data`` (no version-counter bump)."""
+
+    def apply(self, ctx, st, updates):
+        for u in updates:
+            u.data.mul_(2.0)
+        return updates
+
+
+class NormSpy(Transform):
+    """Records the per-tensor 2-norms it sees (through the step's memo, like a scoped transform)."""
+
+    seen: ClassVar[list] = []
+    update_access: ClassVar[str] = "read"
+
+    def apply(self, ctx, st, updates):
+        seg = mo.ClipNorm(1.0, scope="tensor").segments(ctx, st)
+        NormSpy.seen.append(seg.tensor_pnorms(updates, 2.0, torch.float32).clone())
+        return updates
+
+
+@pytest.mark.parametrize("first", [[], [NormSpy()], [NormSpy(), mo.Identity()]])
+def test_norm_memo_never_serves_a_norm_written_through_data(first):
+    """The memo is filled (by the non-finite check's 2-norms, or a transform reading norms); a custom
+    transform writes through .data; a later ClipNorm(scope="tensor") must see the fresh norms."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    q = torch.nn.Parameter(torch.zeros(3))
+    chain = [*first, DataWriter(), mo.ClipNorm(1.0, scope="tensor", eps=0.0), mo.LR(1.0)]
+    opt = mo.Modular([p, q], *chain)
+    p.grad, q.grad = torch.tensor([0.3, 0.4]), torch.tensor([0.0, 0.0, 0.2])
+    opt.step()
+    norms = opt.stats[f"{len(first) + 1}:ClipNorm.norm"]
+    # after doubling, the norms are 1.0 and 0.4 (the stale ones would be 0.5 and 0.2)
+    assert torch.allclose(norms, torch.tensor([1.0, 0.4])), norms
+    assert torch.allclose(p.detach(), -torch.tensor([0.6, 0.8]))
+    assert torch.allclose(q.detach(), -torch.tensor([0.0, 0.0, 0.4]))
+
+
+def test_norm_memo_is_kept_only_across_transforms_that_did_not_write():
+    NormSpy.seen.clear()
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], NormSpy(), mo.Identity(), NormSpy(), DataWriter(), NormSpy(), mo.LR(1.0))
+    p.grad = torch.tensor([3.0, 4.0])
+    opt.step()
+    a, b, c = NormSpy.seen
+    assert a.item() == 5.0 and b.item() == 5.0 and c.item() == 10.0
+    memo = next(iter(opt._runtime["__layouts__"].values())).cache["norm_memo"]
+    assert len(memo) == 0  # emptied when the step ends (holds no tensors between steps)
+
+
+def test_norm_memo_is_fresh_every_step():
+    NormSpy.seen.clear()
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], NormSpy(), mo.LR(1.0))
+    g = torch.tensor([3.0, 4.0])
+    p.grad = g
+    opt.step()
+    g.data.mul_(3.0)  # same tensor object, same version counter, new values
+    opt.step()
+    assert [s.item() for s in NormSpy.seen] == [5.0, 15.0]
+
+
+def test_agc_exclusion_mask_is_cached_per_layout(monkeypatch):
+    import fnmatch
+
+    calls = []
+    real = fnmatch.fnmatchcase
+    monkeypatch.setattr(fnmatch, "fnmatchcase", lambda n, pat: calls.append(n) or real(n, pat))
+    lin = torch.nn.Linear(3, 2)
+    opt = mo.Modular(lin.named_parameters(), mo.AGC(clipping=0.01, exclude=["bias"]), mo.LR(0.1))
+    for _ in range(3):
+        lin.weight.grad, lin.bias.grad = torch.ones(2, 3), torch.full((2,), 100.0)
+        b0 = lin.bias.detach().clone()
+        opt.step()
+        assert torch.allclose(lin.bias.detach(), b0 - 10.0)  # excluded: not clipped
+    assert len(calls) == 2, calls  # matched once (two names), not once per step
+    # a new layout (weight only has a grad) computes its own mask
+    lin.bias.grad = None
+    lin.weight.grad = torch.ones(2, 3)
+    opt.step()
+    assert len(calls) == 3
