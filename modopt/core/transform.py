@@ -226,9 +226,15 @@ def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, fi
       whose scale was deferred).
     """
     n = len(transforms)
-    modes = [_scale_mode(t, final and i == n - 1) for i, t in enumerate(transforms)]
+    # with ``final``, the writer is the last transform that touches the updates: trailing ones
+    # that neither read nor write them (Identity) do not take the fused write away from it
+    end = n - 1
+    if final:
+        while end > 0 and transforms[end].update_access == "none":
+            end -= 1
+    modes = [_scale_mode(t, final and i == end) for i, t in enumerate(transforms)]
     for i, t in enumerate(transforms):
-        last = i == n - 1
+        last = i == end
         mode = modes[i]
         if mode == "apply":
             ctx._apply_pending(updates)
@@ -240,6 +246,8 @@ def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, fi
         try:
             if final and last:
                 _final(t, ctx, states[i], updates, mode)
+                for j in range(i + 1, n):  # they touch no update: run them for their own sake
+                    transforms[j].apply(ctx, states[j], updates)
                 return None
             updates = t.apply(ctx, states[i], updates)
         finally:
