@@ -6,7 +6,9 @@ from collections import defaultdict
 
 import torch
 
-from modopt.core.state import StepContext, TransformState
+from modopt.core.scope import NormMemo
+from modopt.core.state import Layout, StepContext, TransformState
+from modopt.core.transform import run_sequence
 
 
 class Harness:
@@ -34,6 +36,7 @@ class Harness:
         self._store: dict = {}
         self._runtime: dict = {}
         self.stats: dict = {}
+        self.layout = None
 
     def transform_store(self, key):
         return self._store.setdefault(key, {})
@@ -42,8 +45,19 @@ class Harness:
         return self._runtime.setdefault(key, {})
 
     def step(self, updates):
+        """Run the transform through the pipeline runner, as ``Modular`` does: on a cached
+        ``Layout`` (segment tables, per-layout caches) with the step's norm memo."""
         self.stats = {}
         ctx = StepContext(self.params, self.groups, self.gids, self.ranges, self.names, self, self.stats)
+        if self.layout is None:
+            self.layout = Layout(("harness",), self.params, self.ranges)
+            self.layout.cache["names"] = self.names
+            self.layout.cache["norm_memo"] = NormMemo()
+        ctx.layout = self.layout
+        ctx.norm_memo = self.layout.cache["norm_memo"]
+        ctx.norm_memo.clear()
         st = TransformState(self, ctx, f"0:{type(self.t).__name__}")
-        out = self.t.apply(ctx, st, [u.clone() for u in updates])
-        return out
+        try:
+            return run_sequence([self.t], ctx, [st], [u.clone() for u in updates], False)
+        finally:
+            ctx.norm_memo.clear()
