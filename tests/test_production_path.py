@@ -149,6 +149,8 @@ PIPELINES = [
     lambda: [mo.ClipNorm(0.3), mo.ClipNorm(1.0, scope="tensor"), mo.AdamW(lr=1e-2)],
     lambda: [mo.ClipValue(0.1), mo.ClipNorm(1.0), mo.LR(0.1)],
     lambda: [mo.Accumulate(2), mo.ClipNorm(1.0), mo.Adam(lr=1e-2)],
+    lambda: [mo.ZClip(warmup_steps=2), mo.HistClip(warmup_steps=2), mo.Normalize(scope="global"), mo.Adam(lr=1e-2)],
+    lambda: [mo.AutoClip(), mo.ClipNormByEMA(scope="group"), mo.SGD(lr=0.1)],
 ]
 
 

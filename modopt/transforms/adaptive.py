@@ -15,7 +15,7 @@ never enters any statistic and does not count as a warm-up step.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
@@ -178,6 +178,8 @@ class HistClip(Scoped):
         data["criterion"] = self.criterion.model_dump()
         return data
 
+    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
+
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         g = seg.map(torch.abs, seg.reduce(updates, self.ord))
@@ -259,6 +261,8 @@ class ZClip(Scoped):
     clip_factor: PositiveFloat = 1.0
     skip_update_on_spike: bool = False
     ord: Ord = 2.0
+
+    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -352,6 +356,8 @@ class AutoClip(Scoped):
         if seg.kind == "group":
             return [(st.store, f"history@group{gid}") for gid in ctx.group_ids]
         return [(st.host.state[p], f"{st.key}.history") for p in ctx.params]
+
+    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
