@@ -188,14 +188,14 @@ def test_a_folding_transform_that_ignores_its_scale_is_an_error():
     """The runner checks the contract: a transform declaring folds_scale must take or apply the scale."""
     from typing import ClassVar
 
-    class Lazy(mo.Transform):
+    class _Lazy(mo.Transform):
         folds_scale: ClassVar[bool] = True
 
         def apply(self, ctx, st, updates):
             return updates
 
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = mo.Modular([p], mo.ClipNorm(1.0), Lazy(), mo.LR(1.0))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), _Lazy(), mo.LR(1.0))
     p.grad = torch.tensor([3.0, 4.0])
     import pytest
 

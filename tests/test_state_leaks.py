@@ -34,7 +34,7 @@ def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call()
         assert torch.equal(opt.state[p][key], torch.zeros(2))
 
 
-class DataWriter(Transform):
+class _DataWriter(Transform):
     """A user transform that doubles the updates through ``.data`` (no version-counter bump)."""
 
     def apply(self, ctx, st, updates):
@@ -43,7 +43,7 @@ class DataWriter(Transform):
         return updates
 
 
-class NormSpy(Transform):
+class _NormSpy(Transform):
     """Records the per-tensor 2-norms it sees (through the step's memo, like a scoped transform)."""
 
     seen: ClassVar[list] = []
@@ -51,17 +51,17 @@ class NormSpy(Transform):
 
     def apply(self, ctx, st, updates):
         seg = mo.ClipNorm(1.0, scope="tensor").segments(ctx, st)
-        NormSpy.seen.append(seg.tensor_pnorms(updates, 2.0, torch.float32).clone())
+        _NormSpy.seen.append(seg.tensor_pnorms(updates, 2.0, torch.float32).clone())
         return updates
 
 
-@pytest.mark.parametrize("first", [[], [NormSpy()], [NormSpy(), mo.Identity()]])
+@pytest.mark.parametrize("first", [[], [_NormSpy()], [_NormSpy(), mo.Identity()]])
 def test_norm_memo_never_serves_a_norm_written_through_data(first):
     """The memo is filled (by the non-finite check's 2-norms, or a transform reading norms); a custom
     transform writes through .data; a later ClipNorm(scope="tensor") must see the fresh norms."""
     p = torch.nn.Parameter(torch.zeros(2))
     q = torch.nn.Parameter(torch.zeros(3))
-    chain = [*first, DataWriter(), mo.ClipNorm(1.0, scope="tensor", eps=0.0), mo.LR(1.0)]
+    chain = [*first, _DataWriter(), mo.ClipNorm(1.0, scope="tensor", eps=0.0), mo.LR(1.0)]
     opt = mo.Modular([p, q], *chain)
     p.grad, q.grad = torch.tensor([0.3, 0.4]), torch.tensor([0.0, 0.0, 0.2])
     opt.step()
@@ -73,27 +73,27 @@ def test_norm_memo_never_serves_a_norm_written_through_data(first):
 
 
 def test_norm_memo_is_kept_only_across_transforms_that_did_not_write():
-    NormSpy.seen.clear()
+    _NormSpy.seen.clear()
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = mo.Modular([p], NormSpy(), mo.Identity(), NormSpy(), DataWriter(), NormSpy(), mo.LR(1.0))
+    opt = mo.Modular([p], _NormSpy(), mo.Identity(), _NormSpy(), _DataWriter(), _NormSpy(), mo.LR(1.0))
     p.grad = torch.tensor([3.0, 4.0])
     opt.step()
-    a, b, c = NormSpy.seen
+    a, b, c = _NormSpy.seen
     assert a.item() == 5.0 and b.item() == 5.0 and c.item() == 10.0
     memo = next(iter(opt._runtime["__layouts__"].values())).cache["norm_memo"]
     assert len(memo) == 0  # emptied when the step ends (holds no tensors between steps)
 
 
 def test_norm_memo_is_fresh_every_step():
-    NormSpy.seen.clear()
+    _NormSpy.seen.clear()
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = mo.Modular([p], NormSpy(), mo.LR(1.0))
+    opt = mo.Modular([p], _NormSpy(), mo.LR(1.0))
     g = torch.tensor([3.0, 4.0])
     p.grad = g
     opt.step()
     g.data.mul_(3.0)  # same tensor object, same version counter, new values
     opt.step()
-    assert [s.item() for s in NormSpy.seen] == [5.0, 15.0]
+    assert [s.item() for s in _NormSpy.seen] == [5.0, 15.0]
 
 
 def test_agc_exclusion_mask_is_cached_per_layout(monkeypatch):
