@@ -113,10 +113,10 @@ def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor
     It is the finiteness of the per-tensor 2-norms: an inf or NaN element makes
     its tensor's 2-norm inf or NaN, so finite norms prove finite gradients. The
     converse fails only when finite values' squares overflow the accumulator
-    (float32 values near 1e19 and above), which :func:`nonfinite_mask` then
+    (float32 values near 1e19 and above), which `nonfinite_mask` then
     settles. The norms are the ones a global or per-tensor 2-norm of the
     chain needs anyway: they go into the step's norm memo
-    (:meth:`~modopt.core.scope.NormMemo.pnorms`), so a following
+    (`modopt.core.scope.NormMemo.pnorms`), so a following
     ``ClipNorm`` reads them instead of the gradients.
     """
     memo = ctx.norm_memo
@@ -131,8 +131,8 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     """Apply the policy; return False when the step must be skipped.
 
     One host sync per step when the gradients are finite (the common case):
-    the finiteness of the 2-norms (:func:`maybe_nonfinite`). Only when that
-    says "possibly non-finite" does the exact check (:func:`nonfinite_mask`)
+    the finiteness of the 2-norms (`maybe_nonfinite`). Only when that
+    says "possibly non-finite" does the exact check (`nonfinite_mask`)
     run, with a second sync, so finite-but-huge gradients are never called
     non-finite.
     """

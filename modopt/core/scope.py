@@ -110,7 +110,7 @@ class Segments:
     counts: list[int]  # elements per segment (stacked) or per slice (slices: one per tensor)
     active: list[bool]  # per tensor: its segment/slice has at least min_size elements
     dims: list[tuple[int, ...]] | None = None  # slices: reduce dims per tensor
-    #: the step's per-tensor norm memo (set for segments cached on a layout; see :class:`NormMemo`)
+    #: the step's per-tensor norm memo (set for segments cached on a layout; see `NormMemo`)
     memo: "NormMemo | None" = None
 
     def __post_init__(self) -> None:
@@ -154,7 +154,7 @@ class Segments:
         return var if stat == "var" else var.sqrt()
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in ``acc``), through the step's :class:`NormMemo`."""
+        """1-D tensor of the p-norm of each tensor (in ``acc``), through the step's `NormMemo`."""
         if self.memo is not None:
             return self.memo.pnorms(tensors, p, acc)
         return _pnorms(tensors, p, acc)

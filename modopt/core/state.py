@@ -94,7 +94,7 @@ class StepContext:
     # who may defer, hands a deferred scale to the transform that folds it, and
     # multiplies it in for every other one. Transforms only ever call
     # ``Scoped.scale_`` (which defers when the runner allows it) and, when they
-    # declare ``folds_scale``, read :attr:`incoming_scale` and ``take`` or ``apply`` it.
+    # declare ``folds_scale``, read `incoming_scale` and ``take`` or ``apply`` it.
     def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> bool:
         """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it, if allowed.
 
@@ -112,8 +112,8 @@ class StepContext:
     @property
     def incoming_scale(self) -> "DeferredScale | None":
         """The scale deferred to the running transform (only a transform that declares
-        ``folds_scale`` ever sees one). It must :meth:`~DeferredScale.take` it (and fold it into
-        its arithmetic) or :meth:`~DeferredScale.apply` it to the updates; the runner checks."""
+        ``folds_scale`` ever sees one). It must `take()` it (and fold it into
+        its arithmetic) or `apply(updates)` it; the runner checks."""
         return self._incoming
 
     def _apply_pending(self, updates: list[torch.Tensor]) -> None:
@@ -143,8 +143,8 @@ class DeferredScale:
     ``Scoped.scale_``) may leave it to the next transform that can fold it into
     its own arithmetic (a fused optimizer's ``grad_scale``, a normalization's
     factor): the updates are then read and written once fewer. The transform
-    that receives it (``ctx.incoming_scale``) either :meth:`take` s it,
-    promising to fold it, or :meth:`apply` s it.
+    that receives it (``ctx.incoming_scale``) either calls `take()`,
+    promising to fold it, or `apply(updates)`.
     """
 
     __slots__ = ("ranges", "values", "state")
