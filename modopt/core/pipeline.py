@@ -139,6 +139,11 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     if policy == "ignore" or not grads:
         return True
     if policy == "zero":
+        if any_sharded(grads):  # FSDP2: the decision all-reduced, then each rank zeroes its shards
+            ctx.stats["nonfinite"] = any_nonfinite(grads)
+            for g in grads:
+                torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+            return True
         counts = []
         for g in grads:
             bad = ~torch.isfinite(g)
