@@ -125,14 +125,15 @@ def test_centralize_through_step(data):
 
 
 @given(data=st.data())
-def test_clip_norm_by_ema_through_step(data):
-    """Stateful: three steps with different gradients, state carried by Modular."""
+def test_norm_ema_through_step(data):
+    """ClipNormByEMA / NormalizeByEMA, stateful: three steps with different gradients, state carried by Modular."""
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
     ts, group_of = data.draw(tensors_and_groups(dtype=dtype))
     kw = scope_kwargs(data.draw, "global")
     init = data.draw(st.sampled_from(["zeros", "update"]))
-    params, opt = build(ts, group_of, mo.ClipNormByEMA(beta=0.5, ema_init=init, **kw))
-    ref_t = spec_ema.ClipNormByEMA(group_of, beta=0.5, ema_init=init, **kw)
+    name = data.draw(st.sampled_from(["ClipNormByEMA", "NormalizeByEMA"]))
+    params, opt = build(ts, group_of, getattr(mo, name)(beta=0.5, ema_init=init, **kw))
+    ref_t = getattr(spec_ema, name)(group_of, beta=0.5, ema_init=init, **kw)
     for k, c in enumerate([1.0, 3.0, 0.5]):
         grads = [x * c for x in ts]
         out = step_updates(opt, params, grads)
