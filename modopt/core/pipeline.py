@@ -165,6 +165,8 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     ctx.stats["nonfinite"] = bad
     if not is_bad:
         return True
+    if ctx.norm_memo is not None:  # the chain does not run: let the gradients go
+        ctx.norm_memo.clear()
     if policy == "raise":
         which = [ctx.names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]
         raise FloatingPointError(f"non-finite gradient in parameter(s) {', '.join(which)} (nonfinite='raise')")

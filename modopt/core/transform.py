@@ -303,6 +303,8 @@ def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list
         ctx.write_updates(out)
     else:
         ctx._pending = None
+
+
 def walk(transforms: list[Transform] | tuple[Transform, ...], prefix: str = "") -> list[tuple[str, Transform]]:
     """Every transform (nested ones included) with its stable key, in chain order."""
     out: list[tuple[str, Transform]] = []
