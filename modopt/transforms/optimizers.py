@@ -317,7 +317,8 @@ class Adam(_FusedOptimizer):
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)
-            step_size = (lr / (1 - beta1**t)).unbind(0)
+            lr_v = _lr_value(lr, params[0])  # every lr-dependent quantity reads lr through _lr_value
+            step_size = (lr_v / (1 - beta1**t)).unbind(0)
             bc2_sqrt = (1 - beta2**t).sqrt().unbind(0)
             denom = torch._foreach_sqrt(vmax if g["amsgrad"] else v)
             torch._foreach_div_(denom, bc2_sqrt)
@@ -325,7 +326,10 @@ class Adam(_FusedOptimizer):
             u = torch._foreach_div(m, denom)
             torch._foreach_mul_(u, step_size)
             if wd != 0 and self.decoupled:
-                torch._foreach_add_(u, params, alpha=lr * wd)
+                if isinstance(lr_v, torch.Tensor):  # compiled: a Python lr * wd would be baked into the graph
+                    torch._foreach_add_(u, torch._foreach_mul(params, lr_v * wd))
+                else:
+                    torch._foreach_add_(u, params, alpha=lr_v * wd)
             out.extend(u)
         return out
 
