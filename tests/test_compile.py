@@ -188,3 +188,24 @@ def test_attach_applies_a_clip_before_the_torch_optimizer():
     handle.remove()
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["AdamW"])
+def test_compiled_adamw_with_scheduler_matches_torch_over_20_steps(name):
+    """The decoupled decay follows the scheduler's lr under compile (it used to keep the lr of the
+    step the graph was compiled at)."""
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    ref = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.5, foreach=False)
+    opt = mo.Modular(b, mo.AdamW(lr=1e-2, weight_decay=0.5), nonfinite="ignore")
+    step = torch.compile(opt.step, fullgraph=True)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s) for o in (ref, opt)]
+    for i in range(20):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        ref.step()
+        step()
+        for s in scheds:
+            s.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -16,10 +16,7 @@ import torch
 from typing import Annotated
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
-from torch.optim.adam import adam as _torch_adam
-from torch.optim.optimizer import _get_fused_kernels_supported_devices
-from torch.optim.sgd import sgd as _torch_sgd
-
+from ..core import kernels
 from ..core.distributed import is_sharded
 from ..core.registry import class_path, register_optimizer, resolve_optimizer
 from ..core.transform import Transform
@@ -28,35 +25,25 @@ from ..core.transform import Transform
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _fusable(params: list[torch.Tensor]) -> bool:
-    devices = _get_fused_kernels_supported_devices()
-    return all(p.device.type in devices and p.dtype in _FLOAT_DTYPES for p in params)
-
-
 def _step_tensor(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=p.device)
 
 
-def _plan(ctx, a: int, b: int) -> list[tuple[list[int] | None, bool, torch.dtype]]:
+def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool, torch.dtype]]:
     """How ``ctx.params[a:b]`` split into (device, dtype) sub-groups for the kernels, cached per layout.
 
     Each entry: the indices into ``[a:b]`` (None: all of them), whether torch's
-    fused kernel applies, and the dtype.
+    fused ``kernel`` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
     """
     cache = ctx.layout.cache if ctx.layout is not None else {}
-    key = ("optimizer_plan", a, b)
+    key = ("optimizer_plan", a, b, kernel)
     plan = cache.get(key)
     if plan is None:
         by: dict[tuple, list[int]] = {}
         for i, p in enumerate(ctx.params[a:b]):
             by.setdefault((p.device, p.dtype, is_sharded(p)), []).append(i)
-        devices = _get_fused_kernels_supported_devices()
-        # DTensors (FSDP2) take the foreach path, as torch.optim does: _fused_sgd_ has no sharding strategy
         plan = [
-            (None if len(by) == 1 else idx, dev.type in devices and dtype in _FLOAT_DTYPES and not sharded, dtype)
+            (None if len(by) == 1 else idx, kernels.fused_ok(kernel, dev, dtype, sharded), dtype)
             for (dev, dtype, sharded), idx in by.items()
         ]
         cache[key] = plan
@@ -196,33 +183,33 @@ class SGD(_FusedOptimizer):
         for g, a, b in ctx.per_group():
             mu = g["momentum"]
             bufs = self._buffers(st, a, b) if mu != 0 else []
-            for idx, fused, dtype in _plan(ctx, a, b):
+            for idx, fused, dtype in _plan(ctx, a, b, "sgd"):
                 params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
                 gs = _grad_scale(ctx, a, b, grads, dtype, fused)
                 hyper = dict(weight_decay=g["weight_decay"], momentum=mu, lr=g["lr"], dampening=g["dampening"],
-                             nesterov=g["nesterov"], maximize=False)
+                             nesterov=g["nesterov"])
                 if not fused:
                     sub_bufs = _pick(bufs, idx)
-                    _torch_sgd(params, grads, sub_bufs, foreach=True, fused=False, **hyper)
+                    kernels.foreach_sgd_(params, grads, sub_bufs, **hyper)
                     if mu != 0:
                         for j, i in enumerate(idx if idx is not None else range(len(params))):
                             bufs[i] = sub_bufs[j]
                     continue
                 if mu == 0:
-                    torch._fused_sgd_(params, grads, [], is_first_step=False, grad_scale=gs, **hyper)
+                    kernels.fused_sgd_(params, grads, [], is_first_step=False, grad_scale=gs, **hyper)
                     continue
                 sel = list(range(len(params))) if idx is None else idx
                 new = [j for j, i in enumerate(sel) if bufs[i] is None]
                 if new:  # torch's first step: the buffer starts as the (scaled) gradient
                     for j in new:
                         bufs[sel[j]] = torch.empty_like(grads[j])
-                    torch._fused_sgd_([params[j] for j in new], [grads[j] for j in new], [bufs[sel[j]] for j in new],
+                    kernels.fused_sgd_([params[j] for j in new], [grads[j] for j in new], [bufs[sel[j]] for j in new],
                                       is_first_step=True, grad_scale=gs, **hyper)
                 old = [j for j in range(len(sel)) if j not in set(new)] if new else None
                 if old is None:
-                    torch._fused_sgd_(params, grads, [bufs[i] for i in sel], is_first_step=False, grad_scale=gs, **hyper)
+                    kernels.fused_sgd_(params, grads, [bufs[i] for i in sel], is_first_step=False, grad_scale=gs, **hyper)
                 elif old:
-                    torch._fused_sgd_([params[j] for j in old], [grads[j] for j in old], [bufs[sel[j]] for j in old],
+                    kernels.fused_sgd_([params[j] for j in old], [grads[j] for j in old], [bufs[sel[j]] for j in old],
                                       is_first_step=False, grad_scale=gs, **hyper)
             if mu != 0:
                 self._save_buffers(st, a, b, bufs)
@@ -291,29 +278,27 @@ class Adam(_FusedOptimizer):
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
         _prepare_pending(ctx, updates)
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         for g, a, b in ctx.per_group():
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
             beta1, beta2 = g["betas"]
-            for idx, fused, dtype in _plan(ctx, a, b):
+            for idx, fused, dtype in _plan(ctx, a, b, "adamw" if self.decoupled else "adam"):
                 params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
                 gs = _grad_scale(ctx, a, b, grads, dtype, fused)
                 sub_m, sub_v, sub_vmax = _pick(m, idx), _pick(v, idx), _pick(vmax, idx) if amsgrad else []
                 sub_steps = _pick(steps, idx)
                 if not fused:
-                    _torch_adam(
-                        params, grads, sub_m, sub_v, sub_vmax, sub_steps, foreach=True, fused=False,
-                        decoupled_weight_decay=self.decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
-                        lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+                    kernels.foreach_adam_(
+                        params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, amsgrad=amsgrad,
+                        beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
                     )
                     continue
                 states = _pick(ctx.param_states()[a:b], idx)
                 _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states)
-                kernel(
-                    params, grads, sub_m, sub_v, sub_vmax, sub_steps, lr=g["lr"], beta1=beta1, beta2=beta2,
-                    weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad, maximize=False,
-                    grad_scale=gs, found_inf=None,
+                kernels.fused_adam_(
+                    params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, lr=g["lr"],
+                    beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad,
+                    grad_scale=gs,
                 )
         return True
 
@@ -334,7 +319,8 @@ class Adam(_FusedOptimizer):
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)
-            step_size = (lr / (1 - beta1**t)).unbind(0)
+            lr_v = _lr_value(lr, params[0])  # every lr-dependent quantity reads lr through _lr_value
+            step_size = (lr_v / (1 - beta1**t)).unbind(0)
             bc2_sqrt = (1 - beta2**t).sqrt().unbind(0)
             denom = torch._foreach_sqrt(vmax if g["amsgrad"] else v)
             torch._foreach_div_(denom, bc2_sqrt)
@@ -342,7 +328,10 @@ class Adam(_FusedOptimizer):
             u = torch._foreach_div(m, denom)
             torch._foreach_mul_(u, step_size)
             if wd != 0 and self.decoupled:
-                torch._foreach_add_(u, params, alpha=lr * wd)
+                if isinstance(lr_v, torch.Tensor):  # compiled: a Python lr * wd would be baked into the graph
+                    torch._foreach_add_(u, torch._foreach_mul(params, lr_v * wd))
+                else:
+                    torch._foreach_add_(u, params, alpha=lr_v * wd)
             out.extend(u)
         return out
 

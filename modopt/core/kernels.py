@@ -1,0 +1,86 @@
+"""The one place modopt calls torch's private optimizer kernels.
+
+Optimizer transforms write the parameters with torch's fused kernels
+(`torch._fused_sgd_`, `torch._fused_adam_`, `torch._fused_adamw_`) or, where a
+fused kernel is not known to be right, with torch's foreach implementation
+(`torch.optim.sgd.sgd` / `torch.optim.adam.adam` with `foreach=True`). Which one
+runs for a (kernel, device, dtype) is decided here, by `fused_ok`, and nowhere
+else.
+
+A fused kernel is chosen only where `tests/test_optimizer_dtypes.py` shows it
+right against torch's reference optimizers. Known wrong, and so excluded:
+
+* torch 2.13's CPU `_fused_sgd_` on float16/bfloat16 tensors updates only the
+  first 8 elements of each tensor (its vectorised loop drops the rest); the
+  foreach path is used there instead. `torch.optim.SGD(fused=True)` has the
+  same defect.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.optim.sgd import sgd as _torch_sgd
+
+__all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_adam_"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: (kernel, device type, dtype) combinations whose fused kernel gives wrong results
+#: in the torch this modopt is tested with; the foreach path runs instead.
+KNOWN_BAD: set[tuple[str, str, torch.dtype]] = {
+    ("sgd", "cpu", torch.float16),  # torch 2.13: only the first 8 elements move
+    ("sgd", "cpu", torch.bfloat16),  # same
+}
+
+
+def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: bool = False) -> bool:
+    """Whether torch's fused ``kernel`` (``"sgd"``, ``"adam"``, ``"adamw"``) may write these parameters.
+
+    False for devices torch has no fused kernel on, non-float dtypes, DTensors
+    (FSDP2: the fused kernels have no sharding strategy; torch.optim takes the
+    foreach path there too) and the combinations in `KNOWN_BAD`.
+    """
+    if sharded or dtype not in FLOAT_DTYPES:
+        return False
+    if device.type not in _get_fused_kernels_supported_devices():
+        return False
+    return (kernel, device.type, dtype) not in KNOWN_BAD
+
+
+def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale):
+    """``torch._fused_sgd_`` (in place on ``params`` and ``bufs``; divides the gradients by ``grad_scale``)."""
+    torch._fused_sgd_(
+        params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+        nesterov=nesterov, maximize=False, is_first_step=is_first_step, grad_scale=grad_scale,
+    )
+
+
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
+                weight_decay, eps, amsgrad, grad_scale):
+    """``torch._fused_adamw_`` (decoupled decay) or ``torch._fused_adam_``; the step tensors must
+    already be incremented (the kernels read them, torch.optim bumps them first)."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False, grad_scale=grad_scale, found_inf=None,
+    )
+
+
+def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov):
+    """torch.optim.SGD's foreach implementation; ``bufs`` entries that are None are filled in."""
+    _torch_sgd(
+        params, grads, bufs, foreach=True, fused=False, weight_decay=weight_decay, momentum=momentum, lr=lr,
+        dampening=dampening, nesterov=nesterov, maximize=False,
+    )
+
+
+def foreach_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
+                  weight_decay, eps, amsgrad):
+    """torch.optim.Adam's (or AdamW's, ``decoupled``) foreach implementation; it increments ``steps``."""
+    _torch_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=True, fused=False,
+        decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
+        weight_decay=weight_decay, eps=eps, maximize=False,
+    )

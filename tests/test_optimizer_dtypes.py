@@ -1,0 +1,239 @@
+"""Every optimizer transform, in every float dtype, against torch's reference optimizers.
+
+Run the way users run it: `Modular.step()` after a real forward and backward, two
+param groups that differ in lr and weight decay, alone or after `ClipNorm(1.0)`
+(whose scale is then deferred into the optimizer's kernel), for many steps.
+
+The references, and why they are trusted:
+
+* SGD (plain, momentum, nesterov, dampening, weight decay) and `LR`:
+  `torch.optim.SGD(foreach=False)`, torch's for-loop, in the parameter's own
+  dtype. Its arithmetic is a few elementwise ops per tensor, right in every
+  dtype. (Not `fused=True`: torch 2.13's CPU `_fused_sgd_` moves only the first
+  8 elements of a float16/bfloat16 tensor.)
+* Adam/AdamW in float32/float64: `torch.optim.Adam/AdamW(foreach=False)`.
+* Adam/AdamW in float16/bfloat16: torch's for-loop Adam computes in the
+  parameter's dtype, where `eps=1e-8` rounds to 0 in float16 and `(1-beta2) g^2`
+  underflows, so `m / (sqrt(v) + eps)` is 0/0 for small gradients: it is not a
+  reference. torch's own mixed-precision contract (the fused kernels, AMP) is
+  half *storage* with float32 *arithmetic*; the reference here is exactly that,
+  written independently of any fused kernel: every step, float32 copies of the
+  parameter, gradient and moments go through torch's for-loop `adam` function
+  and are rounded back to the parameter's dtype.
+
+Compared: each parameter's displacement from its start, to a few units of the
+dtype's rounding (the two sides round at different points, and the rounding
+feeds back through the forward pass); and no element that the reference moved
+is left where it started.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.adam import adam as torch_adam_fn
+
+import modopt as mo
+from modopt.core import kernels
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+STEPS = 25
+GROUP_LR = (1.0, 0.5)  # group i's lr is the case's lr times this
+WDS = (0.0, 0.05)
+
+
+# (name, family, hyperparameters shared by modopt and torch, modopt factory)
+CASES = [
+    ("sgd", "sgd", dict(lr=0.3), mo.SGD),
+    ("sgd_momentum", "sgd", dict(lr=0.08, momentum=0.9), mo.SGD),
+    ("sgd_nesterov", "sgd", dict(lr=0.08, momentum=0.9, nesterov=True), mo.SGD),
+    ("sgd_dampening", "sgd", dict(lr=0.1, momentum=0.9, dampening=0.3), mo.SGD),
+    ("sgd_weight_decay", "sgd", dict(lr=0.2, momentum=0.5, weight_decay=0.01), mo.SGD),
+    ("adam", "adam", dict(lr=1e-2), mo.Adam),
+    ("adam_amsgrad", "adam", dict(lr=1e-2, amsgrad=True, weight_decay=0.01), mo.Adam),
+    ("adamw", "adamw", dict(lr=1e-2, weight_decay=0.1), mo.AdamW),
+    ("adamw_amsgrad", "adamw", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, betas=(0.8, 0.99)), mo.AdamW),
+    ("lr", "lr", dict(lr=0.3), mo.LR),
+]
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 12), torch.nn.Tanh(),
+                                torch.nn.Linear(12, 3))
+    return model.to(dtype)
+
+
+def data(dtype):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=g).to(dtype), torch.randn(16, 3, generator=g).to(dtype)) for _ in range(STEPS)]
+
+
+def groups(model, family, lr):
+    ps = list(model.parameters())
+    out = [{"params": ps[:2], "lr": lr * GROUP_LR[0]}, {"params": ps[2:], "lr": lr * GROUP_LR[1]}]
+    if family != "lr":  # per-group weight decay where the transform has it
+        for g, wd in zip(out, WDS):
+            g["weight_decay"] = wd
+    return out
+
+
+def backward(model, x, y):
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x).float(), y.float()).mul(4.0).backward()  # norms around 1..5: clips bite
+
+
+def clip_reference(params, max_norm=1.0, eps=1e-6):
+    """torch.nn.utils.clip_grad_norm_, in at least float32 arithmetic (half-precision gradients
+    would round the norm): the clipped gradients, in float32 (float64 for float64 parameters)."""
+    g32 = [p.grad.to(torch.promote_types(p.dtype, torch.float32)) for p in params]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in g32]))
+    coef = torch.clamp(max_norm / (total + eps), max=1.0)
+    return [g * coef for g in g32]
+
+
+class TorchReference:
+    """The reference optimizer for one (case, dtype), stepping ``model``'s parameters."""
+
+    def __init__(self, model, family, hyper, dtype, clip):
+        self.family, self.dtype, self.clip = family, dtype, clip
+        self.groups = groups(model, family, hyper["lr"])
+        hyper = dict(hyper)
+        self.upcast = family in ("adam", "adamw") and dtype in (torch.float16, torch.bfloat16)
+        if family in ("sgd", "lr"):
+            self.opt = torch.optim.SGD(self.groups, **hyper, foreach=False)
+        elif not self.upcast:
+            cls = torch.optim.AdamW if family == "adamw" else torch.optim.Adam
+            self.opt = cls(self.groups, **hyper, foreach=False)
+        else:
+            self.hyper = {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, **hyper}
+            self.state = {}
+
+    def step(self):
+        params = [p for g in self.groups for p in g["params"]]
+        if self.clip:
+            clipped = clip_reference(params)
+            if not self.upcast:
+                for p, g in zip(params, clipped):
+                    p.grad.copy_(g)  # rounded to the parameter's dtype, as torch's clip_grad_norm_ leaves it
+        else:
+            clipped = [p.grad.float() for p in params]
+        if not self.upcast:
+            self.opt.step()
+            return
+        i = 0
+        h = self.hyper
+        for group in self.groups:
+            for p in group["params"]:
+                st = self.state.setdefault(p, {
+                    "m": torch.zeros_like(p, dtype=torch.float32), "v": torch.zeros_like(p, dtype=torch.float32),
+                    "vmax": torch.zeros_like(p, dtype=torch.float32), "step": torch.zeros((), dtype=torch.float32),
+                })
+                p32 = p.detach().float()
+                torch_adam_fn(
+                    [p32], [clipped[i]], [st["m"]], [st["v"]], [st["vmax"]] if h["amsgrad"] else [], [st["step"]],
+                    foreach=False, amsgrad=h["amsgrad"], beta1=h["betas"][0], beta2=h["betas"][1], lr=group["lr"],
+                    weight_decay=group["weight_decay"], eps=h["eps"], maximize=False,
+                    decoupled_weight_decay=self.family == "adamw",
+                )
+                with torch.no_grad():
+                    p.copy_(p32)
+                for k in ("m", "v", "vmax"):  # the moments are stored in the parameter's dtype
+                    st[k].copy_(st[k].to(self.dtype))
+                i += 1
+
+
+def ulp(dtype):
+    return torch.finfo(dtype).eps
+
+
+def compare(case, dtype, clip):
+    name, family, hyper, factory = case
+    mod_model, ref_model = make_model(dtype), make_model(dtype)
+    start = [p.detach().clone() for p in mod_model.parameters()]
+    chain = ([mo.ClipNorm(1.0)] if clip else []) + [factory(**hyper)]
+    opt = mo.Modular(groups(mod_model, family, hyper["lr"]), *chain)
+    ref = TorchReference(ref_model, family, hyper, dtype, clip)
+    for x, y in data(dtype):
+        backward(mod_model, x, y)
+        opt.step()
+        backward(ref_model, x, y)
+        ref.step()
+    # a few units of rounding at the parameter's magnitude, growing with the steps taken
+    k = 16.0 if dtype in (torch.float16, torch.bfloat16) else 64.0
+    for (pname, p), r, p0 in zip(mod_model.named_parameters(), ref_model.parameters(), start):
+        d_mod = (p.detach() - p0).double()
+        d_ref = (r.detach() - p0).double()
+        scale = torch.maximum(p0.double().abs(), d_ref.abs()).clamp(min=0.05)
+        tol = k * ulp(dtype) * scale
+        err = (d_mod - d_ref).abs()
+        moved = float((d_ref.abs() > tol).double().mean())
+        assert moved > 0.1, f"{pname}: the reference moved {moved:.0%} of it beyond rounding; the test would show little"
+        left_behind = (p.detach() == p0) & (d_ref.abs() > tol)
+        assert not left_behind.any(), (
+            f"{name} {dtype} clip={clip}: {int(left_behind.sum())} of {p.numel()} elements of {pname} did not move "
+            "where the reference moved them"
+        )
+        assert (err <= tol).all(), (
+            f"{name} {dtype} clip={clip}: {pname} differs from torch by {float((err / tol).max()):.1f}x the tolerance "
+            f"({int((err > tol).sum())} of {p.numel()} elements)"
+        )
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["alone", "after_clipnorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_optimizer_matches_torch_reference(case, dtype, clip):
+    compare(case, dtype, clip)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("clip", [False, True], ids=["alone", "after_clipnorm"])
+def test_the_check_catches_the_eight_element_sgd_bug(monkeypatch, dtype, clip):
+    """With the shim's exclusion removed (modopt's old behaviour: fused SGD for every float
+    dtype on CPU) the comparison above fails."""
+    monkeypatch.setattr(kernels, "KNOWN_BAD", set())
+    assert kernels.fused_ok("sgd", torch.device("cpu"), dtype)
+    with pytest.raises(AssertionError, match="did not move"):
+        compare(CASES[1], dtype, clip)
+
+
+@pytest.mark.parametrize("entry", sorted(kernels.KNOWN_BAD, key=str), ids=str)
+def test_known_bad_kernels_are_still_bad(entry):
+    """Each exclusion in the shim is a real defect of this torch: when this fails, torch fixed
+    the kernel and the entry can go (the dtype test above then checks the fused kernel)."""
+    kernel, device, dtype = entry
+    assert kernel == "sgd" and device == "cpu"
+    p = torch.zeros(1000, dtype=dtype)
+    kernels.fused_sgd_([p], [torch.ones_like(p)], [], lr=1.0, weight_decay=0.0, momentum=0.0, dampening=0.0,
+                       nesterov=False, is_first_step=False, grad_scale=None)
+    assert int((p != 0).sum()) < 1000
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("kernel", ["sgd", "adam", "adamw"])
+def test_every_chosen_fused_kernel_moves_every_element(kernel, dtype):
+    """Where the shim picks a fused kernel, one step on tensors of awkward lengths (around the
+    vector widths) equals torch's for-loop optimizer, in float32 arithmetic for half dtypes."""
+    if not kernels.fused_ok(kernel, torch.device("cpu"), dtype):
+        pytest.skip(f"the shim does not choose fused {kernel} for {dtype} on CPU")
+    g = torch.Generator().manual_seed(0)
+    sizes = [1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 1000]
+    ps = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    gs = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    ref = [p.double().clone() for p in ps]
+    if kernel == "sgd":
+        kernels.fused_sgd_(ps, gs, [], lr=0.5, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
+                           is_first_step=False, grad_scale=None)
+        for r, gr in zip(ref, gs):
+            r.sub_(0.5 * gr.double())
+    else:
+        zeros = lambda: [torch.zeros_like(p) for p in ps]  # noqa: E731
+        kernels.fused_adam_(ps, gs, zeros(), zeros(), [], [torch.ones(()) for _ in ps], decoupled=kernel == "adamw",
+                            lr=0.5, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, grad_scale=None)
+        z = lambda: [torch.zeros_like(r) for r in ref]  # noqa: E731
+        torch_adam_fn(ref, [x.double() for x in gs], z(), z(), [], [torch.zeros((), dtype=torch.float64) for _ in ref],
+                      foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=0.5, weight_decay=0.1, eps=1e-8,
+                      maximize=False, decoupled_weight_decay=kernel == "adamw")
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.double(), r, rtol=4 * ulp(dtype), atol=4 * ulp(dtype))
