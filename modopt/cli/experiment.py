@@ -174,7 +174,7 @@ def experiment_from_data(data: Any, source: str, trust_imports: bool = False) ->
         with _trust(trust_imports):
             return Experiment.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, data, Experiment)) from None
 
 
 def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment:
@@ -188,7 +188,7 @@ def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment
         try:  # errors name the pipeline's own fields (transforms.0.max_norm), as in the file
             PipelineConfig.from_dict(data, trust_imports=trust_imports)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, str(path))) from None
+            raise ConfigError(format_validation_error(e, str(path), data, PipelineConfig)) from None
         base = default_experiment().to_dict()
         base["optimizer"] = data
         base["name"] = Path(path).stem

@@ -10,6 +10,8 @@ from ..core.transform import Transform
 class Identity(Transform):
     """Pass the update through unchanged (drytorch's ``NoOp``)."""
 
+    positional = None
+
     def apply(self, ctx, st, updates):
         return updates
 
@@ -31,6 +33,8 @@ class ZeroNonFinite(Transform):
     >>> p.grad = torch.tensor([1.0, float("inf"), float("nan")]); opt.step(); p.data
     tensor([-1.,  0.,  0.])
     """
+
+    positional = None
 
     def apply(self, ctx, st, updates):
         counts = []
