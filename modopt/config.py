@@ -149,6 +149,8 @@ def format_validation_error(
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
         msg = err["msg"]
+        if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), Exception):
+            msg = str(err["ctx"]["error"])  # the validator's own words, without pydantic's "Value error, "
         if err["type"] == "extra_forbidden" and root is not None and err["loc"]:
             model = _model_at(root, data, err["loc"][:-1])
             if model is not None:
