@@ -95,6 +95,17 @@ class PipelineConfig(BaseModel):
         with _trust(trust_imports):
             return cls.model_validate(data)
 
+    def lint(self) -> list:
+        """Transforms whose effect is provably cancelled or overridden by a later one (:mod:`modopt.lint`).
+
+        >>> import modopt as mo
+        >>> [f.key for f in mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()]).lint()]
+        ['0:ClipNormByEMA']
+        """
+        from .lint import lint
+
+        return lint(self)
+
     # --- building -----------------------------------------------------------
     def build(self, params: Any) -> "Modular":
         """A fresh :class:`~modopt.Modular` over ``params`` running this pipeline."""
