@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core.pipeline import NonFinite
 from .core.registry import available, get_transform, trust_imports as _trust
-from .core.transform import TransformField, to_plain
+from .core.transform import Transform, TransformField, did_you_mean, to_plain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,6 +53,18 @@ class PipelineConfig(BaseModel):
     transforms: list[TransformField] = Field(default_factory=list)
     nonfinite: NonFinite = "skip"
     defaults: dict[str, Any] = Field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """``PipelineConfig(ClipNorm(max_norm=1.0), Adam())``: the transforms, then non-default options."""
+        parts = [repr(t) for t in self.transforms]
+        if self.nonfinite != "skip":
+            parts.append(f"nonfinite={self.nonfinite!r}")
+        if self.defaults:
+            parts.append(f"defaults={self.defaults!r}")
+        return f"PipelineConfig({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return repr(self)
 
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -82,6 +94,17 @@ class PipelineConfig(BaseModel):
     def from_dict(cls, data: Any, trust_imports: bool = False) -> "PipelineConfig":
         with _trust(trust_imports):
             return cls.model_validate(data)
+
+    def lint(self) -> list:
+        """Transforms whose effect is provably cancelled or overridden by a later one (:mod:`modopt.lint`).
+
+        >>> import modopt as mo
+        >>> [f.key for f in mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()]).lint()]
+        ['0:ClipNormByEMA']
+        """
+        from .lint import lint
+
+        return lint(self)
 
     # --- building -----------------------------------------------------------
     def build(self, params: Any) -> "Modular":
@@ -128,12 +151,78 @@ def read_file(path: str | Path) -> Any:
     return parse_text(text, fmt, str(path))
 
 
-def format_validation_error(e: ValidationError, source: str) -> str:
+def format_validation_error(
+    e: ValidationError, source: str, data: Any = None, root: type[BaseModel] | None = None
+) -> str:
+    """One line per error, ``field.path: message``; with ``data`` and ``root`` (the model the data was
+    validated as), an unknown field gets a "did you mean" and the fields its place accepts."""
     lines = [f"{source}: invalid config ({e.error_count()} error{'s' if e.error_count() > 1 else ''})"]
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-        lines.append(f"  {loc}: {err['msg']}")
+        msg = err["msg"]
+        if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), Exception):
+            msg = str(err["ctx"]["error"])  # the validator's own words, without pydantic's "Value error, "
+        if err["type"] == "extra_forbidden" and root is not None and err["loc"]:
+            model = _model_at(root, data, err["loc"][:-1])
+            if model is not None:
+                fields = model.field_order() if issubclass(model, Transform) else list(model.model_fields)
+                msg = f"unknown field {err['loc'][-1]!r}{did_you_mean(err['loc'][-1], fields)}; {model.__name__} takes: {', '.join(fields)}"
+        lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
+
+
+def _model_at(root: type[BaseModel], data: Any, loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at ``loc`` of ``data`` (None if unknown)."""
+    model: Any = root
+    node = data
+    for part in loc:
+        model = _pick_model(model, node)
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(model, list) and isinstance(part, str):  # the tag of a union member in the location
+            model = next((m for m in model if any(f.default == part for f in m.model_fields.values())), None)
+            continue
+        else:
+            node = None
+        if isinstance(model, type) and isinstance(part, str) and part in model.model_fields:
+            model = _models_in(model.model_fields[part].annotation)
+        # an index into a list or a key of a mapping keeps the element model
+    model = _pick_model(model, node)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) and model is not Transform else None
+
+
+def _pick_model(model: Any, node: Any) -> Any:
+    """The member of ``model`` (a class or a list of union members) that validates ``node``."""
+    models = model if isinstance(model, list) else [model]
+    models = [m for m in models if isinstance(m, type) and issubclass(m, BaseModel)]
+    if not models:
+        return None
+    if isinstance(node, dict) and isinstance(node.get("type"), str) and any(issubclass(m, Transform) for m in models):
+        from .core.registry import _TRANSFORMS
+
+        return _TRANSFORMS.get(node["type"])
+    if len(models) > 1 and isinstance(node, dict):  # a tagged union: the member whose tag has the node's value
+        for m in models:
+            if any(name in node and f.default == node[name] for name, f in m.model_fields.items()):
+                return m
+    return models[0] if len(models) == 1 else models
+
+
+def _models_in(annotation: Any) -> Any:
+    """The model class(es) inside an annotation (through Optional, list, dict, Annotated, unions)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    found: list = []
+    for arg in typing.get_args(annotation):
+        inner = _models_in(arg)
+        found.extend(inner if isinstance(inner, list) else [inner] if inner is not None else [])
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else found
 
 
 def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig:
@@ -148,7 +237,7 @@ def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig
     try:
         return PipelineConfig.from_dict(data, trust_imports=trust_imports)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(path))) from e
+        raise ConfigError(format_validation_error(e, str(path), data, PipelineConfig)) from e
 
 
 def config_schema() -> dict[str, Any]:

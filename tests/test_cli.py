@@ -314,3 +314,109 @@ def test_validate_bare_pipeline_names_the_fields_as_written(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "transforms.0.max_norm" in err and "transforms.1.lrr" in err
     assert "optimizer.transforms" not in err  # the file has no 'optimizer' key: don't name one
+
+
+# --- validate knows everything run knows; a failed start leaves nothing (issue 10) -------------
+def _exp_file(tmp_path: Path, name: str, task: dict, transforms: list[dict] | None = None, **extra) -> Path:
+    import yaml
+
+    data = {"name": name, "task": task, "optimizer": {"transforms": transforms or [{"type": "Adam"}]},
+            "train": {"steps": 4, "batch_size": 4}, **extra}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("task, expected", [
+    ({"name": "transfomer"}, ["task.name", "unknown task 'transfomer'", "did you mean 'transformer'", "teacher_student"]),
+    ({"name": "transformer", "options": {"seq_lne": 8}}, ["task 'transformer' has no option 'seq_lne'", "did you mean 'seq_len'", "vocab=16"]),
+    ({"name": "transformer", "options": {"seq_len": 7}}, ["seq_len must be even"]),  # only building the task finds it
+    ({"name": "teacher_student", "options": {"dim": 4, "noise": 1}}, ["has no option 'noise'", "noise_df"]),
+])
+def test_validate_rejects_bad_task_names_and_options(tmp_path, capsys, task, expected):
+    path = _exp_file(tmp_path, "bad_task", task)
+    assert run_cli("validate", str(path)) == 1
+    err = capsys.readouterr().err
+    for piece in expected:
+        assert piece in err, (piece, err)
+    # run refuses it the same way, and leaves no run directory behind
+    out = tmp_path / "run"
+    assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots") == 1
+    assert expected[-1] in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_validate_builds_the_optimizer_like_run(tmp_path, capsys):
+    path = _exp_file(tmp_path, "bad_group", {**TINY_TASK}, [{"type": "SGD", "lr": 0.1}])
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    data["optimizer"]["defaults"] = {"betas": [0.9, 0.99]}  # no transform exposes betas: an error at build time
+    path.write_text(yaml.safe_dump(data))
+    assert run_cli("validate", str(path)) == 1
+    err = capsys.readouterr().err
+    assert "optimizer" in err and "betas" in err
+    out = tmp_path / "run"
+    assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots") == 1
+    assert not out.exists()
+
+
+def test_config_errors_suggest_the_name_meant(tmp_path, capsys):
+    path = tmp_path / "typos.yaml"
+    path.write_text(textwrap.dedent("""
+        optimizer:
+          transforms:
+            - {type: ClipNrom, max_norm: 1.0}
+            - {type: ClipNorm, max_nrom: 1.0}
+            - {type: HistClip, criterion: {kind: ema, r_thrsh: 2.0}}
+            - {type: Adam}
+        train: {stpes: 3}
+    """))
+    assert run_cli("validate", str(path)) == 1
+    err = capsys.readouterr().err
+    for piece in [
+        "optimizer.transforms.0: unknown transform type 'ClipNrom' (did you mean 'ClipNorm'?)",
+        "optimizer.transforms.1.max_nrom: unknown field 'max_nrom' (did you mean 'max_norm'?); ClipNorm takes: max_norm, ord",
+        "r_thrsh' (did you mean 'r_thresh'?); EMACriterion takes",
+        "train.stpes: unknown field 'stpes' (did you mean 'steps'?)",
+    ]:
+        assert piece in err, (piece, err)
+
+
+def test_failed_start_leaves_no_run_directory_and_rerun_works(tmp_path, monkeypatch, capsys):
+    (tmp_path / "failing_tasks_mod.py").write_text(USER_TASK + textwrap.dedent('''
+
+        def broken(seed, width=3):
+            raise ValueError("this task cannot be built")
+
+        def crashes(seed, width=3):
+            task = make_task(seed, width)
+            def loss_fn(m, x):
+                raise RuntimeError("loss blew up")
+            task.loss_fn = loss_fn
+            return task
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    for fn, msg in (("broken", "cannot be built"), ("crashes", "loss blew up")):
+        path = _exp_file(tmp_path, fn, {"name": f"failing_tasks_mod:{fn}"}, [{"type": "SGD", "lr": 0.1}])
+        if fn == "broken":
+            assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--trust-imports") == 1
+            assert msg in capsys.readouterr().err
+        else:  # fails in the first step, before any checkpoint: the files it wrote are removed
+            with pytest.raises(RuntimeError, match=msg):
+                run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--trust-imports")
+        assert not out.exists()
+    # the same --out then runs without --force
+    good = _exp_file(tmp_path, "good", {"name": "failing_tasks_mod:make_task"}, [{"type": "SGD", "lr": 0.1}])
+    assert run_cli("run", str(good), "--out", str(out), "--quiet", "--no-plots", "--trust-imports") == 0
+    assert (out / "checkpoint.pt").exists()
+
+
+def test_existing_directory_is_kept_when_a_forced_start_fails(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    path = _exp_file(tmp_path, "bad_value", {"name": "transformer", "options": {"seq_len": 7}})
+    assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--force") == 1
+    assert (out / "notes.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]

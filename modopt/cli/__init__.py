@@ -121,7 +121,7 @@ def _apply_overrides(exp, args):
 
 def _cmd_run(args) -> int:
     from .experiment import default_experiment, load_experiment
-    from .run import RunInterrupted, load_run_config, prepare_dir, run_experiment
+    from .run import RunInterrupted, check_dir, load_run_config, run_experiment
 
     if args.resume:
         if args.config or args.out:
@@ -134,7 +134,7 @@ def _cmd_run(args) -> int:
         exp = load_experiment(args.config, args.trust_imports) if args.config else default_experiment()
         exp = _apply_overrides(exp.select(args.variant), args)
         out = Path(args.out or exp.output.dir or f"runs/{exp.name}-{_stamp()}")
-        prepare_dir(out, args.force)
+        check_dir(out, args.force)  # created only once the task and optimizer are built
     err = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     if not args.resume:
         err(f"modopt run: {exp.name} ({exp.task.name}, {exp.train.steps} steps) -> {out}")
@@ -142,6 +142,7 @@ def _cmd_run(args) -> int:
         summary = run_experiment(
             exp, out, resume=bool(args.resume), trust_imports=args.trust_imports, stop_after=args.stop_after,
             progress=not args.quiet, plots=False if args.no_plots else None, log=err,
+            force=None if args.resume else args.force,
         )
     except RunInterrupted as e:
         err(f"modopt run: {e}; continue with: modopt run --resume {out}")
@@ -187,11 +188,18 @@ def _cmd_compare(args) -> int:
 
 # --- validate / schema / modules ---------------------------------------------------------
 def _cmd_validate(args) -> int:
+    """Everything ``modopt run`` checks before training: the config, the task (name, options, built),
+    every optimizer built on the task's model; then the pipeline lint (warnings, exit 0)."""
     from ..config import read_file
     from .experiment import load_experiment
+    from .run import check_experiment
 
     data = read_file(args.config)
     exp = load_experiment(args.config, args.trust_imports)
+    try:
+        check_experiment(exp, args.trust_imports)
+    except ConfigError as e:
+        raise ConfigError(f"{args.config}: {e}") from None
     kind = "pipeline" if isinstance(data, dict) and "transforms" in data else "experiment"
     print(f"{args.config}: valid {kind} config")
     print(f"  task: {exp.task.name} {exp.task.options or ''}".rstrip())
@@ -199,6 +207,9 @@ def _cmd_validate(args) -> int:
     for label, pipe in exp.pipelines().items():
         names = " -> ".join(type(t).__name__ for t in pipe.transforms)
         print(f"  optimizer {label}: {names} (nonfinite={pipe.nonfinite})")
+        lint = getattr(pipe, "lint", None)
+        for finding in (lint() if lint is not None else []):
+            print(f"  warning ({label}): {finding}")
     return 0
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import ConfigError, PipelineConfig, format_validation_error, read_file
 from ..core.registry import trust_imports as _trust
@@ -37,6 +37,22 @@ class TaskConfig(_Strict):
 
     name: str = "transformer"
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, name: str) -> str:
+        from .tasks import check_task
+
+        check_task(name, {})  # a built-in name, or an import path's form
+        return name
+
+    @model_validator(mode="after")
+    def _known_options(self):
+        from .tasks import BUILTIN, check_options
+
+        if self.name in BUILTIN:
+            check_options(self.name, BUILTIN[self.name], self.options)
+        return self
 
 
 class Schedule(_Strict):
@@ -120,7 +136,12 @@ class Experiment(_Strict):
                 )
             variant = next(iter(self.variants))
         if variant not in self.variants:
-            raise ConfigError(f"unknown variant {variant!r}; this experiment has: {', '.join(self.variants)}")
+            from ..core.transform import did_you_mean
+
+            raise ConfigError(
+                f"unknown variant {variant!r}{did_you_mean(variant, self.variants)}; "
+                f"this experiment has: {', '.join(self.variants)}"
+            )
         return self.model_copy(update={"name": f"{self.name}-{variant}", "optimizer": self.variants[variant], "variants": None})
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,7 +195,7 @@ def experiment_from_data(data: Any, source: str, trust_imports: bool = False) ->
         with _trust(trust_imports):
             return Experiment.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, data, Experiment)) from None
 
 
 def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment:
@@ -188,7 +209,7 @@ def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment
         try:  # errors name the pipeline's own fields (transforms.0.max_norm), as in the file
             PipelineConfig.from_dict(data, trust_imports=trust_imports)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, str(path))) from None
+            raise ConfigError(format_validation_error(e, str(path), data, PipelineConfig)) from None
         base = default_experiment().to_dict()
         base["optimizer"] = data
         base["name"] = Path(path).stem

@@ -210,11 +210,18 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def check_dir(out: Path, force: bool) -> None:
+    """Refuse a non-empty ``out`` unless ``force`` (nothing is created or removed)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConfigError(f"{out} exists and is not empty; use --resume {out} to continue it, or --force to overwrite")
+
+
 def prepare_dir(out: Path, force: bool) -> None:
     """Create ``out``; refuse a non-empty directory unless ``force`` (then clear the run files)."""
+    check_dir(out, force)
     if out.exists() and any(out.iterdir()):
-        if not force:
-            raise ConfigError(f"{out} exists and is not empty; use --resume {out} to continue it, or --force to overwrite")
         for name in RUN_FILES:
             p = out / name
             if p.is_dir():
@@ -233,6 +240,38 @@ def load_run_config(out: Path, trust_imports: bool = False) -> Experiment:
     return experiment_from_data(read_file(path), str(path), trust_imports)
 
 
+def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False) -> tuple[Any, Any]:
+    """The task and the optimizer of ``exp`` exactly as ``modopt run`` builds them; writes nothing.
+
+    ``pipeline`` (default ``exp.optimizer``) is the pipeline to build. Call it
+    inside :func:`deterministic` after seeding, as the run does. Errors are
+    :class:`ConfigError` (a bad task name, options or optimizer) or the task's own.
+    """
+    pipe = pipeline if pipeline is not None else exp.optimizer
+    try:
+        task = make_task(exp.task.name, dict(exp.task.options), exp.train.seed, trust_imports)
+    except PermissionError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+    try:
+        opt = pipe.build(list(task.model.named_parameters()))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer: {e}") from None
+    return task, opt
+
+
+def check_experiment(exp: Experiment, trust_imports: bool = False) -> None:
+    """Everything ``modopt run`` checks before its first step, for every pipeline of ``exp`` (``modopt validate``)."""
+    with deterministic(exp.train.threads):
+        for label, pipe in exp.pipelines().items():
+            torch.manual_seed(exp.train.seed)
+            try:
+                start_run(exp, pipe, trust_imports)
+            except ConfigError as e:
+                raise ConfigError(f"optimizer {label}: {e}" if len(exp.pipelines()) > 1 else str(e)) from None
+
+
 def run_experiment(
     exp: Experiment,
     out: str | Path,
@@ -243,6 +282,7 @@ def run_experiment(
     progress: bool = True,
     plots: bool | None = None,
     log=print,
+    force: bool | None = None,
 ) -> dict[str, Any]:
     """Train ``exp`` (one optimizer) writing the run directory ``out``; return the summary.
 
@@ -251,22 +291,53 @@ def run_experiment(
     recomputed, so the result equals an uninterrupted run. ``stop_after=K``
     stops after step K as if the process had been killed (raises
     :class:`RunInterrupted`); only checkpoints already written survive.
+
+    A new run builds its task and optimizer before writing anything, so a
+    failed start leaves no run directory; a run that fails before its first
+    checkpoint removes the files it wrote (a re-run starts clean). ``force``:
+    None uses ``out`` as it is (created if missing); False refuses a
+    non-empty ``out``; True clears its run files first.
     """
     out = Path(out)
+    wrote = {"dir": False, "files": False}
+    try:
+        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote)
+    except RunInterrupted:
+        raise
+    except Exception:
+        if wrote["files"] and not (out / "checkpoint.pt").exists():
+            _remove_run_files(out, remove_dir=wrote["dir"])
+        raise
+
+
+def _remove_run_files(out: Path, remove_dir: bool) -> None:
+    """Undo a run that failed before its first checkpoint: its files, and the directory if it made it."""
+    for name in (*RUN_FILES, "checkpoint.tmp"):
+        p = out / name
+        if p.is_file():
+            p.unlink()
+    if remove_dir and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote) -> dict[str, Any]:
     if exp.optimizer is None:
         raise ConfigError("run_experiment needs an experiment with a single optimizer (select a variant)")
-    if not resume:
-        (out / "config.yaml").write_text(exp.to_yaml())
     tr = exp.train
     ckpt_path = out / "checkpoint.pt"
     with deterministic(tr.threads):
         torch.manual_seed(tr.seed)
-        try:
-            task = make_task(exp.task.name, dict(exp.task.options), tr.seed, trust_imports)
-        except PermissionError as e:
-            raise ConfigError(str(e)) from None
+        # the task and optimizer first: a start that fails writes nothing
+        task, opt = start_run(exp, trust_imports=trust_imports)
         model = task.model
-        opt = exp.optimizer.build(list(model.named_parameters()))
+        if not resume:
+            wrote["dir"] = not out.exists()
+            if force is None:
+                out.mkdir(parents=True, exist_ok=True)
+            else:
+                prepare_dir(out, force)
+            wrote["files"] = True
+            (out / "config.yaml").write_text(exp.to_yaml())
         base_lrs = [g.get("lr") for g in opt.param_groups]
         start = 0
         if resume and ckpt_path.exists():

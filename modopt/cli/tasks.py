@@ -200,8 +200,59 @@ BUILTIN: dict[str, Callable[..., Task]] = {
 }
 
 
+def _did_you_mean(name: str, candidates) -> str:
+    from ..core.transform import did_you_mean
+
+    return did_you_mean(name, candidates)
+
+
+def task_options(fn: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
+    """The options a task function takes (``{name: default}``, ``seed`` excluded) and whether it takes ``**kwargs``."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    opts = {
+        n: (None if p.default is inspect.Parameter.empty else p.default)
+        for n, p in sig.parameters.items()
+        if n != "seed" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    return opts, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def check_options(name: str, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Refuse options the task function does not take, naming the ones it does."""
+    try:
+        known, any_kw = task_options(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C callable): the call decides
+        return
+    bad = sorted(set(options) - set(known))
+    if bad and not any_kw:
+        raise ValueError(
+            f"task {name!r} has no option {bad[0]!r}{_did_you_mean(bad[0], known)}"
+            + (f" (nor {', '.join(map(repr, bad[1:]))})" if len(bad) > 1 else "")
+            + f"; its options: {', '.join(f'{k}={v!r}' for k, v in known.items()) or 'none'}"
+        )
+
+
+def check_task(name: str, options: dict[str, Any]) -> None:
+    """What can be checked without running user code: a built-in name and its options, or an import path's form."""
+    if name in BUILTIN:
+        check_options(name, BUILTIN[name], options)
+        return
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        if not module_name or not attr.isidentifier():
+            raise ValueError(f"task {name!r}: an import path is 'package.module:function'")
+        return
+    raise ValueError(
+        f"unknown task {name!r}{_did_you_mean(name, BUILTIN)}; built-in tasks: {', '.join(sorted(BUILTIN))} "
+        "(or an import path 'package.module:function' with --trust-imports)"
+    )
+
+
 def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool = False) -> Task:
     """Build the task ``name`` (a built-in name, or ``package.module:function`` with ``trust_imports``)."""
+    check_task(name, options)
     if name in BUILTIN:
         fn = BUILTIN[name]
     elif ":" in name:
@@ -217,11 +268,9 @@ def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool
             raise ValueError(f"cannot load task {name!r}: {e}") from None
         if not callable(fn):
             raise ValueError(f"task {name!r} is not callable")
-    else:
-        raise ValueError(
-            f"unknown task {name!r}; built-in tasks: {', '.join(sorted(BUILTIN))} "
-            "(or an import path 'package.module:function' with --trust-imports)"
-        )
+        check_options(name, fn, options)
+    else:  # pragma: no cover - check_task refused it
+        raise ValueError(f"unknown task {name!r}")
     try:
         task = fn(seed=seed, **options)
     except TypeError as e:

@@ -28,6 +28,15 @@ class AttachHandle:
         self.stats: dict[str, torch.Tensor] = {}
         self._hook = optimizer.register_step_pre_hook(self._pre_step)
 
+    def __repr__(self) -> str:
+        """``AttachHandle(AdamW, ClipNorm(max_norm=1.0))``: the optimizer's class, the transforms, non-defaults."""
+        parts = [type(self.optimizer).__name__, *(repr(t) for t in self.transforms)]
+        if self.nonfinite != "skip":
+            parts.append(f"nonfinite={self.nonfinite!r}")
+        hook = getattr(self, "_hook", None)
+        removed = hook is not None and getattr(hook, "id", None) not in getattr(self.optimizer, "_optimizer_step_pre_hooks", {})
+        return f"AttachHandle({', '.join(parts)}{'; removed' if removed else ''})"
+
     def transform_store(self, key: str) -> dict:
         return self._store.setdefault(key, {})
 

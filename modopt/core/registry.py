@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 _TRANSFORMS: dict[str, type["Transform"]] = {}
 _OPTIMIZERS: dict[str, type] = {}
 _TRUST_IMPORTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modopt_trust_imports", default=False)
+#: a class object handed to ``TorchOptimizer`` in code, usable by that one instance only (never allow-listed)
+_GIVEN_IN_CODE: contextvars.ContextVar[type | None] = contextvars.ContextVar("modopt_given_in_code", default=None)
 
 
 def register_transform(cls: type["Transform"]) -> None:
@@ -68,18 +70,45 @@ def trust_imports(enabled: bool = True) -> Iterator[None]:
         _TRUST_IMPORTS.reset(token)
 
 
+@contextlib.contextmanager
+def given_in_code(cls: type | None) -> Iterator[None]:
+    """Within this block, :func:`resolve_optimizer` returns ``cls`` for its own path.
+
+    Used while ``TorchOptimizer`` validates a class object given in code: the
+    instance keeps the class, and nothing is added to the allow-list, so a
+    config file still cannot name it (only :func:`register_optimizer` and
+    ``trust_imports`` widen what configs may import).
+    """
+    token = _GIVEN_IN_CODE.set(cls)
+    try:
+        yield
+    finally:
+        _GIVEN_IN_CODE.reset(token)
+
+
 def resolve_optimizer(path: str) -> type:
     """Import an optimizer class by path, honouring the allow-list."""
     import torch
 
     if path in _OPTIMIZERS:
         return _OPTIMIZERS[path]
+    code = _GIVEN_IN_CODE.get()
+    if code is not None and class_path(code) == path:
+        return code
     module_name, _, attr = path.rpartition(".")
     allowed = module_name == "torch.optim" or module_name.startswith("torch.optim.")
+    if "<locals>" in path:
+        raise ValueError(
+            f"optimizer class {path!r} was defined inside a function and cannot be imported from a config; "
+            f"register it first with mo.register_optimizer({attr}) (a TorchOptimizer built in code from the "
+            "class object works without registering, but its config cannot be loaded back)"
+        )
     if not (allowed or _TRUST_IMPORTS.get()):
         raise ValueError(
             f"import path {path!r} is not allowed: only torch.optim.* and classes registered with "
-            "mo.register_optimizer are resolved from a config; pass trust_imports=True to allow others"
+            f"mo.register_optimizer are resolved from a config. Register the class first with "
+            f"mo.register_optimizer({attr or path}) (building mo.TorchOptimizer({attr or path}) in code does not "
+            "register it), or pass trust_imports=True to import any class"
         )
     if not module_name or not attr.isidentifier():
         raise ValueError(f"{path!r} is not an import path of the form 'package.module.ClassName'")

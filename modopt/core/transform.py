@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from . import registry
 
@@ -33,6 +34,82 @@ def to_plain(value: Any) -> Any:
     return value
 
 
+def did_you_mean(name: Any, candidates: Any) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``candidates`` to ``name``, or ``""``."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    cands = [c for c in candidates if isinstance(c, str)]
+    close = difflib.get_close_matches(name, cands, n=1, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in cands}
+        close = [lowered[name.lower()]] if name.lower() in lowered else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` is the default ``b`` (1 and 1.0 are the same number; True is not 1)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # pragma: no cover - exotic values compare as different
+        return False
+
+
+def _named_error(cls_name: str, e: ValidationError) -> ValidationError:
+    """``e`` retitled so that its first line names the transform and fields as ``modopt validate`` does.
+
+    Still a ``pydantic.ValidationError`` with the same errors (type, location, message, input).
+    """
+    errors = e.errors(include_url=False)
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err["loc"])
+        where = f"{cls_name}.{loc}" if loc else cls_name
+        got = f" (got {err['input']!r})" if loc and "input" in err and not isinstance(err["input"], dict) else ""
+        parts.append(f"{where}: {err['msg']}{got}")
+    title = f"{cls_name} -- " + "; ".join(parts)
+    try:
+        return ValidationError.from_exception_data(
+            title,
+            [{"type": PydanticCustomError(err["type"], err["msg"]), "loc": err["loc"], "input": err.get("input")}
+             for err in errors],
+        )
+    except Exception:  # pragma: no cover - keep the original if pydantic refuses
+        return e
+
+
+def _example_kwargs(cls: type) -> str:
+    fields = list(getattr(cls, "model_fields", {}))
+    return ", ".join(f"{n}=..." for n in fields[:2])
+
+
+def _check_positional(cls: type) -> None:
+    """A concrete transform states its positional field (``positional = "x"`` or ``None``)."""
+    declared = next(
+        (k for k in cls.__mro__ if k is not Transform and issubclass(k, Transform) and "positional" in k.__dict__), None
+    )
+    if declared is None:
+        fields = list(cls.model_fields)
+        raise TypeError(
+            f"transform {cls.__name__} does not say which field may be given positionally: add "
+            f"`positional = {fields[0]!r}` (any of its fields: {fields}) or `positional = None` to the class body"
+            if fields else
+            f"transform {cls.__name__} does not say which field may be given positionally: add "
+            "`positional = None` to the class body (it has no fields)"
+        )
+    name = declared.__dict__["positional"]
+    if name is not None and name not in cls.model_fields:
+        raise TypeError(
+            f"transform {cls.__name__}: positional = {name!r} is not one of its fields "
+            f"({', '.join(cls.model_fields)}){did_you_mean(name, cls.model_fields)}"
+        )
+
+
 class Transform(BaseModel):
     """Base class of every modopt module.
 
@@ -42,8 +119,10 @@ class Transform(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    #: the field that may be given positionally (default: the first field)
-    positional: ClassVar[str | None] = None
+    #: the one field that may be given positionally (``mo.ClipNorm(1.0)``), or None for none.
+    #: Every concrete transform states it (in its own body or a base class's other than
+    #: ``Transform``): forgetting it is an error when the class is defined.
+    positional: ClassVar[str | None]
     #: fields exposed as param-group keys (so torch schedulers can drive them)
     group_keys: ClassVar[tuple[str, ...]] = ()
     #: True for transforms that produce the step itself (they carry the learning rate)
@@ -72,6 +151,7 @@ class Transform(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         if not cls._abstract:
+            _check_positional(cls)
             registry.register_transform(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -79,25 +159,62 @@ class Transform(BaseModel):
             cls = type(self)
             name = cls._positional_field()
             if name is None or len(args) > 1:
+                what = f"1 positional argument ({name})" if name else "no positional arguments"
                 raise TypeError(
-                    f"{cls.__name__} takes at most 1 positional argument ({name or 'none'}); "
-                    f"got {len(args)}. Pass the others by name."
+                    f"{cls.__name__} takes {what}; got {len(args)}. Pass the "
+                    f"{'others' if name else 'fields'} by name, e.g. {cls.__name__}({_example_kwargs(cls)})."
                 )
             if name in kwargs:
                 raise TypeError(f"{cls.__name__} got {name!r} both positionally and by name")
             kwargs[name] = args[0]
-        super().__init__(**kwargs)
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as e:
+            raise _named_error(type(self).__name__, e) from None
 
     @classmethod
     def _positional_field(cls) -> str | None:
-        """``positional`` if set, else the first field the most derived class declares."""
-        if cls.positional:
-            return cls.positional
-        for klass in cls.__mro__:
-            for name in klass.__dict__.get("__annotations__", {}):
-                if name in cls.model_fields:
-                    return name
-        return None
+        """The field given positionally (``positional``), or None."""
+        return cls.positional
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_"):
+            cls = type(self).__name__
+            example = f"{{{name!r}: {value!r}}}"
+            raise ValidationError.from_exception_data(
+                f"{cls} (frozen)",
+                [{
+                    "type": PydanticCustomError(
+                        "frozen_instance",
+                        f"{cls} is frozen: its fields cannot be assigned. Make a changed copy with "
+                        f"t.model_copy(update={example}) or build a new {cls}(...)",
+                    ),
+                    "loc": (name,),
+                    "input": value,
+                }],
+            )
+        super().__setattr__(name, value)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "Transform":
+        """A copy; with ``update``, a new transform whose changed fields are validated like a constructor's."""
+        if not update:
+            return super().model_copy(deep=deep)
+        unknown = sorted(set(update) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.model_copy: unknown field(s) {unknown}{did_you_mean(unknown[0], type(self).model_fields)}"
+            )
+        data = {name: getattr(self, name) for name in type(self).model_fields}
+        data.update(update)
+        with self._copy_context():
+            new = type(self)(**data)
+        return new.model_copy(deep=True) if deep else new
+
+    def _copy_context(self):
+        """Context in which :meth:`model_copy` rebuilds this transform (``TorchOptimizer`` keeps its class)."""
+        import contextlib
+
+        return contextlib.nullcontext()
 
     @classmethod
     def field_order(cls) -> list[str]:
@@ -110,8 +227,24 @@ class Transform(BaseModel):
         return order + [n for n in cls.model_fields if n not in order]
 
     def __repr_args__(self):
+        """Only the fields that differ from their defaults: ``ClipNorm(max_norm=1.0)``, ``Adam()``."""
         for name in self.field_order():
-            yield name, getattr(self, name)
+            value = getattr(self, name)
+            info = type(self).model_fields[name]
+            if not info.is_required():
+                try:
+                    default = info.get_default(call_default_factory=True, validated_data={})
+                except TypeError:  # pragma: no cover - older pydantic signature
+                    default = info.get_default(call_default_factory=True)
+                if _same(value, default):
+                    continue
+            yield name, value
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__repr_args__())})"
+
+    def __str__(self) -> str:
+        return repr(self)
 
     # --- the step -------------------------------------------------------
     def apply(
@@ -155,7 +288,10 @@ def _coerce_transform(value: Any) -> Any:
     data = dict(value)
     name = data.pop("type")
     if not isinstance(name, str) or name not in registry._TRANSFORMS:
-        raise ValueError(f"unknown transform type {name!r}; known types: {', '.join(registry.available())}")
+        raise ValueError(
+            f"unknown transform type {name!r}{did_you_mean(name, registry.available())}; "
+            f"known types: {', '.join(registry.available())}"
+        )
     return registry._TRANSFORMS[name].model_validate(data)
 
 
@@ -175,6 +311,7 @@ class Chain(Transform):
     """
 
     transforms: list[TransformField] = Field(default_factory=list)
+    positional = "transforms"  # variadic: mo.Chain(a, b, c)
 
     def __init__(self, *transforms: Any, **kwargs: Any) -> None:
         if transforms:
@@ -184,6 +321,10 @@ class Chain(Transform):
                 transforms = tuple(transforms[0])
             kwargs["transforms"] = list(transforms)
         super().__init__(**kwargs)
+
+    def __repr__(self) -> str:
+        inner = [repr(t) for t in self.transforms]
+        return f"Chain({', '.join(inner)})"
 
     def children(self) -> tuple[Transform, ...]:
         return tuple(self.transforms)

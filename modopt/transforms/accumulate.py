@@ -40,6 +40,8 @@ class Accumulate(Transform):
     tensor([-2.])
     """
 
+    positional = "steps"
+
     steps: PositiveInt
     attachable: ClassVar[bool] = False
 

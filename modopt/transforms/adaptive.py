@@ -166,6 +166,8 @@ class HistClip(Scoped):
     -4.0
     """
 
+    positional = "criterion"
+
     criterion: Criterion = Field(default_factory=ZStatCriterion)
     warmup_steps: NonNegativeInt = 20
     warmup_max_norm: Optional[PositiveFloat] = 1.0
@@ -250,6 +252,8 @@ class ZClip(Scoped):
     >>> bool(opt.stats["0:ZClip.spike"][0]), round(float(opt.stats["0:ZClip.scale"][0] * 50), 4)
     (True, 1.0034)
     """
+
+    positional = None
 
     alpha: float = Field(0.97, ge=0.0, lt=1.0)
     z_thresh: PositiveFloat = 2.5
@@ -338,6 +342,8 @@ class AutoClip(Scoped):
     -6.0
     """
 
+    positional = "percentile"
+
     percentile: float = Field(10.0, ge=0.0, le=100.0)
     window: Optional[PositiveInt] = None
     ord: Ord = 2.0
@@ -409,6 +415,8 @@ class ZScoreNormalize(Scoped):
     >>> p.grad = torch.tensor([1.0, 2.0, 3.0]); opt.step(); p.data
     tensor([ 1.,  0., -1.])
     """
+
+    positional = None
 
     scope: ScopeName = "tensor"
     eps: NonNegativeFloat = 1e-8

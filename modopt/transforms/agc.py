@@ -46,6 +46,8 @@ class AGC(Transform):
     tensor([[2.7000, 3.6000]])
     """
 
+    positional = "clipping"
+
     clipping: PositiveFloat = 0.01
     eps: PositiveFloat = 1e-3
     exclude: Optional[list[str]] = None

@@ -30,6 +30,8 @@ class ClipValue(Transform):
     tensor([ 1.0000, -0.5000, -1.0000])
     """
 
+    positional = "value"
+
     value: PositiveFloat
 
     def apply(self, ctx, st, updates):
@@ -79,6 +81,8 @@ class ClipNorm(Scoped):
     >>> opt = mo.Modular([p], mo.ClipNorm(1.0, eps=0.0), mo.LR(1.0)); opt.step(); p.data
     tensor([-0.6000, -0.8000])
     """
+
+    positional = "max_norm"
 
     max_norm: PositiveFloat
     ord: Ord = 2.0

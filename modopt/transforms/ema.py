@@ -109,6 +109,8 @@ class ClipNormByEMA(_NormEMA):
     tensor([ -7.5000, -10.0000])
     """
 
+    positional = "beta"
+
 
 class NormalizeByEMA(_NormEMA):
     r"""Set the update's norm to the norm of an EMA of past updates.
@@ -131,6 +133,8 @@ class NormalizeByEMA(_NormEMA):
     >>> p.grad = torch.tensor([0.3, 0.4]); opt.step(); p.data   # m = (1.65, 2.2): norm 2.75
     tensor([-4.6500, -6.2000])
     """
+
+    positional = "beta"
 
     scope: ScopeName = "tensor"
     normalize: ClassVar[bool] = True
@@ -155,6 +159,8 @@ class ClipValueByEMA(Transform):
     >>> p.grad = torch.tensor([5.0, -2.0]); opt.step(); p.data   # m = (3, 2)
     tensor([-4.,  4.])
     """
+
+    positional = "beta"
 
     beta: float = Field(0.99, ge=0.0, lt=1.0)
     ema_init: EmaInit = "zeros"

@@ -67,6 +67,8 @@ class ClipNormGrowth(Scoped, _Growth):
     tensor([ -9., -12.])
     """
 
+    positional = "mul"
+
     add: Optional[PositiveFloat] = None
     mul: Optional[PositiveFloat] = 1.5
     min_value: NonNegativeFloat = 1e-4
@@ -118,6 +120,8 @@ class ClipValueGrowth(_Growth):
     >>> p.grad = torch.tensor([5.0, -1.5]); opt.step(); p.data
     tensor([-3.0000,  2.5000])
     """
+
+    positional = "mul"
 
     add: Optional[PositiveFloat] = None
     mul: Optional[PositiveFloat] = 1.5

@@ -18,6 +18,8 @@ class Identity(Transform):
 
     update_access: ClassVar[str] = "none"
 
+    positional = None
+
     def apply(self, ctx, st, updates):
         return updates
 
@@ -39,6 +41,8 @@ class ZeroNonFinite(Transform):
     >>> p.grad = torch.tensor([1.0, float("inf"), float("nan")]); opt.step(); p.data
     tensor([-1.,  0.,  0.])
     """
+
+    positional = None
 
     def apply(self, ctx, st, updates):
         counts = []

@@ -33,6 +33,8 @@ class Normalize(Scoped):
     tensor([-0.6000, -0.8000])
     """
 
+    positional = "norm_value"
+
     norm_value: PositiveFloat = 1.0
     ord: Ord = 2.0
     scope: ScopeName = "tensor"
@@ -88,6 +90,8 @@ class Centralize(Scoped):
     alone). torchzero's ``Centralize``; see :class:`GradientCentralization`.
     """
 
+    positional = None
+
     scope: ScopeName = "tensor"
     min_size: int = Field(2, ge=1)
 
@@ -103,6 +107,8 @@ class GradientCentralization(Centralize):
 
     Equal to ``Centralize(dim=0, inverse_dims=True)``.
     """
+
+    positional = None
 
     dim: Dims = 0
     inverse_dims: bool = True

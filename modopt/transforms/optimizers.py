@@ -9,6 +9,7 @@ torch's fused (or foreach) kernels; elsewhere in a chain they return the update
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, ClassVar
 
@@ -18,7 +19,7 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from ..core import kernels
 from ..core.distributed import is_sharded
-from ..core.registry import class_path, register_optimizer, resolve_optimizer
+from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.transform import Transform
 
 #: a finite number >= 0: an infinite or NaN learning rate, eps, momentum or decay can only produce NaN parameters
@@ -124,6 +125,8 @@ class LR(Transform):
     Exposes ``group["lr"]``. ``Modular(params, mo.LR(0.1))`` is plain SGD.
     """
 
+    positional = "lr"
+
     lr: NonNegativeFloat
     group_keys: ClassVar[tuple[str, ...]] = ("lr",)
     is_optimizer: ClassVar[bool] = True
@@ -152,6 +155,8 @@ class SGD(_FusedOptimizer):
 
     Exposes ``lr``, ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` as group keys.
     """
+
+    positional = "lr"
 
     lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
@@ -247,6 +252,8 @@ class Adam(_FusedOptimizer):
     ``weight_decay``, ``amsgrad`` as group keys.
     """
 
+    positional = "lr"
+
     lr: NonNegativeFloat = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: NonNegativeFloat = 1e-8
@@ -340,6 +347,8 @@ class AdamW(Adam):
     r"""AdamW, identical to ``torch.optim.AdamW``: Adam with decoupled weight decay
     ``p <- p - lr * weight_decay * p`` (default ``weight_decay=1e-2``)."""
 
+    positional = "lr"
+
     weight_decay: NonNegativeFloat = 1e-2
     decoupled: ClassVar[bool] = True
 
@@ -387,8 +396,13 @@ class TorchOptimizer(Transform):
     drive it; its state lives in the ``Modular``'s state (checkpointed with it).
     From a config, only ``torch.optim.*`` and classes registered with
     :func:`modopt.register_optimizer` are imported, unless ``trust_imports=True``.
+    A class object given in code is used by that instance only: building it
+    never widens what a config may import, so the config of such an instance
+    loads back only after ``mo.register_optimizer(TheClass)``.
     Closure-based optimizers (LBFGS) are not supported.
     """
+
+    positional = "cls"
 
     cls: str
     kwargs: dict[str, Any] = {}
@@ -397,16 +411,24 @@ class TorchOptimizer(Transform):
     _cls: type = PrivateAttr()
 
     def __init__(self, cls: Any = None, /, **kwargs: Any) -> None:
-        if cls is None and "cls" in kwargs:  # TorchOptimizer(cls=..., kwargs={...})
-            super(Transform, self).__init__(**kwargs)
-        else:
-            super(Transform, self).__init__(cls=cls, kwargs=kwargs)
+        given = cls if cls is not None else kwargs.get("cls")
+        # a class object given in code is usable by this instance (kept in ``_cls``); it is not
+        # registered, so configs may not name it unless mo.register_optimizer / trust_imports allow it
+        with given_in_code(given) if isinstance(given, type) else contextlib.nullcontext():
+            if cls is None and "cls" in kwargs:  # TorchOptimizer(cls=..., kwargs={...})
+                super(Transform, self).__init__(**kwargs)
+            else:
+                super(Transform, self).__init__(cls=cls, kwargs=kwargs)
+
+    def _copy_context(self):
+        return given_in_code(self._cls)
 
     @field_validator("cls", mode="before")
     @classmethod
     def _path(cls, v):
         if isinstance(v, type):
-            register_optimizer(v)  # a class given in code is trusted
+            if not issubclass(v, torch.optim.Optimizer):
+                raise ValueError(f"cls must be a torch.optim.Optimizer subclass, got {v.__qualname__}")
             return class_path(v)
         if not isinstance(v, str):
             raise ValueError("cls must be a torch.optim.Optimizer subclass or its import path")

@@ -48,6 +48,8 @@ class ClipValueByPercentile(Scoped):
     tensor([ 3., -1., -2.,  3., -3.])
     """
 
+    positional = "pct"
+
     pct: int = Field(ge=0, le=100)
     scope: ScopeName = "tensor"
 

@@ -1,0 +1,135 @@
+"""Pipeline lint: transforms whose effect is provably cancelled or overridden by a later one.
+
+``cfg.lint()`` (``opt.config.lint()``) returns :class:`Finding` objects; ``modopt validate``
+prints them as warnings. The rules are sound: a finding is made only when the named
+transform provably cannot change the parameters (for finite gradients whose norms do not
+overflow float32; rounding aside). Transforms the rules do not know, and subclasses of the
+ones they do, end the search: nothing is claimed across them.
+
+* **scale before a normalization.** ``Normalize`` (``eps=0``, ``min_size=1``, a p-norm
+  ``ord`` with p > 0) sets each segment's norm whatever positive factor multiplied it
+  before, so an earlier positive scale that is constant on each of its segments (a clip by
+  norm, an EMA clip, a growth clip, ``LR``) of the same or a coarser scope has no effect.
+* **a clip that never binds.** ``ClipNorm(a)`` then ``ClipNorm(b)`` over the same
+  segments with the same ``ord`` and ``b >= a + eps`` (the second's): the second never scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .core.norms import parse_ord
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One lint finding: the transform (``key`` as in telemetry, e.g. ``0:ClipNormByEMA``), why, and the fix."""
+
+    key: str
+    by: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message} Fix: {self.fix}."
+
+
+def _flatten(transforms, prefix: str = "") -> list[tuple[str, Any]]:
+    """Chains are run in order on the same updates: flatten them (keys as in ``walk``)."""
+    from .core.transform import Chain
+
+    out = []
+    for i, t in enumerate(transforms):
+        key = f"{prefix}{i}:{type(t).__name__}"
+        if type(t) is Chain:
+            out.extend(_flatten(t.transforms, key + "/"))
+        else:
+            out.append((key, t))
+    return out
+
+
+def _pnorm(ord: Any) -> float | None:
+    """p for a true p-norm (p > 0, inf included), else None."""
+    try:
+        o = parse_ord(ord)
+    except Exception:
+        return None
+    return o if isinstance(o, float) and o > 0 else None
+
+
+def _segments(t) -> tuple:
+    return (t.scope, t.dim, t.inverse_dims)
+
+
+def _contains(outer: tuple, inner: tuple) -> bool:
+    """Every segment of scope ``inner`` lies inside one segment of scope ``outer``."""
+    o, i = outer, inner
+    if o[0] == "global":
+        return True
+    if o[0] == "group":
+        return i[0] in ("group", "tensor")
+    if o[1] is None and not o[2]:  # whole tensors
+        return i[0] == "tensor"
+    return o == i  # slices: only the same slicing is provably the same
+
+
+def _positive_scale(t) -> tuple | None:
+    """The segments of ``t`` if it multiplies each of them by a factor > 0 (and does nothing else)."""
+    from . import transforms as T
+
+    kind = type(t)
+    if kind is T.ClipNorm:
+        return _segments(t)
+    if kind in (T.ClipNormByEMA, T.NormalizeByEMA) and t.eps > 0:
+        return _segments(t)
+    if kind is T.ClipNormGrowth and t.min_value > 0:
+        return _segments(t)
+    if kind is T.LR:
+        return ("group", None, False)
+    return None
+
+
+def lint(config) -> list[Finding]:
+    """Findings for a :class:`~modopt.PipelineConfig` (see the module docs)."""
+    from . import transforms as T
+
+    flat = _flatten(config.transforms)
+    findings: list[Finding] = []
+    for j, (nkey, n) in enumerate(flat):
+        if type(n) is T.Normalize and n.eps == 0 and n.min_size == 1 and _pnorm(n.ord) is not None:
+            if config.nonfinite == "ignore":
+                continue  # non-finite gradients reach the transforms: nothing is provable
+            for i in range(j - 1, -1, -1):
+                key, t = flat[i]
+                if type(t) is T.Identity:
+                    continue
+                seg = _positive_scale(t)
+                if seg is None or not _contains(seg, _segments(n)):
+                    break
+                name = type(t).__name__
+                what = "the learning rate's value (only lr=0 would stop the step)" if name == "LR" else "its scaling"
+                findings.append(Finding(
+                    key, nkey,
+                    f"{key} has no effect: {nkey} (scope={n.scope!r}) rescales every segment to norm "
+                    f"{n.norm_value} afterwards, cancelling {what}.",
+                    f"put Normalize first (Normalize(), {name}(), ...) so that {name} acts on the normalized "
+                    f"update, or drop {name}",
+                ))
+        if type(n) is T.ClipNorm:
+            for i in range(j - 1, -1, -1):
+                key, t = flat[i]
+                if type(t) is T.Identity:
+                    continue
+                if type(t) is T.ClipNorm:
+                    if (_segments(t) == _segments(n) and parse_ord(t.ord) == parse_ord(n.ord)
+                            and _pnorm(t.ord) is not None and t.min_size == 1 and n.max_norm >= t.max_norm + n.eps):
+                        findings.append(Finding(
+                            nkey, key,
+                            f"{nkey} never clips: {key} already limits the same norm to {t.max_norm} "
+                            f"<= {n.max_norm}.",
+                            f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.max_norm})",
+                        ))
+                        break
+                break
+    return findings

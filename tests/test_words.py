@@ -1,0 +1,165 @@
+"""What users type means what they expect: positional arguments, printing, errors (issue 10)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+
+import modopt as mo
+from modopt.core import registry
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+_STATED = re.compile(r"`(mo\.(\w+)\([^`]*\))` is `(mo\.\w+\((\w+)=[^`]*\))`")
+_NONE = re.compile(r"`mo\.(\w+)\(\)` takes no positional argument")
+
+
+def _doc_statements():
+    """``{name: [(call, keyword_call, field)]}`` and the names documented as taking none."""
+    stated: dict[str, list] = {}
+    none: set[str] = set()
+    for path in [*sorted((DOCS / "modules").glob("*.md")), DOCS / "concepts.md"]:
+        for line in path.read_text().split("\n\n"):
+            line = " ".join(line.split())
+            if "Positional argument" not in line and "positionally" not in line:
+                continue
+            for call, name, kw_call, field in _STATED.findall(line):
+                stated.setdefault(name, []).append((call, kw_call, field))
+            none.update(_NONE.findall(line))
+    return stated, none
+
+
+def test_every_transform_declares_its_positional_field_and_the_docs_state_it():
+    stated, none = _doc_statements()
+    ns = {"mo": mo, "torch": torch}
+    builtin = [n for n in mo.available() if registry.get_transform(n).__module__.startswith("modopt.")]
+    assert len(builtin) >= 25
+    for name in builtin:
+        cls = registry.get_transform(name)
+        assert "positional" in cls.__dict__, f"{name} does not state `positional` in its own body"
+        field = cls.positional
+        if field is None:
+            assert name in none, f"docs do not say that {name} takes no positional argument"
+            assert name not in stated
+            with pytest.raises(TypeError, match="takes no positional arguments"):
+                cls(1.0)
+            continue
+        assert name in stated, f"docs do not state the positional argument of {name} ({field})"
+        for call, kw_call, doc_field in stated[name]:
+            assert doc_field == field, f"docs say {name}'s positional field is {doc_field}, the class says {field}"
+            assert eval(call, ns) == eval(kw_call, ns), call  # the documented example means what it says
+
+
+def test_optimizers_take_lr_first_clips_their_threshold_emas_beta():
+    assert mo.AdamW(3e-4).lr == 3e-4 and mo.AdamW(3e-4).weight_decay == 1e-2
+    assert mo.Adam(1e-3).lr == 1e-3 and mo.SGD(0.1).lr == 0.1 and mo.LR(0.1).lr == 0.1
+    assert mo.ClipNorm(0.5).max_norm == 0.5 and mo.ClipValue(0.5).value == 0.5
+    assert mo.NormalizeByEMA(0.95).beta == 0.95 and mo.ClipNormByEMA(0.95).beta == 0.95
+    assert mo.ClipValueByEMA(0.95).beta == 0.95
+    assert mo.ClipNormGrowth(2.0).mul == 2.0
+    with pytest.raises(TypeError, match="GradientCentralization takes no positional"):
+        mo.GradientCentralization(0)
+
+
+def test_forgetting_positional_is_an_error_at_class_definition():
+    with pytest.raises(TypeError, match=r"Forgetful does not say which field.*positional = 'factor'"):
+        class Forgetful(mo.Transform):
+            factor: float = 1.0
+
+    with pytest.raises(TypeError, match="not one of its fields.*did you mean 'factor'"):
+        class Typo(mo.Transform):
+            factor: float = 1.0
+            positional = "factr"
+
+    class Sub(mo.ClipNorm):  # inherits ClipNorm's statement
+        pass
+
+    assert Sub(2.0).max_norm == 2.0
+
+
+def test_repr_shows_class_and_non_default_fields():
+    assert repr(mo.ClipNorm(1.0)) == "ClipNorm(max_norm=1.0)"
+    assert str(mo.Adam()) == "Adam()"
+    assert repr(mo.AdamW(3e-4)) == "AdamW(lr=0.0003)"
+    assert repr(mo.Chain(mo.ClipNorm(1.0), mo.Adam())) == "Chain(ClipNorm(max_norm=1.0), Adam())"
+    assert repr(mo.ClipNormByEMA(scope="tensor")) == "ClipNormByEMA(scope='tensor')"
+    cfg = mo.PipelineConfig(transforms=[mo.ClipNorm(1.0), mo.Adam()])
+    assert repr(cfg) == "PipelineConfig(ClipNorm(max_norm=1.0), Adam())"
+    assert str(mo.PipelineConfig(transforms=[mo.LR(0.1)], nonfinite="zero")) == "PipelineConfig(LR(lr=0.1), nonfinite='zero')"
+    model = torch.nn.Linear(2, 1)
+    h = mo.attach(torch.optim.SGD(model.parameters(), lr=0.1), mo.ClipNorm(1.0))
+    assert repr(h) == "AttachHandle(SGD, ClipNorm(max_norm=1.0))"
+    h.remove()
+    assert repr(h) == "AttachHandle(SGD, ClipNorm(max_norm=1.0); removed)"
+
+
+def test_frozen_assignment_says_how_to_change_it():
+    t = mo.ClipNorm(1.0)
+    with pytest.raises(pydantic.ValidationError, match=r"ClipNorm is frozen.*model_copy\(update=\{'max_norm': 2.0\}\)"):
+        t.max_norm = 2.0
+    assert t.model_copy(update={"max_norm": 2.0}) == mo.ClipNorm(2.0)
+    with pytest.raises(pydantic.ValidationError, match=r"ClipNorm.max_norm: Input should be greater than 0"):
+        t.model_copy(update={"max_norm": -1.0})  # a copy is validated like a new instance
+    with pytest.raises(TypeError, match="did you mean 'max_norm'"):
+        t.model_copy(update={"max_nrom": 2.0})
+
+
+def test_python_side_validation_errors_name_transform_and_field():
+    with pytest.raises(pydantic.ValidationError) as info:
+        mo.ClipNorm(max_norm=-1)
+    msg = str(info.value)
+    assert msg.splitlines()[0].endswith("ClipNorm -- ClipNorm.max_norm: Input should be greater than 0 (got -1)")
+    err = info.value.errors()[0]
+    assert err["loc"] == ("max_norm",) and err["type"] == "greater_than"
+    with pytest.raises(pydantic.ValidationError, match=r"Adam.betas: Value error, betas\[1\] must be in \[0, 1\)"):
+        mo.Adam(betas=(0.9, 1.0))
+
+
+# --- the trust boundary (item 3) -------------------------------------------------------------
+class _InCodeOptimizer(torch.optim.SGD):
+    """A user optimizer class defined outside torch.optim (module level: importable by path)."""
+
+
+def test_torch_optimizer_built_in_code_does_not_widen_the_allow_list():
+    before = dict(registry._OPTIMIZERS)
+    t = mo.TorchOptimizer(_InCodeOptimizer, lr=0.1)
+    t2 = mo.TorchOptimizer(cls=_InCodeOptimizer, kwargs={"lr": 0.1})
+    assert registry._OPTIMIZERS == before
+    assert t._cls is _InCodeOptimizer and t2._cls is _InCodeOptimizer and t == t2
+    # the in-code instance works
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = mo.Modular([p], t)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((2,), 0.9))
+    # ... a changed copy keeps the class, still without registering it
+    assert t.model_copy(update={"kwargs": {"lr": 0.2}})._cls is _InCodeOptimizer
+    assert registry._OPTIMIZERS == before
+    # a config may not name the class: the round trip says to register it
+    data = opt.config.to_dict()
+    with pytest.raises(pydantic.ValidationError, match=r"mo.register_optimizer\(_InCodeOptimizer\)"):
+        mo.PipelineConfig.from_dict(data)
+    with pytest.raises(pydantic.ValidationError, match="not allowed"):
+        mo.TorchOptimizer(f"{__name__}._InCodeOptimizer")
+    assert mo.PipelineConfig.from_dict(data, trust_imports=True).transforms[0]._cls is _InCodeOptimizer
+    assert registry._OPTIMIZERS == before
+    try:
+        mo.register_optimizer(_InCodeOptimizer)
+        assert mo.PipelineConfig.from_dict(data).transforms[0] == t
+    finally:
+        registry._OPTIMIZERS.pop(registry.class_path(_InCodeOptimizer), None)
+
+
+def test_torch_optimizer_local_class_round_trip_says_to_register():
+    class Local(torch.optim.SGD):
+        pass
+
+    t = mo.TorchOptimizer(Local, lr=0.1)
+    assert t._cls is Local
+    with pytest.raises(pydantic.ValidationError, match=r"defined inside a function.*mo.register_optimizer\(Local\)"):
+        mo.PipelineConfig.from_dict({"transforms": [t.to_dict()]}, trust_imports=True)
+    with pytest.raises(pydantic.ValidationError, match="torch.optim.Optimizer subclass"):
+        mo.TorchOptimizer(int)
