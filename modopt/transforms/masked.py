@@ -47,7 +47,7 @@ class Masked(Transform):
 
     >>> import torch, modopt as mo
     >>> model = torch.nn.Linear(2, 1)
-    >>> opt = mo.Modular(model.named_parameters(), mo.Masked(mo.ClipValue(0.1), where="*.weight"), mo.LR(1.0))
+    >>> opt = mo.Modular(model.named_parameters(), mo.Masked(mo.ClipValue(0.1), where="weight"), mo.LR(1.0))
     >>> model.weight.grad = torch.tensor([[1.0, -1.0]]); model.bias.grad = torch.tensor([1.0])
     >>> w, b = model.weight.detach().clone(), model.bias.detach().clone()
     >>> opt.step()
