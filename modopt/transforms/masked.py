@@ -48,11 +48,12 @@ class Masked(Transform):
     >>> import torch, modopt as mo
     >>> model = torch.nn.Linear(2, 1)
     >>> opt = mo.Modular(model.named_parameters(), mo.Masked(mo.ClipValue(0.1), where="weight"), mo.LR(1.0))
+    >>> torch.nn.init.zeros_(model.weight); torch.nn.init.zeros_(model.bias)
+    Parameter...
     >>> model.weight.grad = torch.tensor([[1.0, -1.0]]); model.bias.grad = torch.tensor([1.0])
-    >>> w, b = model.weight.detach().clone(), model.bias.detach().clone()
     >>> opt.step()
-    >>> (w - model.weight).tolist(), (b - model.bias).tolist()   # weight clipped, bias not
-    ([[0.10000000149011612, -0.10000000149011612]], [1.0])
+    >>> model.weight.data, model.bias.data   # the weight's update clipped to 0.1, the bias's not
+    (tensor([[-0.1000,  0.1000]]), tensor([-1.]))
     """
 
     transforms: list[TransformField] = Field(default_factory=list)
