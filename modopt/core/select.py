@@ -32,10 +32,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import StepContext
 
 
-class Select(BaseModel):
-    """Which parameters: every criterion that is set must hold (see :mod:`modopt.core.select`)."""
+def _schema_shorthands(schema: dict) -> None:
+    """In the JSON schema, a selection is the object, a glob string or a list of globs."""
+    obj = dict(schema)
+    title = obj.pop("title", "Select")
+    schema.clear()
+    schema.update(title=title, anyOf=[obj, {"type": "string"}, {"type": "array", "items": {"type": "string"}}])
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+
+class Select(BaseModel):
+    """Which parameters: every criterion that is set must hold (see the module `modopt.core.select`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_schema_shorthands)
 
     names: Optional[list[str]] = None
     exclude: list[str] = Field(default_factory=list)
@@ -184,7 +192,7 @@ def step_names(ctx: "StepContext") -> list:
 def _optimizer_paths(transforms, prefix: str = "", selects: tuple = ()) -> list[tuple[str, Any, tuple]]:
     """Every optimizer transform with its key and the selections (outermost first) enclosing it.
 
-    A transform whose ``where`` is a :class:`Select` (``Masked``) restricts its children to it.
+    A transform whose ``where`` is a `Select` (``Masked``) restricts its children to it.
     """
     out = []
     for i, t in enumerate(transforms):

@@ -94,7 +94,7 @@ class Masked(Transform):
 
         The selection and the sub-layout are computed once per layout of the
         parent step (cached in its ``layout.cache``); the sub-context gets its
-        own :class:`~modopt.core.state.Layout`, so per-layout caches (scope
+        own `Layout`, so per-layout caches (scope
         segments, optimizer kernel plans) work inside the mask.
         """
         cache = ctx.layout.cache if ctx.layout is not None else None
