@@ -539,3 +539,48 @@ def test_compose_page_yaml_builds_and_validates():
         warnings.simplefilter("error")
         ns["train"](m, opt, 2)
     assert "1:Masked/0:ClipNorm.norm" in opt.stats
+
+
+# --- hot path: no host sync, compiles ---------------------------------------------------------
+
+
+def _masked_pipelines():
+    return {
+        "masked-clip": lambda: [mo.Masked(mo.ClipNorm(0.5), mo.Normalize(scope="group"), where=mo.Select(min_ndim=2)),
+                                mo.ClipNorm(1.0), mo.Adam(lr=1e-2)],
+        "routed": lambda: [mo.Masked(mo.SGD(lr=1e-2, momentum=0.9), where=mo.Select(groups=[0])),
+                           mo.Masked(mo.ClipNorm(0.5), mo.Adam(lr=1e-2), where=mo.Select(groups=[1]))],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_masked_pipelines()))
+def test_masked_step_has_no_host_sync(name):
+    from test_compile import SyncCounter, _groups, _params, _set_grads
+
+    params = _params()
+    opt = mo.Modular(_groups(params), *_masked_pipelines()[name](), nonfinite="ignore")
+    counter = SyncCounter()
+    for step in range(6):
+        _set_grads(params, step)
+        with counter:
+            opt.step()
+            _ = dict(opt.stats)
+    assert counter.syncs == 0
+
+
+@pytest.mark.parametrize("name", sorted(_masked_pipelines()))
+def test_masked_compiled_step_fullgraph_matches_eager(name):
+    from test_compile import _groups, _params, _set_grads
+
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    eager = mo.Modular(_groups(a), *_masked_pipelines()[name](), nonfinite="ignore")
+    compiled = mo.Modular(_groups(b), *_masked_pipelines()[name](), nonfinite="ignore")
+    step = torch.compile(compiled.step, fullgraph=True)
+    for i in range(4):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        eager.step()
+        step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
