@@ -9,6 +9,7 @@ from .core.attach import attach
 from .core.modular import Modular
 from .core.registry import available, register_optimizer, trust_imports
 from .core.scope import Scoped
+from .core.select import Select
 from .core.transform import Chain, Transform
 from .functional import clip_grad_norm_, clip_grad_percentile_, clip_grad_value_, grad_norm, normalize_grads_
 from .transforms import *  # noqa: F401,F403  (every transform, flat, like optax)
@@ -17,7 +18,7 @@ from .transforms import __all__ as _transforms_all
 __version__ = "0.1.0"
 
 __all__ = [
-    "Transform", "Chain", "Modular", "Scoped", "PipelineConfig", "ConfigError", "load_config", "config_schema",
+    "Transform", "Chain", "Modular", "Scoped", "Select", "PipelineConfig", "ConfigError", "load_config", "config_schema",
     "available", "register_optimizer", "trust_imports", "attach",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",
     *_transforms_all,

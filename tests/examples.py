@@ -59,7 +59,19 @@ NON_DEFAULT = {
     "AGC": mo.AGC(clipping=0.05, eps=1e-2, exclude=["2.bias"]),  # the example models name their params
     "ZeroNonFinite": mo.ZeroNonFinite(),
     "Accumulate": mo.Accumulate(2),
+    # issue 12: a mask holding a nested mask; every Select field set
+    "Masked": mo.Masked(
+        mo.ClipNorm(0.5), mo.Masked(mo.Normalize(0.5), where=mo.Select(max_ndim=1)),
+        where=mo.Select(names=["*"], exclude=["0.weight"], min_ndim=1, max_ndim=2, groups=[0, 1]),
+    ),
 }
+
+#: what the generated ``Masked[...]`` examples select: the example models' later layers (and a 0-d
+#: parameter where there is one); the complement gets its own optimizer when the branch holds one
+MASK = mo.Select(exclude=["0.*"])
+MASK_REST = mo.Select(names=["0.*"])
+#: transforms that cannot run inside Masked (they step every parameter of the optimizer themselves)
+UNMASKABLE = {"TorchOptimizer"}
 
 
 def instances(name: str) -> list[mo.Transform]:
@@ -67,8 +79,7 @@ def instances(name: str) -> list[mo.Transform]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def all_examples() -> list[tuple[str, mo.Transform]]:
-    """Every example as ``(id, instance)``, for parametrized tests."""
+def base_examples() -> list[tuple[str, mo.Transform]]:
     out = []
     for name in sorted(NON_DEFAULT):
         for i, t in enumerate(instances(name)):
@@ -76,8 +87,30 @@ def all_examples() -> list[tuple[str, mo.Transform]]:
     return out
 
 
+def masked_examples() -> list[tuple[str, mo.Transform]]:
+    """``Masked`` around every example (generated, so a new transform is covered masked too)."""
+    return [
+        (f"Masked[{eid}]", mo.Masked(t, where=MASK))
+        for eid, t in base_examples()
+        if eid.split("-")[0] not in UNMASKABLE and eid != "Masked"
+    ]
+
+
+def all_examples() -> list[tuple[str, mo.Transform]]:
+    """Every example as ``(id, instance)``, for parametrized tests; then each of them masked."""
+    return base_examples() + masked_examples()
+
+
+def routes_optimizer(t: mo.Transform) -> bool:
+    return isinstance(t, mo.Masked) and any(c.is_optimizer for c in t.transforms)
+
+
 def pipeline_for(t: mo.Transform) -> list[mo.Transform]:
-    """A runnable pipeline exercising ``t``: optimizers end it, others precede Adam."""
+    """A runnable pipeline exercising ``t``: optimizers end it, others precede SGD; a masked
+    optimizer gets a second branch for the parameters it does not select (routing), with the same
+    optimizer, so that one param group holding both selections has one default per shared key."""
     if t.is_optimizer:
         return [t]
+    if routes_optimizer(t):
+        return [t, mo.Masked(*[c for c in t.transforms if c.is_optimizer], where=MASK_REST)]
     return [t, mo.SGD(lr=0.01)]

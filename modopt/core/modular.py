@@ -10,6 +10,7 @@ import torch
 
 from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .transform import Transform, to_plain, walk
+from .select import route_group, routes
 
 #: the checkpoint format ``state_dict`` writes (``sd["modopt"]["format_version"]``)
 FORMAT_VERSION = 1
@@ -20,7 +21,8 @@ FORMAT_VERSION = 1
 #: modify its argument; ``load_state_dict`` runs the chain ``n -> n+1 -> ...``
 #: before any check, so an old checkpoint is validated as a current one.
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
-_GROUP_BASE_KEYS = {"params", "param_names"}
+#: param-group entries that are not hyperparameters ("name", "names": used by mo.Select)
+_GROUP_BASE_KEYS = {"params", "param_names", "name", "names"}
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
@@ -91,8 +93,12 @@ class Modular(torch.optim.Optimizer):
         _check_last(self.transforms)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}
+        self._routes = routes(self.transforms)  # optimizer transforms in Masked branches (None: no routing)
+        routed = {key for key, _, _ in self._routes or ()}
         for key, t in walk(self.transforms):
             for k, v in t.hyperparams().items():
+                if k in hyper and key in routed and owner[k] in routed:
+                    continue  # shared by routed branches: one value per param group (see route_group)
                 if k in hyper:
                     raise ValueError(
                         f"param-group key {k!r} is exposed by both {owner[k]} and {key}; "
@@ -108,6 +114,7 @@ class Modular(torch.optim.Optimizer):
         self._runtime: dict[str, dict] = {}
         self._skipped_steps = torch.zeros((), dtype=torch.int64)
         self.stats: dict[str, torch.Tensor] = {}
+        self._group_defaults = dict(group_defaults)
         super().__init__(params, {**hyper, **group_defaults})
 
     # --- torch.optim.Optimizer contract -------------------------------------
@@ -118,7 +125,15 @@ class Modular(torch.optim.Optimizer):
                 f"unknown param-group key(s) {unknown}; this pipeline accepts: "
                 f"{sorted(set(self.defaults)) or 'no hyperparameters'}"
             )
+        given = set(param_group)
         super().add_param_group(param_group)
+        if self._routes is not None:
+            try:
+                route_group(self._routes, self.param_groups[-1], len(self.param_groups) - 1,
+                            given | set(self._group_defaults))
+            except Exception:
+                self.param_groups.pop()
+                raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

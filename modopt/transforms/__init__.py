@@ -10,11 +10,12 @@ from .guards import Identity, ZeroNonFinite
 from .percentile import ClipValueByPercentile
 from .normalization import Centralize, GradientCentralization, Normalize
 from .optimizers import LR, SGD, Adam, AdamW, TorchOptimizer
+from .masked import Masked
 
 __all__ = [
     "ClipNorm", "ClipValue", "Identity", "Centralize", "GradientCentralization", "Normalize",
     "LR", "SGD", "Adam", "AdamW", "TorchOptimizer",
     "ClipNormByEMA", "NormalizeByEMA", "ClipValueByEMA", "ClipNormGrowth", "ClipValueGrowth",
     "HistClip", "EMACriterion", "ZStatCriterion", "ZClip", "AutoClip", "ZScoreNormalize",
-    "ClipValueByPercentile", "AGC", "ZeroNonFinite", "Accumulate",
+    "ClipValueByPercentile", "AGC", "ZeroNonFinite", "Accumulate", "Masked",
 ]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from typing import Optional
 
 from pydantic import PositiveFloat
 
 from ..core.norms import acc_dtype
+from ..core.select import Select
 from ..core.transform import Transform
 
 
@@ -31,7 +30,9 @@ class AGC(Transform):
     ``clipping`` is :math:`\lambda`. ``exclude`` lists ``fnmatch`` patterns of
     parameter names left unclipped (the paper leaves the final classifier
     alone); names come from ``Modular(model.named_parameters(), ...)``, and a
-    non-empty ``exclude`` with unnamed parameters is an error. Defaults:
+    non-empty ``exclude`` with unnamed parameters is an error. ``exclude`` is a
+    shorthand of ``mo.Masked(mo.AGC(...), where=mo.Select(exclude=[...]))``
+    (same patterns, same matcher); use ``Masked`` for any other selection. Defaults:
     ``clipping=0.01``, ``eps=1e-3``, ``exclude=None`` (same as ``[]``: nothing excluded). Reproduces AGC of
     "High-Performance Large-Scale Image Recognition Without Normalization"
     (Brock et al. 2021) and timm's ``adaptive_clip_grad``.
@@ -62,14 +63,8 @@ class AGC(Transform):
                 return mask
         if not self.exclude:
             mask = [True] * len(ctx.params)
-        else:
-            unnamed = sum(1 for n in ctx.names if n is None)
-            if unnamed:
-                raise ValueError(
-                    f"AGC(exclude={self.exclude!r}) matches parameter names, but {unnamed} parameter(s) have "
-                    "no name: build the optimizer from model.named_parameters() (or drop exclude)"
-                )
-            mask = [not any(fnmatch.fnmatchcase(n, pat) for pat in self.exclude) for n in ctx.names]
+        else:  # the shorthand of Masked(AGC(...), where=Select(exclude=...)), by the same matcher
+            mask = Select(exclude=self.exclude).mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
         if cache is not None:
             cache[key] = mask
         return mask

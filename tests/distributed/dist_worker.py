@@ -46,6 +46,13 @@ def cases() -> dict[str, list]:
         "ZClip": [mo.ZClip(warmup_steps=3, max_grad_norm=0.05), mo.AdamW(lr=0.01)],
         "AutoClip": [mo.AutoClip(percentile=30), mo.SGD(lr=0.1)],
         "NormalizeByEMA-group": [mo.NormalizeByEMA(beta=0.8, scope="group"), mo.SGD(lr=0.05)],
+        # issue 12: a global clip over a selection (the statistic of the full selected tensors, the
+        # layer that rank 1 holds empty shards of included), and routing to two optimizers by group
+        "Masked-ClipNorm-global": [mo.Masked(mo.ClipNorm(0.03), where=mo.Select(exclude=["0.*"])), mo.SGD(lr=0.1)],
+        "Masked-routing": [
+            mo.Masked(mo.SGD(lr=0.1, momentum=0.9), where=mo.Select(groups=[0])),
+            mo.Masked(mo.ClipNorm(0.05, scope="group"), mo.Adam(lr=0.01), where=mo.Select(groups=[1])),
+        ],
     }
 
 

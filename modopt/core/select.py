@@ -1,0 +1,272 @@
+"""`Select`: which parameters, as data (used by `Masked` and by AGC's ``exclude``).
+
+A parameter is selected when it satisfies *every* criterion that is set:
+
+* ``names``: its name matches one of these glob patterns (``fnmatch``, case
+  sensitive; ``*`` also matches dots). ``None`` (default): any name.
+* ``exclude``: its name matches none of these patterns.
+* ``min_ndim`` / ``max_ndim``: ``min_ndim <= p.dim() <= max_ndim``.
+* ``groups``: its param group is listed, by index in ``optimizer.param_groups``
+  or by the group's ``"name"`` entry. ``None`` (default): any group.
+
+A plain string is shorthand for ``names=[string]``; a list of strings for
+``names=list``. Names come from ``Modular(model.named_parameters(), ...)`` or a
+param group's ``"param_names"`` (or ``"names"``) list. Selecting by name when a
+parameter has no name is an error.
+
+    >>> import modopt as mo
+    >>> mo.Select("*.weight", min_ndim=2)
+    Select(names=['*.weight'], min_ndim=2)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .state import StepContext
+
+
+def _schema_shorthands(schema: dict) -> None:
+    """In the JSON schema, a selection is the object, a glob string or a list of globs."""
+    obj = dict(schema)
+    title = obj.pop("title", "Select")
+    schema.clear()
+    schema.update(title=title, anyOf=[obj, {"type": "string"}, {"type": "array", "items": {"type": "string"}}])
+
+
+class Select(BaseModel):
+    """Which parameters: every criterion that is set must hold (see the module `modopt.core.select`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_schema_shorthands)
+
+    names: Optional[list[str]] = None
+    exclude: list[str] = Field(default_factory=list)
+    min_ndim: Optional[int] = Field(None, ge=0)
+    max_ndim: Optional[int] = Field(None, ge=0)
+    groups: Optional[list[Union[int, str]]] = None
+
+    def __repr__(self) -> str:
+        args = [f"{k}={getattr(self, k)!r}" for k in type(self).model_fields if k in self.model_fields_set]
+        return f"Select({', '.join(args)})"
+
+    def __init__(self, names: Any = None, /, **kwargs: Any) -> None:
+        if names is not None:
+            if "names" in kwargs:
+                raise TypeError("Select got names both positionally and by name")
+            kwargs["names"] = [names] if isinstance(names, str) else names
+        super().__init__(**kwargs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"names": [data]}
+        if isinstance(data, (list, tuple)) and all(isinstance(x, str) for x in data):
+            return {"names": list(data)}
+        return data
+
+    @model_validator(mode="after")
+    def _ndims(self) -> "Select":
+        if self.min_ndim is not None and self.max_ndim is not None and self.min_ndim > self.max_ndim:
+            raise ValueError(f"min_ndim ({self.min_ndim}) > max_ndim ({self.max_ndim}): nothing could be selected")
+        return self
+
+    # --- plain data ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "names": None if self.names is None else list(self.names),
+            "exclude": list(self.exclude),
+            "min_ndim": self.min_ndim,
+            "max_ndim": self.max_ndim,
+            "groups": None if self.groups is None else list(self.groups),
+        }
+
+    def cache_key(self) -> tuple:
+        """A hashable key of this selection (for per-layout caches)."""
+        return (
+            "modopt.select",
+            None if self.names is None else tuple(self.names),
+            tuple(self.exclude),
+            self.min_ndim,
+            self.max_ndim,
+            None if self.groups is None else tuple(self.groups),
+        )
+
+    def describe(self) -> str:
+        """Short, user-facing form: ``Select(names=['*.weight'], min_ndim=2)`` (set fields only)."""
+        d = self.to_dict()
+        parts = [f"{k}={v!r}" for k, v in d.items() if v not in (None, [])]
+        return f"Select({', '.join(parts)})"
+
+    @property
+    def by_name(self) -> bool:
+        return self.names is not None or bool(self.exclude)
+
+    # --- matching --------------------------------------------------------------
+    def matches(self, name: str | None, p: "torch.Tensor", group_index: int, group: dict) -> bool:
+        """Does this selection take parameter ``p`` (named ``name``) of param group ``group_index``?"""
+        if not self._pre(p, group_index, group):
+            return False
+        if self.by_name:
+            if name is None:  # checked (with a clear message) by the callers before matching
+                raise ValueError(self._unnamed_message(1))
+            if self.names is not None and not any(fnmatch.fnmatchcase(name, pat) for pat in self.names):
+                return False
+            if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
+                return False
+        return True
+
+    def _pre(self, p: "torch.Tensor", group_index: int, group: dict) -> bool:
+        """The criteria that need no name (groups, ndim)."""
+        if self.groups is not None:
+            gname = group.get("name")
+            if group_index not in self.groups and (gname is None or gname not in self.groups):
+                return False
+        nd = p.dim()
+        if self.min_ndim is not None and nd < self.min_ndim:
+            return False
+        if self.max_ndim is not None and nd > self.max_ndim:
+            return False
+        return True
+
+    def _unnamed_message(self, count: int, owner: str | None = None) -> str:
+        return (
+            f"{owner or self.describe()} selects parameters by name, but {count} parameter(s) have no name: "
+            "build the optimizer from model.named_parameters(), or give each param group a 'param_names' "
+            "list (or select by groups/min_ndim/max_ndim instead)"
+        )
+
+    def mask_of(self, params: list, names: list, group_indices: list[int], groups: list[dict],
+                owner: str | None = None) -> list[bool]:
+        """Per parameter: selected or not. ``group_indices[i]`` / ``groups[i]``: the group of ``params[i]``."""
+        if self.by_name:  # names are needed only where the other criteria hold
+            unnamed = sum(1 for p, n, gi, g in zip(params, names, group_indices, groups)
+                          if n is None and self._pre(p, gi, g))
+            if unnamed:
+                raise ValueError(self._unnamed_message(unnamed, owner))
+        return [self.matches(n, p, gi, g) for p, n, gi, g in zip(params, names, group_indices, groups)]
+
+    def mask(self, ctx: "StepContext", owner: str | None = None) -> list[bool]:
+        """Per parameter of the step: selected or not; computed once per layout (``ctx.layout.cache``)."""
+        cache = ctx.layout.cache if ctx.layout is not None else None
+        key = self.cache_key()
+        if cache is not None and key in cache:
+            return cache[key]
+        gidx: list[int] = []
+        groups: list[dict] = []
+        for gi, g, (a, b) in zip(ctx.group_ids, ctx.groups, ctx.ranges):
+            gidx.extend([gi] * (b - a))
+            groups.extend([g] * (b - a))
+        names = step_names(ctx) if self.by_name else [None] * len(ctx.params)
+        out = self.mask_of(ctx.params, names, gidx, groups, owner)
+        if cache is not None:
+            cache[key] = out
+        return out
+
+
+def group_names(group: dict) -> list | None:
+    """A param group's parameter names: its ``"param_names"`` (torch's key) or ``"names"`` list, or None."""
+    names = group.get("param_names") or group.get("names")
+    return list(names) if names else None
+
+
+def step_names(ctx: "StepContext") -> list:
+    """The name of each parameter of the step: ``ctx.names``, else the group's ``"names"`` list."""
+    names = list(ctx.names)
+    if all(n is not None for n in names):
+        return names
+    for g, (a, b) in zip(ctx.groups, ctx.ranges):
+        gnames = group_names(g)
+        if not gnames:
+            continue
+        by_id = {id(p): n for p, n in zip(g["params"], gnames)}
+        for i in range(a, b):
+            if names[i] is None:
+                names[i] = by_id.get(id(ctx.params[i]))
+    return names
+
+
+# --- routing: optimizer transforms in masked branches -----------------------------------
+def _optimizer_paths(transforms, prefix: str = "", selects: tuple = ()) -> list[tuple[str, Any, tuple]]:
+    """Every optimizer transform with its key and the selections (outermost first) enclosing it.
+
+    A transform whose ``where`` is a `Select` (``Masked``) restricts its children to it.
+    """
+    out = []
+    for i, t in enumerate(transforms):
+        key = f"{prefix}{i}:{type(t).__name__}"
+        if t.is_optimizer:
+            out.append((key, t, selects))
+        where = getattr(t, "where", None)
+        inner = selects + (where,) if isinstance(where, Select) else selects
+        out.extend(_optimizer_paths(t.children(), key + "/", inner))
+    return out
+
+
+def routes(transforms) -> list[tuple[str, Any, tuple]] | None:
+    """The optimizer transforms with their selections when some sits inside a ``Masked``, else None."""
+    paths = _optimizer_paths(transforms)
+    return paths if any(sel for _, _, sel in paths) else None
+
+
+def route_group(paths: list, group: dict, index: int, given: set) -> None:
+    """Check that each parameter of param group ``index`` reaches exactly one optimizer transform, and
+    set the group's shared hyperparameters (``lr``, ...) to the defaults of the branch that owns it.
+
+    ``given``: keys set explicitly (in the group dict or ``Modular``'s keyword defaults); those are kept.
+    A group whose parameters belong to branches with different defaults for a shared key must set it.
+    """
+    params = group["params"]
+    names = group_names(group) or [None] * len(params)
+    owners: list[list[str]] = [[] for _ in params]
+    for key, t, selects in paths:
+        for j, (p, n) in enumerate(zip(params, names)):
+            if all(_match_for_route(s, n, p, index, group, key) for s in selects):
+                owners[j].append(key)
+
+    def label(j: int) -> str:
+        return names[j] if names[j] is not None else f"#{j}"
+
+    none = [label(j) for j, o in enumerate(owners) if not o]
+    if none:
+        raise ValueError(
+            f"param group {index}: parameter(s) {', '.join(none)} reach no optimizer transform: in a pipeline that "
+            "routes parameters to optimizers in Masked branches, every parameter must be selected by exactly one "
+            "branch optimizer (add a branch for them, or an optimizer for the rest)"
+        )
+    many = [f"{label(j)} ({' and '.join(o)})" for j, o in enumerate(owners) if len(o) > 1]
+    if many:
+        raise ValueError(
+            f"param group {index}: parameter(s) {', '.join(many)} are written by more than one optimizer "
+            "transform; make the Masked selections disjoint"
+        )
+    present = {o[0] for o in owners}
+    by_key = {key: t for key, t, _ in paths if key in present}
+    values: dict[str, dict[str, Any]] = {}
+    for key, t in by_key.items():
+        for k, v in t.hyperparams().items():
+            values.setdefault(k, {})[key] = v
+    for k, per in values.items():
+        if k in given:
+            continue
+        distinct = list({repr(v): v for v in per.values()}.values())
+        if len(distinct) > 1:
+            detail = " and ".join(f"{key} ({k}={v!r})" for key, v in per.items())
+            raise ValueError(
+                f"param group {index} holds parameters routed to {detail}, which read the same group key {k!r} "
+                f"with different defaults: put each branch's parameters in its own param group "
+                f"(and select it with Select(groups=[...])), or set {k!r} in the group"
+            )
+        group[k] = distinct[0]
+
+
+def _match_for_route(s: Select, name, p, index: int, group: dict, key: str) -> bool:
+    if s.by_name and name is None and s._pre(p, index, group):
+        raise ValueError(s._unnamed_message(1, f"{key} is routed by {s.describe()}, which"))
+    return s.matches(name, p, index, group)

@@ -1,0 +1,176 @@
+"""Composing by parameter: run transforms on a selection of the parameters only."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from ..core.select import Select
+from ..core.state import Layout, StepContext, TransformState
+from ..core.transform import Transform, TransformField, run_sequence, walk
+
+
+class Masked(Transform):
+    r"""Run ``transforms`` on the parameters that ``where`` selects; the others pass through untouched.
+
+    ``mo.Masked(*transforms, where=mo.Select(...))`` (a glob string is shorthand
+    for ``mo.Select(names=[glob])``). Inside, the step is the selection: a
+    ``scope="global"`` statistic is taken over the selected tensors only,
+    ``scope="group"`` over the selected tensors of each param group. For the
+    selected updates :math:`u_S` and the others :math:`u_{\bar S}`:
+
+    .. math::
+        u_S \leftarrow T_n(\cdots T_1(u_S)), \qquad u_{\bar S} \leftarrow u_{\bar S}
+
+    State and telemetry keys nest as in ``Chain`` (``"0:Masked/0:ClipNorm"``);
+    ``Masked`` may be nested and may hold a ``Chain``. A selection that matches
+    none of the parameters with a gradient is reported once per parameter
+    layout (a ``UserWarning`` naming the selector) and the updates pass through.
+    If an inner transform stops the step (``Accumulate`` between cycles, a
+    ``ZClip`` spike skip), the whole step stops, as in a ``Chain``.
+
+    **Routing.** A branch may end in its own optimizer transform (``SGD`` for
+    the embeddings, ``Adam`` for the rest): then every parameter must reach
+    exactly one optimizer transform (checked when the ``Modular`` is built,
+    the error names the parameters). Each branch optimizer reads its
+    hyperparameters from the param groups of the parameters it owns, so
+    schedulers drive them as with several torch optimizers; see the page
+    "Composing by parameter". ``TorchOptimizer`` writes every parameter itself
+    and cannot be masked.
+
+    Default: none; ``where`` is required. Reproduces optax's ``masked`` (and,
+    with routing, ``partition``).
+
+    >>> import torch, modopt as mo
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = mo.Modular(model.named_parameters(), mo.Masked(mo.ClipValue(0.1), where="weight"), mo.LR(1.0))
+    >>> torch.nn.init.zeros_(model.weight); torch.nn.init.zeros_(model.bias)
+    Parameter...
+    >>> model.weight.grad = torch.tensor([[1.0, -1.0]]); model.bias.grad = torch.tensor([1.0])
+    >>> opt.step()
+    >>> model.weight.data, model.bias.data   # the weight's update clipped to 0.1, the bias's not
+    (tensor([[-0.1000,  0.1000]]), tensor([-1.]))
+    """
+
+    positional = "transforms"  # variadic: mo.Masked(a, b, where=...)
+
+    transforms: list[TransformField] = Field(default_factory=list)
+    where: Select
+
+    def __init__(self, *transforms: Any, **kwargs: Any) -> None:
+        if transforms:
+            if "transforms" in kwargs:
+                raise TypeError("Masked got transforms both positionally and by name")
+            if len(transforms) == 1 and isinstance(transforms[0], (list, tuple)):
+                transforms = tuple(transforms[0])
+            kwargs["transforms"] = list(transforms)
+        super().__init__(**kwargs)
+
+    @model_validator(mode="after")
+    def _maskable(self) -> "Masked":
+        for key, t in walk(self.transforms):
+            if getattr(t, "must_be_last", False):
+                raise ValueError(
+                    f"transforms.{key}: {type(t).__name__} steps every parameter of the optimizer itself and "
+                    "cannot run inside Masked; use SGD, Adam, AdamW or LR in a masked branch"
+                )
+        return self
+
+    def children(self) -> tuple[Transform, ...]:
+        return tuple(self.transforms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "Masked", "transforms": [t.to_dict() for t in self.transforms], "where": self.where.to_dict()}
+
+    def __repr__(self) -> str:
+        inner = [repr(t) for t in self.transforms]
+        return f"Masked({', '.join(inner + [f'where={self.where!r}'])})"
+
+    # --- the step -------------------------------------------------------------
+    def sub_context(self, ctx: StepContext, st: TransformState) -> tuple[list[int], StepContext | None]:
+        """The indices of the selected parameters and a step context over them (None if nothing is selected).
+
+        The selection and the sub-layout are computed once per layout of the
+        parent step (cached in its ``layout.cache``); the sub-context gets its
+        own `Layout`, so per-layout caches (scope
+        segments, optimizer kernel plans) work inside the mask.
+        """
+        cache = ctx.layout.cache if ctx.layout is not None else None
+        key = ("modopt.Masked", self.where.cache_key())
+        entry = cache.get(key) if cache is not None else None
+        if entry is None:
+            mask = self.where.mask(ctx, owner=f"{st.key} (where={self.where.describe()})")
+            idx = [i for i, m in enumerate(mask) if m]
+            params = [ctx.params[i] for i in idx]
+            groups, group_ids, ranges = [], [], []
+            for g, gid, (a, b) in zip(ctx.groups, ctx.group_ids, ctx.ranges):
+                start = sum(1 for i in idx if i < a)
+                n = sum(1 for i in idx if a <= i < b)
+                if n:
+                    groups.append(g)
+                    group_ids.append(gid)
+                    ranges.append((start, start + n))
+            names = [ctx.names[i] for i in idx]
+            layout = None
+            if ctx.layout is not None:
+                layout = Layout((ctx.layout.key, key), params, ranges)
+                layout.cache["names"] = names
+                # the parent step's norm memo (owned and emptied by the runner)
+                layout.cache["norm_memo"] = ctx.layout.cache.get("norm_memo")
+            if not idx:
+                warnings.warn(
+                    f"{st.key}: Masked(where={self.where.describe()}) selects none of the {len(ctx.params)} "
+                    "parameter(s) with a gradient; its transforms do not run",
+                    UserWarning, stacklevel=2,
+                )
+            entry = (idx, params, groups, group_ids, ranges, names, layout)
+            if cache is not None:
+                cache[key] = entry
+        idx, params, groups, group_ids, ranges, names, layout = entry
+        if not idx:
+            return idx, None
+        sub = StepContext(params, groups, group_ids, ranges, names, ctx.host, ctx.stats)
+        sub.layout = layout
+        sub.norm_memo = ctx.norm_memo
+        return idx, sub
+
+    def apply(self, ctx, st, updates):
+        # A deferred scale never crosses a mask: Masked does not declare folds_scale, so the runner
+        # multiplies any incoming scale in before it runs, and the inner chain's own deferrals stay
+        # inside the sub-context (run_sequence settles them there).
+        idx, sub = self.sub_context(ctx, st)
+        if sub is None or not self.transforms:
+            return updates
+        states = [TransformState(ctx.host, sub, f"{st.key}/{i}:{type(t).__name__}") for i, t in enumerate(self.transforms)]
+        out = run_sequence(self.transforms, sub, states, [updates[i] for i in idx], False)
+        if out is None:
+            return None
+        updates = list(updates)
+        for i, u in zip(idx, out):
+            updates[i] = u
+        return updates
+
+    def apply_final(self, ctx, st, updates):
+        """As the last transform, when the branch ends in an optimizer transform: that optimizer writes the
+        selected parameters itself (torch's fused kernels), and ``p -= update`` writes the others."""
+        if not self.transforms or not self.transforms[-1].is_optimizer:
+            return False
+        idx, sub = self.sub_context(ctx, st)
+        if sub is not None:
+            states = [TransformState(ctx.host, sub, f"{st.key}/{i}:{type(t).__name__}")
+                      for i, t in enumerate(self.transforms)]
+            sel = [updates[i] for i in idx]
+            sel = run_sequence(self.transforms[:-1], sub, states[:-1], sel, False)
+            if sel is None:  # an inner transform stopped the step: nothing moves
+                return True
+            run_sequence(self.transforms[-1:], sub, states[-1:], sel, True)
+        chosen = set(idx)
+        rest = [i for i in range(len(ctx.params)) if i not in chosen]
+        if rest:
+            torch._foreach_sub_([ctx.params[i] for i in rest], [updates[i] for i in rest])
+        return True
+
