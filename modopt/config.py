@@ -1,17 +1,19 @@
 """Pipeline configs: a whole optimizer pipeline as plain data (YAML, JSON, TOML).
 
-A config lists the transforms by ``type`` with their fields::
+A config lists the transforms by `type` with their fields:
 
-    nonfinite: skip
-    defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
-    transforms:
-      - {type: ClipNorm, max_norm: 1.0}
-      - {type: Adam, lr: 0.001}
+```yaml
+nonfinite: skip
+defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
+transforms:
+  - {type: ClipNorm, max_norm: 1.0}
+  - {type: Adam, lr: 0.001}
+```
 
-YAML is read with a safe loader; a config can never run code. ``TorchOptimizer``
-resolves import paths only for ``torch.optim.*`` and classes registered with
-:func:`modopt.register_optimizer`, unless the caller passes ``trust_imports=True``.
-TOML has no null: in TOML files the string ``"null"`` stands for None.
+YAML is read with a safe loader; a config can never run code. `TorchOptimizer`
+resolves import paths only for `torch.optim.*` and classes registered with
+`modopt.register_optimizer()`, unless the caller passes `trust_imports=True`.
+TOML has no null: in TOML files the string `"null"` stands for None.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class PipelineConfig(BaseModel):
 
     # --- building -----------------------------------------------------------
     def build(self, params: Any) -> "Modular":
-        """A fresh :class:`~modopt.Modular` over ``params`` running this pipeline."""
+        """A fresh `Modular` over `params` running this pipeline."""
         from .core.modular import Modular
 
         return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
@@ -139,8 +141,8 @@ def format_validation_error(e: ValidationError, source: str) -> str:
 def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig:
     """Read a pipeline config from a YAML, JSON or TOML file.
 
-    Errors raise :class:`ConfigError` naming the file and the line (syntax) or
-    the field path (validation, e.g. ``transforms.0.max_norm``).
+    Errors raise `ConfigError` naming the file and the line (syntax) or
+    the field path (validation, e.g. `transforms.0.max_norm`).
     """
     data = read_file(path)
     if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
@@ -152,7 +154,7 @@ def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig
 
 
 def config_schema() -> dict[str, Any]:
-    """JSON schema of a pipeline config (every registered transform, discriminated by ``type``)."""
+    """JSON schema of a pipeline config (every registered transform, discriminated by `type`)."""
     defs: dict[str, Any] = {}
     refs = []
     for name in available():

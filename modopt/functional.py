@@ -1,4 +1,4 @@
-"""The functional layer: in place on ``p.grad``, torch's style.
+"""The functional layer: in place on `p.grad`, torch's style.
 
 Each function runs the corresponding transform once on the gradients, so the
 functional and the module layer share one implementation.
@@ -57,7 +57,7 @@ def run_on_grads(transform: Transform, parameters: TensorOrTensors) -> dict[str,
 
 
 def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
-    """The total ``ord`` norm of the gradients (as one concatenated vector); changes nothing."""
+    """The total `ord` norm of the gradients (as one concatenated vector); changes nothing."""
     from .core.scope import make_segments
 
     params = _with_grad(parameters)
@@ -75,10 +75,10 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Clip the gradients' total norm to ``max_norm`` in place; return the pre-clip total norm.
+    """Clip the gradients' total norm to `max_norm` in place; return the pre-clip total norm.
 
-    The same contract as ``torch.nn.utils.clip_grad_norm_`` (scale
-    ``min(1, max_norm / (norm + eps))``), with modopt's whole ``ord`` vocabulary.
+    The same contract as `torch.nn.utils.clip_grad_norm_` (scale
+    `min(1, max_norm / (norm + eps))`), with modopt's whole `ord` vocabulary.
     """
     from .transforms.clipping import ClipNorm
 
@@ -98,7 +98,7 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(parameters: TensorOrTensors, clip_value: float) -> None:
-    """Clamp every gradient element to ``[-clip_value, clip_value]`` in place."""
+    """Clamp every gradient element to `[-clip_value, clip_value]` in place."""
     from .transforms.clipping import ClipValue
 
     run_on_grads(ClipValue(value=clip_value), parameters)
@@ -111,16 +111,16 @@ def normalize_grads_(
     scope: ScopeName = "tensor",
     eps: float = 0.0,
 ) -> None:
-    """Set each gradient's (``scope="tensor"``) or the total (``"global"``) norm to ``norm_value`` in place."""
+    """Set each gradient's (`scope="tensor"`) or the total (`"global"`) norm to `norm_value` in place."""
     from .transforms.normalization import Normalize
 
     run_on_grads(Normalize(norm_value=norm_value, ord=ord, scope=scope, eps=eps), parameters)
 
 
 def clip_grad_percentile_(parameters: TensorOrTensors, pct: int, scope: ScopeName = "tensor") -> None:
-    """Clamp each gradient (``scope="tensor"``) or all of them (``"global"``) to the ``pct``-th
+    """Clamp each gradient (`scope="tensor"`) or all of them (`"global"`) to the `pct`-th
     percentile of its absolute values, in place (the lower order statistic, see
-    :class:`~modopt.ClipValueByPercentile`)."""
+    `ClipValueByPercentile`)."""
     from .transforms.percentile import ClipValueByPercentile
 
     run_on_grads(ClipValueByPercentile(pct=pct, scope=scope), parameters)

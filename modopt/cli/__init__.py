@@ -1,8 +1,8 @@
-"""The ``modopt`` command: run, compare, validate, schema, modules, bench.
+"""The `modopt` command: run, compare, validate, schema, modules, bench.
 
-``main(argv)`` returns the exit status (0 on success, 1 on a bad config or a
+`main(argv)` returns the exit status (0 on success, 1 on a bad config or a
 failed run, 2 on bad command-line usage); errors are one readable message on
-stderr, never a traceback (``MODOPT_DEBUG=1`` shows it).
+stderr, never a traceback (`MODOPT_DEBUG=1` shows it).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``modopt`` console script; returns the exit status."""
+    """Entry point of the `modopt` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])

@@ -1,4 +1,4 @@
-"""``modopt compare``: run several experiments / variants and tabulate them."""
+"""`modopt compare`: run several experiments / variants and tabulate them."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def compare(
     progress: bool = True,
     plots: bool = True,
 ) -> str:
-    """Run every experiment (every variant of each) under ``out``; write and return the table."""
+    """Run every experiment (every variant of each) under `out`; write and return the table."""
     from . import _apply_overrides
 
     runs = []

@@ -1,19 +1,20 @@
-"""The experiment config of ``modopt run`` / ``modopt compare``: a pydantic model.
+"""The experiment config of `modopt run` / `modopt compare`: a pydantic model.
 
-::
 
-    name: transformer-zclip
-    task: {name: transformer, options: {seq_len: 24}}
-    optimizer:                      # a modopt PipelineConfig
-      transforms:
-        - {type: ZClip}
-        - {type: Adam, lr: 0.01}
-    train: {steps: 600, batch_size: 32, seed: 0}
-    output: {dir: runs/transformer-zclip}
+```yaml
+name: transformer-zclip
+task: {name: transformer, options: {seq_len: 24}}
+optimizer:                      # a modopt PipelineConfig
+  transforms:
+    - {type: ZClip}
+    - {type: Adam, lr: 0.01}
+train: {steps: 600, batch_size: 32, seed: 0}
+output: {dir: runs/transformer-zclip}
+```
 
-Instead of ``optimizer`` a file may hold ``variants``, a mapping of names to
-pipelines; ``modopt compare`` runs every variant, ``modopt run --variant NAME``
-one of them. Files are YAML, JSON or TOML (read by :func:`modopt.config.read_file`);
+Instead of `optimizer` a file may hold `variants`, a mapping of names to
+pipelines; `modopt compare` runs every variant, `modopt run --variant NAME`
+one of them. Files are YAML, JSON or TOML (read by `modopt.config.read_file()`);
 errors name the file and the line (syntax) or the field path (validation).
 """
 
@@ -33,21 +34,21 @@ class _Strict(BaseModel):
 
 
 class TaskConfig(_Strict):
-    """Which task to train: a built-in name or ``package.module:function``, and its options."""
+    """Which task to train: a built-in name or `package.module:function`, and its options."""
 
     name: str = "transformer"
     options: dict[str, Any] = Field(default_factory=dict)
 
 
 class Schedule(_Strict):
-    """Learning-rate multiplier over steps (applied to every param group's base ``lr``)."""
+    """Learning-rate multiplier over steps (applied to every param group's base `lr`)."""
 
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_factor: float = Field(0.0, ge=0.0, le=1.0)
 
     def factor(self, step: int, total: int) -> float:
-        """The multiplier at ``step`` (1-based) of ``total``."""
+        """The multiplier at `step` (1-based) of `total`."""
         if self.warmup_steps and step <= self.warmup_steps:
             return step / self.warmup_steps
         if self.kind == "constant":
@@ -100,13 +101,13 @@ class Experiment(_Strict):
         return self
 
     def pipelines(self) -> dict[str, PipelineConfig]:
-        """``{label: pipeline}``: the one optimizer (labelled by the experiment name) or every variant."""
+        """`{label: pipeline}`: the one optimizer (labelled by the experiment name) or every variant."""
         if self.optimizer is not None:
             return {self.name: self.optimizer}
         return dict(self.variants or {})
 
     def select(self, variant: str | None) -> "Experiment":
-        """This experiment with a single ``optimizer`` (the named variant when it has variants)."""
+        """This experiment with a single `optimizer` (the named variant when it has variants)."""
         if self.optimizer is not None:
             if variant is not None:
                 raise ConfigError(f"experiment {self.name!r} has no variants; drop --variant")
@@ -141,10 +142,10 @@ class Experiment(_Strict):
 
 
 def default_experiment() -> Experiment:
-    """What ``modopt run`` trains without a config.
+    """What `modopt run` trains without a config.
 
     ZClip in front of Adam on the tiny-transformer copy task at an aggressive
-    learning rate (``examples/configs/transformer_zclip.yaml``): 600 steps,
+    learning rate (`examples/configs/transformer_zclip.yaml`): 600 steps,
     a few seconds on 2 CPU cores.
     """
     return Experiment.model_validate(
@@ -167,7 +168,7 @@ def _default_clip() -> dict[str, Any]:
 
 
 def experiment_from_data(data: Any, source: str, trust_imports: bool = False) -> Experiment:
-    """Validate plain data as an :class:`Experiment`; errors name ``source`` and the field path."""
+    """Validate plain data as an `Experiment`; errors name `source` and the field path."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: an experiment config must be a mapping, got {type(data).__name__}")
     try:
@@ -180,7 +181,7 @@ def experiment_from_data(data: Any, source: str, trust_imports: bool = False) ->
 def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment:
     """Read an experiment from YAML / JSON / TOML.
 
-    A bare pipeline file (``transforms: [...]``) is accepted too: it becomes the
+    A bare pipeline file (`transforms: [...]`) is accepted too: it becomes the
     optimizer of the default experiment.
     """
     data = read_file(path)

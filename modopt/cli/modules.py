@@ -1,4 +1,4 @@
-"""``modopt modules``: every registered transform with its fields, defaults and a one-line description."""
+"""`modopt modules`: every registered transform with its fields, defaults and a one-line description."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _type_name(ann: Any) -> str:
 
 
 def describe_modules() -> list[dict[str, Any]]:
-    """``[{name, module, description, fields: [{name, type, default, required}]}]`` for every registered transform."""
+    """`[{name, module, description, fields: [{name, type, default, required}]}]` for every registered transform."""
     out = []
     for name in available():
         cls = get_transform(name)

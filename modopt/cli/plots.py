@@ -20,7 +20,7 @@ def _pyplot():
 
 
 def plot_run(out: Path, metrics: list[dict[str, Any]], title: str) -> str | None:
-    """``loss.png`` and ``grad_norm.png`` in ``out``; returns a message when skipped."""
+    """`loss.png` and `grad_norm.png` in `out`; returns a message when skipped."""
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB

@@ -1,14 +1,14 @@
-"""The training loop behind ``modopt run``: metrics, checkpoints, bit-exact resume.
+"""The training loop behind `modopt run`: metrics, checkpoints, bit-exact resume.
 
 A run directory holds:
 
-* ``config.yaml``: the resolved experiment (every default written out);
-* ``metrics.jsonl``: one JSON object per step (deterministic: no timings);
-* ``timing.jsonl``: wall-clock seconds per step (kept apart so that the same
-  config and seed give byte-identical ``metrics.jsonl``);
-* ``summary.json``: final/best loss, loss spikes, % of steps clipped, time per step;
-* ``loss.png``, ``grad_norm.png`` (with matplotlib);
-* ``checkpoint.pt``: model, optimizer, RNG state and step; ``--resume`` continues from it.
+* `config.yaml`: the resolved experiment (every default written out);
+* `metrics.jsonl`: one JSON object per step (deterministic: no timings);
+* `timing.jsonl`: wall-clock seconds per step (kept apart so that the same
+  config and seed give byte-identical `metrics.jsonl`);
+* `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step;
+* `loss.png`, `grad_norm.png` (with matplotlib);
+* `checkpoint.pt`: model, optimizer, RNG state and step; `--resume` continues from it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .tasks import make_task
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", "loss.png", "grad_norm.png")
 
-#: loss spikes: a step whose loss exceeds ``SPIKE_FACTOR`` x the median of the previous
-#: ``SPIKE_WINDOW`` losses and that median by at least ``SPIKE_MIN_RISE``;
+#: loss spikes: a step whose loss exceeds `SPIKE_FACTOR` x the median of the previous
+#: `SPIKE_WINDOW` losses and that median by at least `SPIKE_MIN_RISE`;
 #: consecutive spike steps count as one spike.
 SPIKE_WINDOW = 20
 SPIKE_FACTOR = 1.5
@@ -42,7 +42,7 @@ SPIKE_MIN_RISE = 0.1
 
 
 class RunInterrupted(Exception):
-    """Raised by ``stop_after``: the run stopped as if killed (for resume tests)."""
+    """Raised by `stop_after`: the run stopped as if killed (for resume tests)."""
 
 
 # --- determinism -------------------------------------------------------------------------
@@ -69,11 +69,11 @@ def _num(x: Any) -> float | None:
 
 
 def step_telemetry(stats: dict[str, torch.Tensor], pre_norm: float) -> dict[str, Any]:
-    """Clip scale / clipped / skipped of one step from ``opt.stats``.
+    """Clip scale / clipped / skipped of one step from `opt.stats`.
 
-    ``clip_scale`` is the product of the global-scope ``scale`` telemetry of the
-    pipeline's transforms (1 if none records one); ``clipped`` is true when any
-    transform reports a clipped segment; ``post_clip_norm = grad_norm * clip_scale``.
+    `clip_scale` is the product of the global-scope `scale` telemetry of the
+    pipeline's transforms (1 if none records one); `clipped` is true when any
+    transform reports a clipped segment; `post_clip_norm = grad_norm * clip_scale`.
     """
     scale = 1.0
     clipped = False
@@ -97,7 +97,7 @@ def step_telemetry(stats: dict[str, torch.Tensor], pre_norm: float) -> dict[str,
 def count_spikes(
     losses: list[float | None], window: int = SPIKE_WINDOW, factor: float = SPIKE_FACTOR, min_rise: float = SPIKE_MIN_RISE
 ) -> list[int]:
-    """Indices where a loss spike starts (see :data:`SPIKE_FACTOR`); a non-finite loss is a spike."""
+    """Indices where a loss spike starts (see `SPIKE_FACTOR`); a non-finite loss is a spike."""
     starts: list[int] = []
     prev = False
     for i in range(window, len(losses)):
@@ -115,7 +115,7 @@ def count_spikes(
 
 
 def summarize(name: str, metrics: list[dict], times: list[float], spike_kw: dict | None = None) -> dict[str, Any]:
-    """The ``summary.json`` of a run from its metrics and step times."""
+    """The `summary.json` of a run from its metrics and step times."""
     losses = [m["loss"] for m in metrics]
     finite = [x for x in losses if x is not None]
     tail = max(1, len(losses) // 20)
@@ -211,7 +211,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def prepare_dir(out: Path, force: bool) -> None:
-    """Create ``out``; refuse a non-empty directory unless ``force`` (then clear the run files)."""
+    """Create `out`; refuse a non-empty directory unless `force` (then clear the run files)."""
     if out.exists() and any(out.iterdir()):
         if not force:
             raise ConfigError(f"{out} exists and is not empty; use --resume {out} to continue it, or --force to overwrite")
@@ -244,13 +244,13 @@ def run_experiment(
     plots: bool | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Train ``exp`` (one optimizer) writing the run directory ``out``; return the summary.
+    """Train `exp` (one optimizer) writing the run directory `out`; return the summary.
 
-    With ``resume`` the run continues from ``out/checkpoint.pt`` (if there is
+    With `resume` the run continues from `out/checkpoint.pt` (if there is
     none, it starts over); metrics logged after the checkpoint are dropped and
-    recomputed, so the result equals an uninterrupted run. ``stop_after=K``
+    recomputed, so the result equals an uninterrupted run. `stop_after=K`
     stops after step K as if the process had been killed (raises
-    :class:`RunInterrupted`); only checkpoints already written survive.
+    `RunInterrupted`); only checkpoints already written survive.
     """
     out = Path(out)
     if exp.optimizer is None:

@@ -16,10 +16,10 @@ NonFinite = Literal["skip", "raise", "zero", "ignore"]
 
 
 def collect(host: StateHost, param_groups: list[dict], stats: dict) -> StepContext:
-    """The parameters with a gradient, by group (params whose ``.grad`` is None are skipped).
+    """The parameters with a gradient, by group (params whose `.grad` is None are skipped).
 
     The per-step work is one pass over the parameters; everything derived from
-    which parameters have a gradient is cached in a :class:`Layout` (checks of
+    which parameters have a gradient is cached in a `Layout` (checks of
     the parameters themselves run when the layout is first seen).
     """
     params: list[torch.Tensor] = []
@@ -115,9 +115,9 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
 
 
 def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ...], write: bool) -> list | None:
-    """Run ``transforms`` on the gradients of ``ctx``.
+    """Run `transforms` on the gradients of `ctx`.
 
-    With ``write=True`` the parameters move (the last transform may fuse that
+    With `write=True` the parameters move (the last transform may fuse that
     write); otherwise the final updates are returned (None if a transform
     stopped the step).
     """

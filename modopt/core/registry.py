@@ -1,9 +1,9 @@
 """The one registry: transform classes by name, and trusted optimizer classes.
 
-Every concrete :class:`~modopt.Transform` subclass registers itself under its
-class name when it is defined; a config names it by ``type: ClipNorm``.
-Optimizer classes that ``TorchOptimizer`` may import from a config are
-``torch.optim.*`` and the classes registered with :func:`register_optimizer`.
+Every concrete `Transform` subclass registers itself under its
+class name when it is defined; a config names it by `type: ClipNorm`.
+Optimizer classes that `TorchOptimizer` may import from a config are
+`torch.optim.*` and the classes registered with `register_optimizer()`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def class_path(cls: type) -> str:
 
 
 def register_optimizer(cls: type) -> type:
-    """Allow ``TorchOptimizer`` configs to name ``cls`` by its import path. Usable as a decorator."""
+    """Allow `TorchOptimizer` configs to name `cls` by its import path. Usable as a decorator."""
     import torch
 
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

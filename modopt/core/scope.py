@@ -3,21 +3,21 @@
 One mechanism for every reducing transform. A scope splits the step's tensors
 into *segments*:
 
-* ``"global"``: one segment, every tensor of the step;
-* ``"group"``: one segment per param group;
-* ``"tensor"``: one segment per tensor, or, with ``dim``, one per slice of a
-  tensor (reduce over ``dim``; ``inverse_dims=True`` reduces over all other dims).
+* `"global"`: one segment, every tensor of the step;
+* `"group"`: one segment per param group;
+* `"tensor"`: one segment per tensor, or, with `dim`, one per slice of a
+  tensor (reduce over `dim`; `inverse_dims=True` reduces over all other dims).
 
-A statistic over the segments is a :class:`Stat`: a 1-D tensor with one value per
+A statistic over the segments is a `Stat`: a 1-D tensor with one value per
 segment (global, group, tensor), or a list holding, per tensor, a keepdim tensor
 of its slice values (slice-wise). Transforms write their math with ordinary
-torch ops on these values (:meth:`Segments.map`) and apply it with
-:meth:`Segments.mul_` / :meth:`Segments.sub_`.
+torch ops on these values (`Segments.map()`) and apply it with
+`Segments.mul_()` / `Segments.sub_()`.
 
 Dims: negative dims count from the end; dims outside a tensor's range are
-ignored; if none of ``dim`` applies to a tensor (and ``inverse_dims`` is False)
+ignored; if none of `dim` applies to a tensor (and `inverse_dims` is False)
 the whole tensor is one slice. Slices (or segments) with fewer than
-``min_size`` elements are left unchanged.
+`min_size` elements are left unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ Stat = Union[torch.Tensor, list]
 
 
 class Scoped(Transform, abstract=True):
-    """Mixin of the scope fields (see :mod:`modopt.core.scope`)."""
+    """Mixin of the scope fields (see `modopt.core.scope`)."""
 
     scope: ScopeName = "global"
     dim: Dims = None
@@ -79,10 +79,10 @@ class Scoped(Transform, abstract=True):
 
 
     def scale_(self, ctx: "StepContext", seg: "Segments", updates: list[torch.Tensor], scale: "Stat") -> None:
-        """``updates *= scale`` per segment, or defer it to the next transform when that one takes it.
+        """`updates *= scale` per segment, or defer it to the next transform when that one takes it.
 
         Deferring (global and group scopes, every segment active) hands the
-        multiplication to the next transform (``ctx.defer_scale``): a fused
+        multiplication to the next transform (`ctx.defer_scale`): a fused
         optimizer folds it into its kernel, a normalization into its factor,
         so the updates are read and written once fewer.
         """
@@ -124,7 +124,7 @@ class Segments:
 
     # --- statistics -------------------------------------------------------
     def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> Stat:
-        """The ``ord`` statistic (or ``"mean"``) of each segment, accumulated in >= float32."""
+        """The `ord` statistic (or `"mean"`) of each segment, accumulated in >= float32."""
         stat = ord if ord == "mean" else parse_ord(ord)
         if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (modopt.core.distributed)
             return distributed.reduce(self, tensors, stat)
@@ -152,13 +152,13 @@ class Segments:
         return var if stat == "var" else var.sqrt()
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in ``acc``).
+        """1-D tensor of the p-norm of each tensor (in `acc`).
 
         Remembered for the tensors as they are now (their identity and version
         counters), so a later transform of the same step that needs the norms
         of the same, unmodified updates reuses them instead of reading memory
         again (e.g. a global clip followed by a per-tensor normalization). The
-        memo is emptied when the step ends (``run_chain``).
+        memo is emptied when the step ends (`run_chain`).
         """
         if not tensors:
             return torch.zeros(0, dtype=acc)
@@ -197,7 +197,7 @@ class Segments:
 
     # --- application --------------------------------------------------------
     def mul_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
-        """``tensors[i] *= value of its segment`` for active tensors, in place."""
+        """`tensors[i] *= value of its segment` for active tensors, in place."""
         if self.kind in ("global", "group"):
             vals = stat.unbind(0)
             for s, (a, b) in enumerate(self.ranges):
@@ -214,7 +214,7 @@ class Segments:
             torch._foreach_mul_([tensors[i] for i in idx], [vals[i] for i in idx])
 
     def sub_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
-        """``tensors[i] -= value of its segment`` for active tensors, in place."""
+        """`tensors[i] -= value of its segment` for active tensors, in place."""
         if self.all_active and self.kind == "tensor":
             if tensors:
                 torch._foreach_sub_(tensors, stat.unbind(0))
@@ -225,7 +225,7 @@ class Segments:
             torch._foreach_sub_([tensors[i] for i in idx], [vals[i] for i in idx])
 
     def per_tensor(self, stat: Stat) -> list[torch.Tensor]:
-        """Alias of :meth:`expand` for readability in transforms."""
+        """Alias of `expand()` for readability in transforms."""
         return self.expand(stat)
 
 
@@ -237,9 +237,9 @@ def make_segments(
     tensors: list[torch.Tensor], ranges: list[tuple[int, int]], scope: str, dim: Dims, inverse_dims: bool, min_size: int,
     names: list | None = None,
 ) -> Segments:
-    """How ``scope`` splits ``tensors`` (``ranges``: the tensor index range of each param group).
+    """How `scope` splits `tensors` (`ranges`: the tensor index range of each param group).
 
-    ``names`` (optional) name the tensors in errors (per-slice scopes refuse sharded tensors).
+    `names` (optional) name the tensors in errors (per-slice scopes refuse sharded tensors).
     """
     numels = [t.numel() for t in tensors]
     if scope == "global":

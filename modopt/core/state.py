@@ -1,10 +1,10 @@
-"""Where transform state lives: the optimizer (or an ``attach`` handle), never the transform.
+"""Where transform state lives: the optimizer (or an `attach` handle), never the transform.
 
-Per-parameter buffers go in ``opt.state[p]`` under ``"<key>.<name>"``, the key
-being the transform's stable position in the chain (``"1:ClipNormByEMA"``,
-``"2/0:Normalize"`` inside a chain). Per-transform values that are not per
+Per-parameter buffers go in `opt.state[p]` under `"<key>.<name>"`, the key
+being the transform's stable position in the chain (`"1:ClipNormByEMA"`,
+`"2/0:Normalize"` inside a chain). Per-transform values that are not per
 parameter (a global EMA of a norm, a step counter) go in the host's transform
-store under the same key. Both are saved by ``state_dict``. The runtime store is
+store under the same key. Both are saved by `state_dict`. The runtime store is
 a cache that is never saved (segment layouts, wrapped torch optimizers).
 """
 
@@ -33,10 +33,10 @@ class StateHost(Protocol):
 class Layout:
     """Facts about one set of parameters with gradients, cached across steps.
 
-    ``collect`` returns the same ``Layout`` for every step whose parameters
+    `collect` returns the same `Layout` for every step whose parameters
     with a gradient (and their param groups) are the same objects, so
     per-layout work (segment tables, dtype/device grouping, fused-kernel
-    eligibility) runs once, not every step. ``cache`` is free for transforms;
+    eligibility) runs once, not every step. `cache` is free for transforms;
     keys should name the transform or helper that owns them.
     """
 
@@ -50,9 +50,9 @@ class Layout:
 class StepContext:
     """What every transform sees of one step.
 
-    ``params`` are the parameters that have a gradient, ordered by param group;
-    ``groups[g]`` is the param-group dict of the tensors ``params[a:b]`` with
-    ``(a, b) = ranges[g]``; ``group_ids[g]`` its index in ``optimizer.param_groups``.
+    `params` are the parameters that have a gradient, ordered by param group;
+    `groups[g]` is the param-group dict of the tensors `params[a:b]` with
+    `(a, b) = ranges[g]`; `group_ids[g]` its index in `optimizer.param_groups`.
     """
 
     def __init__(self, params, groups, group_ids, ranges, names, host: StateHost, stats: dict):
@@ -64,9 +64,9 @@ class StepContext:
         self.host = host
         self.stats = stats
         self._token: int | None = None
-        #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
+        #: cached facts about this set of parameters (set by `collect`; None for ad-hoc contexts)
         self.layout: Layout | None = None
-        #: a per-segment scale not yet multiplied into the updates (see :meth:`defer_scale`)
+        #: a per-segment scale not yet multiplied into the updates (see `defer_scale()`)
         self.pending: tuple[list[tuple[int, int]], list[torch.Tensor]] | None = None
         #: True while the running transform may defer a scale (the next one takes it)
         self.defer_ok = False
@@ -80,7 +80,7 @@ class StepContext:
         return self._token
 
     def param_states(self) -> list[dict]:
-        """``host.state[p]`` for every parameter of the step (looked up once per step)."""
+        """`host.state[p]` for every parameter of the step (looked up once per step)."""
         if self._states is None:
             state = self.host.state
             self._states = [state[p] for p in self.params]
@@ -88,13 +88,13 @@ class StepContext:
 
     # --- deferred scales ------------------------------------------------------
     def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> None:
-        """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it.
+        """Record `updates[a:b] *= scales[s]` for `(a, b) = ranges[s]` without doing it.
 
-        Only allowed while :attr:`defer_ok` (the pipeline runner sets it when the
-        next transform declares :meth:`~modopt.core.transform.Transform.takes_scale`).
+        Only allowed while `defer_ok` (the pipeline runner sets it when the
+        next transform declares `takes_scale()`).
         That transform folds the scale into its own arithmetic (a fused
-        optimizer kernel's ``grad_scale``, a normalization's factor) or calls
-        :meth:`flush_scale`. One scale may be pending at a time.
+        optimizer kernel's `grad_scale`, a normalization's factor) or calls
+        `flush_scale()`. One scale may be pending at a time.
         """
         if self.pending is not None:
             raise RuntimeError("a deferred scale is already pending")
@@ -106,7 +106,7 @@ class StepContext:
         return out
 
     def scale_for(self, a: int, b: int) -> torch.Tensor | None:
-        """The pending 0-d scale of ``updates[a:b]`` when one value covers all of them, else None."""
+        """The pending 0-d scale of `updates[a:b]` when one value covers all of them, else None."""
         if self.pending is None:
             return None
         for (lo, hi), s in zip(*self.pending):
@@ -115,7 +115,7 @@ class StepContext:
         return None
 
     def flush_scale(self, updates: list[torch.Tensor]) -> None:
-        """Multiply a pending scale into ``updates`` (in place)."""
+        """Multiply a pending scale into `updates` (in place)."""
         pend = self.take_scale()
         if pend is None:
             return
@@ -124,13 +124,13 @@ class StepContext:
                 torch._foreach_mul_(updates[a:b], s.to(updates[a].device))
 
     def write_updates(self, updates: list[torch.Tensor]) -> None:
-        """``p -= update`` for every parameter of the step."""
+        """`p -= update` for every parameter of the step."""
         self.flush_scale(updates)
         if self.params:
             torch._foreach_sub_(self.params, updates)
 
     def per_group(self):
-        """``(group, a, b)`` for each param group of the step."""
+        """`(group, a, b)` for each param group of the step."""
         for g, (a, b) in zip(self.groups, self.ranges):
             yield g, a, b
 
@@ -155,12 +155,12 @@ class TransformState:
         return self.host.runtime_store(self.key)
 
     def record(self, name: str, value: torch.Tensor) -> None:
-        """Telemetry for ``opt.stats`` (tensors; never synchronises)."""
+        """Telemetry for `opt.stats` (tensors; never synchronises)."""
         self.ctx.stats[f"{self.key}.{name}"] = value
 
     # --- per-parameter buffers --------------------------------------------
     def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-        """The buffer ``name`` of each parameter of the step, created by ``init(i, p)`` when missing."""
+        """The buffer `name` of each parameter of the step, created by `init(i, p)` when missing."""
         k = f"{self.key}.{name}"
         states = self.ctx.param_states()
         try:
@@ -181,7 +181,7 @@ class TransformState:
 
     # --- per-segment values (scope-aware) ---------------------------------
     def seg_get(self, seg: "Segments", name: str, init: float, dtype=torch.float32) -> "Stat":
-        """A saved per-segment value (see :mod:`modopt.core.scope`), ``init`` where new."""
+        """A saved per-segment value (see `modopt.core.scope`), `init` where new."""
         device = self.ctx.params[0].device if self.ctx.params else torch.device("cpu")
         if seg.kind == "global":
             v = self.store.get(name)
@@ -203,7 +203,7 @@ class TransformState:
         return self.buffers(name, lambda i, p: torch.full(shapes[i], init, dtype=dtype, device=p.device))
 
     def seg_set(self, seg: "Segments", name: str, value: "Stat") -> None:
-        """Save per-segment values read by :meth:`seg_get`."""
+        """Save per-segment values read by `seg_get()`."""
         if seg.kind == "global":
             self.store[name] = value.reshape(())
         elif seg.kind == "group":

@@ -2,9 +2,9 @@
 
 A transform is a frozen pydantic model: its fields are its hyperparameters and
 nothing else. It never holds state; per-step it receives the list of updates of
-the parameters that have a gradient, a :class:`~modopt.core.state.StepContext`
-and a :class:`~modopt.core.state.TransformState` (its slice of the optimizer's
-state), and returns the new list of updates (``None`` stops the chain for this
+the parameters that have a gradient, a `StepContext`
+and a `TransformState` (its slice of the optimizer's
+state), and returns the new list of updates (`None` stops the chain for this
 step: nothing after it runs and the parameters do not move).
 """
 
@@ -37,7 +37,7 @@ class Transform(BaseModel):
     """Base class of every modopt module.
 
     Subclasses declare their hyperparameters as pydantic fields and implement
-    :meth:`apply`. Every concrete subclass is registered under its class name.
+    `apply()`. Every concrete subclass is registered under its class name.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -48,7 +48,7 @@ class Transform(BaseModel):
     group_keys: ClassVar[tuple[str, ...]] = ()
     #: True for transforms that produce the step itself (they carry the learning rate)
     is_optimizer: ClassVar[bool] = False
-    #: False for transforms that cannot run in front of another optimizer (``mo.attach``)
+    #: False for transforms that cannot run in front of another optimizer (`mo.attach`)
     attachable: ClassVar[bool] = True
     _abstract: ClassVar[bool] = True
 
@@ -78,7 +78,7 @@ class Transform(BaseModel):
 
     @classmethod
     def _positional_field(cls) -> str | None:
-        """``positional`` if set, else the first field the most derived class declares."""
+        """`positional` if set, else the first field the most derived class declares."""
         if cls.positional:
             return cls.positional
         for klass in cls.__mro__:
@@ -105,7 +105,7 @@ class Transform(BaseModel):
     def apply(
         self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]
     ) -> list["torch.Tensor"] | None:
-        """Return the new updates (may modify ``updates`` in place), or None to stop this step."""
+        """Return the new updates (may modify `updates` in place), or None to stop this step."""
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
     def apply_final(self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]) -> bool:
@@ -113,12 +113,12 @@ class Transform(BaseModel):
         return False
 
     def takes_scale(self, final: bool) -> bool:
-        """True if this transform consumes a deferred scale (``ctx.pending``) itself.
+        """True if this transform consumes a deferred scale (`ctx.pending`) itself.
 
-        ``final``: it runs as the last transform through :meth:`apply_final`.
-        The transform before it may then call ``ctx.defer_scale`` instead of
+        `final`: it runs as the last transform through `apply_final()`.
+        The transform before it may then call `ctx.defer_scale` instead of
         multiplying the updates, and this one must fold the scale into its
-        arithmetic or call ``ctx.flush_scale``. Saves a pass over memory.
+        arithmetic or call `ctx.flush_scale`. Saves a pass over memory.
         """
         return False
 
@@ -133,7 +133,7 @@ class Transform(BaseModel):
 
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """``{"type": name, field: value, ...}`` as plain data (every field, defaults included)."""
+        """`{"type": name, field: value, ...}` as plain data (every field, defaults included)."""
         data = {"type": type(self).__name__}
         for name in self.field_order():
             data[name] = to_plain(getattr(self, name))
@@ -145,7 +145,7 @@ class Transform(BaseModel):
 
 
 def _coerce_transform(value: Any) -> Any:
-    """Turn ``{"type": ..., ...}`` into the registered transform (nested errors keep their location)."""
+    """Turn `{"type": ..., ...}` into the registered transform (nested errors keep their location)."""
     if isinstance(value, Transform) or not isinstance(value, dict):
         return value
     if "type" not in value:
@@ -169,7 +169,7 @@ TransformField = Annotated[
 class Chain(Transform):
     """Run transforms in order; a chain is itself a transform and may be nested.
 
-    ``mo.Chain(mo.ClipNorm(1.0), mo.Normalize())``
+    `mo.Chain(mo.ClipNorm(1.0), mo.Normalize())`
     """
 
     transforms: list[TransformField] = Field(default_factory=list)
@@ -197,11 +197,11 @@ class Chain(Transform):
 
 
 def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, final: bool) -> list | None:
-    """Run ``transforms`` in order; with ``final`` the last one writes the parameters.
+    """Run `transforms` in order; with `final` the last one writes the parameters.
 
-    Returns the updates (not ``final``), or None when a transform stopped the
+    Returns the updates (not `final`), or None when a transform stopped the
     step or the parameters were written. A transform may defer a per-segment
-    scale to the next one when that one :meth:`~Transform.takes_scale`; the
+    scale to the next one when that one `takes_scale()`; the
     runner applies a pending scale before any transform that does not.
     """
     n = len(transforms)
@@ -226,7 +226,7 @@ def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, fi
 
 
 def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list) -> bool:
-    """Run ``t`` as the last transform; write ``p -= update`` unless it fused the write."""
+    """Run `t` as the last transform; write `p -= update` unless it fused the write."""
     if t.apply_final(ctx, st, updates):
         return True
     if ctx.pending is not None and not t.takes_scale(False):
