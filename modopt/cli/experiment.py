@@ -41,24 +41,53 @@ class TaskConfig(_Strict):
 
 
 class Schedule(_Strict):
-    """Learning-rate multiplier over steps (applied to every param group's base `lr`)."""
+    """Learning-rate schedule over the steps, built from torch's own schedulers.
+
+    Step `s` (1-based) of `total` trains with `lr = base * f(s)`: a linear
+    warm-up `f(s) = s / warmup_steps` for `s <= warmup_steps`, then `constant`
+    (`f = 1`), `cosine` or `linear` decay from 1 at the end of the warm-up to
+    `min_factor` at the last step (`torch.optim.lr_scheduler.LinearLR`,
+    `CosineAnnealingLR` and `SequentialLR`; see `build`).
+    """
 
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_factor: float = Field(0.0, ge=0.0, le=1.0)
 
-    def factor(self, step: int, total: int) -> float:
-        """The multiplier at `step` (1-based) of `total`."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return step / self.warmup_steps
-        if self.kind == "constant":
-            return 1.0
-        span = max(1, total - self.warmup_steps)
-        t = min(1.0, (step - self.warmup_steps) / span)
-        import math
+    def build(self, optimizer: Any, total: int) -> Any:
+        """A torch LR scheduler over `optimizer` for `total` steps, or None for a constant lr.
 
-        shape = 0.5 * (1 + math.cos(math.pi * t)) if self.kind == "cosine" else 1 - t
-        return self.min_factor + (1 - self.min_factor) * shape
+        Call its `step()` after each `optimizer.step()`: before step `s` the
+        groups' lr is `base * f(s)`. The groups' current `lr` is the base.
+        """
+        import warnings
+
+        from torch.optim import lr_scheduler as L
+
+        w = self.warmup_steps
+        decay = self.kind != "constant"
+        if w <= 1 and not decay:
+            return None
+        lrs = {g.get("lr") for g in optimizer.param_groups}
+        if None in lrs:
+            raise ConfigError("train.schedule needs every parameter group to have an 'lr'")
+        if self.kind == "cosine" and self.min_factor > 0 and len(lrs) > 1:
+            raise ConfigError("train.schedule: a cosine schedule with min_factor > 0 needs one lr for all parameter groups")
+        span = max(1, total - w)
+        parts = []
+        if w > 1:  # epoch e = s - 1 of the warm-up: (e + 1) / w
+            parts.append(L.LinearLR(optimizer, start_factor=1.0 / w, end_factor=1.0, total_iters=w - 1))
+        if self.kind == "cosine":
+            parts.append(L.CosineAnnealingLR(optimizer, T_max=span, eta_min=self.min_factor * next(iter(lrs))))
+        elif self.kind == "linear":
+            parts.append(L.LinearLR(optimizer, start_factor=1.0, end_factor=self.min_factor, total_iters=span))
+        # the decay starts at factor 1 at step s = w (epoch w - 1)
+        sched = parts[0] if len(parts) == 1 else L.SequentialLR(optimizer, parts, milestones=[w - 1])
+        if w == 0:  # no warm-up: step 1 is already one step into the decay
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                sched.step()
+        return sched
 
 
 class TrainConfig(_Strict):

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -268,6 +269,7 @@ def run_experiment(
         model = task.model
         opt = exp.optimizer.build(list(model.named_parameters()))
         base_lrs = [g.get("lr") for g in opt.param_groups]
+        sched = tr.schedule.build(opt, tr.steps)
         start = 0
         if resume and ckpt_path.exists():
             ckpt = torch.load(ckpt_path, weights_only=True)
@@ -276,6 +278,15 @@ def run_experiment(
             torch.set_rng_state(ckpt["rng"])
             start = int(ckpt["step"])
             log(f"resuming {out} from step {start}")
+            if sched is not None:  # the same scheduler, replayed to the checkpoint's step
+                for g, base in zip(opt.param_groups, base_lrs):
+                    g["lr"] = base
+                    g.pop("initial_lr", None)
+                sched = tr.schedule.build(opt, tr.steps)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    for _ in range(start):
+                        sched.step()
         metrics = _read_jsonl(out / "metrics.jsonl", start)
         timing = _read_jsonl(out / "timing.jsonl", start)
         if len(metrics) != start:
@@ -289,10 +300,6 @@ def run_experiment(
         try:
             for step in range(start + 1, tr.steps + 1):
                 t0 = time.perf_counter()
-                factor = tr.schedule.factor(step, tr.steps)
-                for g, base in zip(opt.param_groups, base_lrs):
-                    if base is not None:
-                        g["lr"] = base * factor
                 model.train()
                 batch = task.get_batch(step, tr.batch_size)
                 opt.zero_grad(set_to_none=True)
@@ -302,6 +309,8 @@ def run_experiment(
                 opt.step()
                 row: dict[str, Any] = {"step": step, "loss": _num(loss.detach())}
                 row["lr"] = opt.param_groups[0].get("lr")
+                if sched is not None:
+                    sched.step()
                 row["grad_norm"] = _num(pre)
                 row.update(step_telemetry(opt.stats, pre))
                 if task.eval_fn is not None and (
@@ -335,7 +344,8 @@ def run_experiment(
     if plots if plots is not None else exp.output.plots:
         from .plots import plot_run
 
-        msg = plot_run(out, metrics, exp.name)
+        pipeline = " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
+        msg = plot_run(out, metrics, exp.name, pipeline=pipeline, summary=summary)
         if msg:
             log(msg)
     return summary

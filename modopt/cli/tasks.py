@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..config import ConfigError
+
 
 @dataclass
 class Task:
@@ -163,12 +165,12 @@ def transformer(
     aggressive learning rate training shows loss spikes.
     """
     if seq_len < 4 or seq_len % 2:
-        raise ValueError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
+        raise ConfigError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
     model = TinyTransformer(vocab, seq_len, d_model, nhead, layers, ff)
     half = seq_len // 2
 
     if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"transformer task: noise must be in [0, 1], got {noise}")
+        raise ConfigError(f"transformer task: noise must be in [0, 1], got {noise}")
 
     def sample(g: torch.Generator, n: int) -> torch.Tensor:
         first = torch.randint(0, vocab, (n, half), generator=g)
@@ -214,19 +216,19 @@ def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool
         try:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load task {name!r}: {e}") from None
+            raise ConfigError(f"cannot load task {name!r}: {e}") from None
         if not callable(fn):
-            raise ValueError(f"task {name!r} is not callable")
+            raise ConfigError(f"task {name!r} is not callable")
     else:
-        raise ValueError(
+        raise ConfigError(
             f"unknown task {name!r}; built-in tasks: {', '.join(sorted(BUILTIN))} "
             "(or an import path 'package.module:function' with --trust-imports)"
         )
     try:
         task = fn(seed=seed, **options)
     except TypeError as e:
-        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
+        raise ConfigError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
     for attr in ("model", "get_batch", "loss_fn"):
         if not hasattr(task, attr):
-            raise ValueError(f"task {name!r} returned {type(task).__name__}, which has no {attr!r} (expected a Task)")
+            raise ConfigError(f"task {name!r} returned {type(task).__name__}, which has no {attr!r} (expected a Task)")
     return task
