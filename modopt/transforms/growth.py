@@ -57,8 +57,8 @@ class ClipNormGrowth(Scoped, _Growth):
     whose field is None drop out (`add=None, mul=None` is the identity).
     Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`, `max_decay=2`,
     `ord=2`, `scope="global"`. Reproduces torchzero's `ClipNormGrowth`
-    (which defaults to per-parameter norms, `scope="tensor"` here, and bounds
-    the decay of its clip denominator rather than of `r`).
+    (which defaults to per-parameter norms, `scope="tensor"` here, and puts no
+    `min_value` floor on the first step's remembered norm).
 
     Telemetry: `norm`, `scale`, `clipped`, `allowed`.
 
@@ -112,8 +112,8 @@ class ClipValueGrowth(_Growth):
     The first step of a parameter passes through and sets
     `r = max(|u|, min_value)`, so an element that was 0 is allowed
     `min_value * mul`. Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`,
-    `max_decay=2`. Reproduces torchzero's `ClipValueGrowth` (which measures
-    the additive bound on the signed difference and bounds its denominator's decay).
+    `max_decay=2`. Reproduces torchzero's `ClipValueGrowth` (whose first step
+    remembers the update with no `min_value` floor).
 
     Telemetry: `clipped` (any element clipped).
 
