@@ -99,7 +99,7 @@ def main() -> None:
     grads = stream()
     inp = [float(g.norm()) for g in grads]
     for family, curves in families().items():
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig, ax = plt.subplots(figsize=(7, 3.2 + 0.18 * (len(curves) + 1)))
         ax.plot(inp, color="0.6", lw=1.0, label="input gradient norm")
         for label, ts in curves:
             ax.plot(response(ts, grads), lw=1.1, label=label)
@@ -107,7 +107,7 @@ def main() -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("L2 norm")
         ax.set_title(f"{family}: output norm on a spiky gradient stream", fontsize=10)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)  # below the axes, off the lines
         fig.tight_layout()
         path = OUT / f"{family}.png"
         fig.savefig(path, dpi=80)

@@ -24,19 +24,24 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    clip = mo.AutoClip(percentile=10) if "AutoClip" in mo.available() else mo.ClipNorm(1.0)
+    clip = mo.AutoClip(percentile=10)  # clip to the 10th percentile of the gradient norms seen so far
     handle = mo.attach(opt, mo.GradientCentralization(), clip)
 
+    # a learnable task: the labels come from a random linear "teacher"
     data = torch.randn(512, 16)
-    target = torch.randint(0, 4, (512,))
+    target = (data @ torch.randn(16, 4)).argmax(1)
     for step in range(1, steps + 1):
         idx = torch.randint(0, 512, (32,))
         loss = nn.functional.cross_entropy(model(data[idx]), target[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()  # the attached transforms run first (a step pre-hook)
-        if step % max(1, steps // 5) == 0:
-            print(f"step {step:4d}  loss {loss.item():.4f}")
+        if step % max(1, steps // 5) == 0 or step == steps:
+            with torch.no_grad():
+                logits = model(data)
+                full = nn.functional.cross_entropy(logits, target).item()
+                acc = (logits.argmax(1) == target).float().mean().item()
+            print(f"step {step:4d}  loss on all 512 examples {full:.4f}  accuracy {acc:.0%}")
 
     # checkpoints: the torch optimizer saves its own state, the handle the transforms' state
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "clip": handle.state_dict()}

@@ -22,7 +22,7 @@ import modopt as mo
 def build():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-    clip = mo.ZClip(warmup_steps=5) if "ZClip" in mo.available() else mo.ClipNorm(1.0)
+    clip = mo.ZClip(warmup_steps=5)
     opt = mo.Modular(model.parameters(), clip, mo.AdamW(lr=1e-2))
     return model, opt
 

@@ -1,39 +1,39 @@
 """Speed and memory of modopt pipelines, side by side with hand-written torch.
 
-``python -m modopt.bench`` (also ``modopt bench`` and ``benchmarks/run.py``).
+`python -m modopt.bench` (also `modopt bench` and `benchmarks/run.py`).
 
-For every pipeline and model, two (three with ``torchzero`` installed)
+For every pipeline and model, two (three with `torchzero` installed)
 optimizers step the same parameters with the same gradient sequence:
 
-* **modopt**: ``mo.Modular(params, *pipeline)``;
-* **torch**: the same algorithm written by hand with torch: ``torch.optim``'s
-  fused kernels plus ``torch.nn.utils`` clipping or ``torch._foreach_*`` ops;
+* **modopt**: `mo.Modular(params, *pipeline)`;
+* **torch**: the same algorithm written by hand with torch: `torch.optim`'s
+  fused kernels plus `torch.nn.utils` clipping or `torch._foreach_*` ops;
 * **torchzero** (only when it is importable): its equivalent modules.
 
 Timing: the optimizers step **interleaved in one process** (A B A B ..., the
 order alternating every step), each step timed alone with
-``time.perf_counter``; the gradient is copied into ``.grad`` before each step
-outside the timed region. After ``--warmup`` untimed steps, the table reports
+`time.perf_counter`; the gradient is copied into `.grad` before each step
+outside the timed region. After `--warmup` untimed steps, the table reports
 the median step time of each side and the **median of the per-step ratios**
-modopt / torch over ``--steps`` steps (a paired statistic: slow phases of the
-machine hit both sides of a pair). For ``Accumulate(k)`` a timed step is the
-``k`` calls of one accumulation cycle.
+modopt / torch over `--steps` steps (a paired statistic: slow phases of the
+machine hit both sides of a pair). For `Accumulate(k)` a timed step is the
+`k` calls of one accumulation cycle.
 
-Memory: ``extra`` is the peak, during one steady-state step, of the bytes of
+Memory: `extra` is the peak, during one steady-state step, of the bytes of
 tensors the step allocated and still holds, as a percentage of the parameter
 bytes. It is measured in a separate, untimed step under a
-``TorchDispatchMode`` that sees every aten op: each output whose storage is new
+`TorchDispatchMode` that sees every aten op: each output whose storage is new
 (not an input of the op, not already counted) is counted by its storage bytes
 until the storage is freed (tracked with a storage weak reference, checked
 before every op). Kernel-internal scratch inside one op (for instance inside
 torch's fused Adam) is invisible to it; allocations of both sides are counted
-the same way. ``state`` is the bytes of persistent optimizer state (every
-tensor in ``opt.state`` and modopt's transform store) as a percentage of the
-parameter bytes. ``tracemalloc`` cannot see tensor memory and torch's CPU
+the same way. `state` is the bytes of persistent optimizer state (every
+tensor in `opt.state` and modopt's transform store) as a percentage of the
+parameter bytes. `tracemalloc` cannot see tensor memory and torch's CPU
 allocator keeps no statistics, hence the dispatch-level count; on CUDA the
-allocator's ``max_memory_allocated`` would give the same figure.
+allocator's `max_memory_allocated` would give the same figure.
 
-``agree`` is the largest difference between the modopt and torch parameters
+`agree` is the largest difference between the modopt and torch parameters
 after the run, relative to the largest parameter magnitude: it shows that the
 hand-written torch code computes the same algorithm.
 """
@@ -94,7 +94,7 @@ def make_grads(shapes, n_sets: int = 3, seed: int = 1) -> list[list[torch.Tensor
 
 
 class Side:
-    """One optimizer under test: ``step()`` plus what it holds."""
+    """One optimizer under test: `step()` plus what it holds."""
 
     def __init__(self, params: list[torch.nn.Parameter], step: Callable[[], Any], state: Callable[[], list]):
         self.params, self.step, self.state = params, step, state
@@ -331,7 +331,7 @@ def cases() -> list[Case]:
 
 
 class AllocationCounter(TorchDispatchMode):
-    """Counts bytes of storages allocated under it and still alive; ``peak`` is the maximum."""
+    """Counts bytes of storages allocated under it and still alive; `peak` is the maximum."""
 
     def __init__(self):
         super().__init__()

@@ -1,17 +1,19 @@
 """Pipeline configs: a whole optimizer pipeline as plain data (YAML, JSON, TOML).
 
-A config lists the transforms by ``type`` with their fields::
+A config lists the transforms by `type` with their fields:
 
-    nonfinite: skip
-    defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
-    transforms:
-      - {type: ClipNorm, max_norm: 1.0}
-      - {type: Adam, lr: 0.001}
+```yaml
+nonfinite: skip
+defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
+transforms:
+  - {type: ClipNorm, max_norm: 1.0}
+  - {type: Adam, lr: 0.001}
+```
 
-YAML is read with a safe loader; a config can never run code. ``TorchOptimizer``
-resolves import paths only for ``torch.optim.*`` and classes registered with
-:func:`modopt.register_optimizer`, unless the caller passes ``trust_imports=True``.
-TOML has no null: in TOML files the string ``"null"`` stands for None.
+YAML is read with a safe loader; a config can never run code. `TorchOptimizer`
+resolves import paths only for `torch.optim.*` and classes registered with
+`modopt.register_optimizer()`, unless the caller passes `trust_imports=True`.
+TOML has no null: in TOML files the string `"null"` stands for None.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class PipelineConfig(BaseModel):
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def __repr__(self) -> str:
-        """``PipelineConfig(ClipNorm(max_norm=1.0), Adam())``: the transforms, then non-default options."""
+        """`PipelineConfig(ClipNorm(max_norm=1.0), Adam())`: the transforms, then non-default options."""
         parts = [repr(t) for t in self.transforms]
         if self.nonfinite != "skip":
             parts.append(f"nonfinite={self.nonfinite!r}")
@@ -96,11 +98,14 @@ class PipelineConfig(BaseModel):
             return cls.model_validate(data)
 
     def lint(self) -> list:
-        """Transforms whose effect is provably cancelled or overridden by a later one (:mod:`modopt.lint`).
+        """Transforms whose effect is provably cancelled or overridden by a later one (`modopt.lint`).
 
+        ```pycon
         >>> import modopt as mo
         >>> [f.key for f in mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()]).lint()]
         ['0:ClipNormByEMA']
+
+        ```
         """
         from .lint import lint
 
@@ -108,7 +113,7 @@ class PipelineConfig(BaseModel):
 
     # --- building -----------------------------------------------------------
     def build(self, params: Any) -> "Modular":
-        """A fresh :class:`~modopt.Modular` over ``params`` running this pipeline."""
+        """A fresh `Modular` over `params` running this pipeline."""
         from .core.modular import Modular
 
         return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
@@ -154,7 +159,7 @@ def read_file(path: str | Path) -> Any:
 def format_validation_error(
     e: ValidationError, source: str, data: Any = None, root: type[BaseModel] | None = None
 ) -> str:
-    """One line per error, ``field.path: message``; with ``data`` and ``root`` (the model the data was
+    """One line per error, `field.path: message`; with `data` and `root` (the model the data was
     validated as), an unknown field gets a "did you mean" and the fields its place accepts."""
     lines = [f"{source}: invalid config ({e.error_count()} error{'s' if e.error_count() > 1 else ''})"]
     for err in e.errors():
@@ -172,7 +177,7 @@ def format_validation_error(
 
 
 def _model_at(root: type[BaseModel], data: Any, loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that validates the mapping at ``loc`` of ``data`` (None if unknown)."""
+    """The pydantic model that validates the mapping at `loc` of `data` (None if unknown)."""
     model: Any = root
     node = data
     for part in loc:
@@ -194,7 +199,7 @@ def _model_at(root: type[BaseModel], data: Any, loc: tuple) -> type[BaseModel] |
 
 
 def _pick_model(model: Any, node: Any) -> Any:
-    """The member of ``model`` (a class or a list of union members) that validates ``node``."""
+    """The member of `model` (a class or a list of union members) that validates `node`."""
     models = model if isinstance(model, list) else [model]
     models = [m for m in models if isinstance(m, type) and issubclass(m, BaseModel)]
     if not models:
@@ -228,8 +233,8 @@ def _models_in(annotation: Any) -> Any:
 def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig:
     """Read a pipeline config from a YAML, JSON or TOML file.
 
-    Errors raise :class:`ConfigError` naming the file and the line (syntax) or
-    the field path (validation, e.g. ``transforms.0.max_norm``).
+    Errors raise `ConfigError` naming the file and the line (syntax) or
+    the field path (validation, e.g. `transforms.0.max_norm`).
     """
     data = read_file(path)
     if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
@@ -241,7 +246,7 @@ def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig
 
 
 def config_schema() -> dict[str, Any]:
-    """JSON schema of a pipeline config (every registered transform, discriminated by ``type``)."""
+    """JSON schema of a pipeline config (every registered transform, discriminated by `type`)."""
     defs: dict[str, Any] = {}
     refs = []
     for name in available():

@@ -1,4 +1,4 @@
-"""The functional layer: in place on ``p.grad``, torch's style.
+"""The functional layer: in place on `p.grad`, torch's style.
 
 Each function runs the corresponding transform once on the gradients, so the
 functional and the module layer share one implementation.
@@ -59,7 +59,7 @@ def run_on_grads(transform: Transform, parameters: TensorOrTensors) -> dict[str,
 
 
 def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
-    """The total ``ord`` norm of the gradients (as one concatenated vector); changes nothing."""
+    """The total `ord` norm of the gradients (as one concatenated vector); changes nothing."""
     from .core.scope import make_segments
 
     params = _with_grad(parameters)
@@ -71,7 +71,7 @@ def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
 
 
 def _torch_ord(ord: Ord | None, norm_type: float | str | None) -> float | str:
-    """``ord`` (or torch's name for it, ``norm_type``); a string torch accepts (``"inf"``) is a number."""
+    """`ord` (or torch's name for it, `norm_type`); a string torch accepts (`"inf"`) is a number."""
     if norm_type is not None:
         if ord is not None and ord != norm_type:
             raise TypeError("clip_grad_norm_ got both ord and norm_type; they are the same argument")
@@ -96,21 +96,24 @@ def clip_grad_norm_(
     norm_type: float | str | None = None,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """Clip the gradients' total norm to ``max_norm`` in place; return the pre-clip total norm.
+    """Clip the gradients' total norm to `max_norm` in place; return the pre-clip total norm.
 
-    The same contract as ``torch.nn.utils.clip_grad_norm_`` (scale
-    ``min(1, max_norm / (norm + eps))``), with modopt's whole ``ord`` vocabulary.
-    As in torch: ``norm_type`` is accepted as another name of ``ord``, and
-    either may be a string torch accepts (``"inf"``); an empty generator of
-    parameters warns; ``error_if_nonfinite`` raises torch's error. With float32
-    gradients and ``ord=2`` the returned norm and the clipped gradients equal
-    torch's bit for bit. ``foreach`` is accepted for compatibility (modopt
+    The same contract as `torch.nn.utils.clip_grad_norm_` (scale
+    `min(1, max_norm / (norm + eps))`), with modopt's whole `ord` vocabulary.
+    As in torch: `norm_type` is accepted as another name of `ord`, and
+    either may be a string torch accepts (`"inf"`); an empty generator of
+    parameters warns; `error_if_nonfinite` raises torch's error. With float32
+    gradients and `ord=2` the returned norm and the clipped gradients equal
+    torch's bit for bit. `foreach` is accepted for compatibility (modopt
     always uses the multi-tensor kernels).
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
     >>> mo.clip_grad_norm_([p], 1.0, norm_type="inf")
     tensor(4.)
+
+    ```
     """
     from .transforms.clipping import ClipNorm
 
@@ -137,7 +140,7 @@ def clip_grad_norm_(
 
 
 def clip_grad_value_(parameters: TensorOrTensors, clip_value: float) -> None:
-    """Clamp every gradient element to ``[-clip_value, clip_value]`` in place."""
+    """Clamp every gradient element to `[-clip_value, clip_value]` in place."""
     from .transforms.clipping import ClipValue
 
     run_on_grads(ClipValue(value=clip_value), parameters)
@@ -150,16 +153,16 @@ def normalize_grads_(
     scope: ScopeName = "tensor",
     eps: float = 0.0,
 ) -> None:
-    """Set each gradient's (``scope="tensor"``) or the total (``"global"``) norm to ``norm_value`` in place."""
+    """Set each gradient's (`scope="tensor"`) or the total (`"global"`) norm to `norm_value` in place."""
     from .transforms.normalization import Normalize
 
     run_on_grads(Normalize(norm_value=norm_value, ord=ord, scope=scope, eps=eps), parameters)
 
 
 def clip_grad_percentile_(parameters: TensorOrTensors, pct: int, scope: ScopeName = "tensor") -> None:
-    """Clamp each gradient (``scope="tensor"``) or all of them (``"global"``) to the ``pct``-th
+    """Clamp each gradient (`scope="tensor"`) or all of them (`"global"`) to the `pct`-th
     percentile of its absolute values, in place (the lower order statistic, see
-    :class:`~modopt.ClipValueByPercentile`)."""
+    `ClipValueByPercentile`)."""
     from .transforms.percentile import ClipValueByPercentile
 
     run_on_grads(ClipValueByPercentile(pct=pct, scope=scope), parameters)

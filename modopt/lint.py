@@ -1,17 +1,17 @@
 """Pipeline lint: transforms whose effect is provably cancelled or overridden by a later one.
 
-``cfg.lint()`` (``opt.config.lint()``) returns :class:`Finding` objects; ``modopt validate``
+`cfg.lint()` (`opt.config.lint()`) returns `Finding` objects; `modopt validate`
 prints them as warnings. The rules are sound: a finding is made only when the named
 transform provably cannot change the parameters (for finite gradients whose norms do not
 overflow float32; rounding aside). Transforms the rules do not know, and subclasses of the
 ones they do, end the search: nothing is claimed across them.
 
-* **scale before a normalization.** ``Normalize`` (``eps=0``, ``min_size=1``, a p-norm
-  ``ord`` with p > 0) sets each segment's norm whatever positive factor multiplied it
+* **scale before a normalization.** `Normalize` (`eps=0`, `min_size=1`, a p-norm
+  `ord` with p > 0) sets each segment's norm whatever positive factor multiplied it
   before, so an earlier positive scale that is constant on each of its segments (a clip by
-  norm, an EMA clip, a growth clip, ``LR``) of the same or a coarser scope has no effect.
-* **a clip that never binds.** ``ClipNorm(a)`` then ``ClipNorm(b)`` over the same
-  segments with the same ``ord`` and ``b >= a + eps`` (the second's): the second never scales.
+  norm, an EMA clip, a growth clip, `LR`) of the same or a coarser scope has no effect.
+* **a clip that never binds.** `ClipNorm(a)` then `ClipNorm(b)` over the same
+  segments with the same `ord` and `b >= a + eps` (the second's): the second never scales.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .core.norms import parse_ord
 
 @dataclass(frozen=True)
 class Finding:
-    """One lint finding: the transform (``key`` as in telemetry, e.g. ``0:ClipNormByEMA``), why, and the fix."""
+    """One lint finding: the transform (`key` as in telemetry, e.g. `0:ClipNormByEMA`), why, and the fix."""
 
     key: str
     by: str
@@ -36,7 +36,7 @@ class Finding:
 
 
 def _flatten(transforms, prefix: str = "") -> list[tuple[str, Any]]:
-    """Chains are run in order on the same updates: flatten them (keys as in ``walk``)."""
+    """Chains are run in order on the same updates: flatten them (keys as in `walk`)."""
     from .core.transform import Chain
 
     out = []
@@ -63,7 +63,7 @@ def _segments(t) -> tuple:
 
 
 def _contains(outer: tuple, inner: tuple) -> bool:
-    """Every segment of scope ``inner`` lies inside one segment of scope ``outer``."""
+    """Every segment of scope `inner` lies inside one segment of scope `outer`."""
     o, i = outer, inner
     if o[0] == "global":
         return True
@@ -75,7 +75,7 @@ def _contains(outer: tuple, inner: tuple) -> bool:
 
 
 def _positive_scale(t) -> tuple | None:
-    """The segments of ``t`` if it multiplies each of them by a factor > 0 (and does nothing else)."""
+    """The segments of `t` if it multiplies each of them by a factor > 0 (and does nothing else)."""
     from . import transforms as T
 
     kind = type(t)
@@ -91,7 +91,7 @@ def _positive_scale(t) -> tuple | None:
 
 
 def lint(config) -> list[Finding]:
-    """Findings for a :class:`~modopt.PipelineConfig` (see the module docs)."""
+    """Findings for a `PipelineConfig` (see the module docs)."""
     from . import transforms as T
 
     flat = _flatten(config.transforms)

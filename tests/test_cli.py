@@ -232,7 +232,8 @@ def test_modules_lists_every_registered_transform(capsys):
     out = capsys.readouterr().out
     listed = {line.split(":")[0].split(" ")[0] for line in out.splitlines() if line and not line.startswith(" ")}
     assert listed == set(mo.available())
-    assert "max_norm: float (required)" in out
+    assert "max_norm: float (required; > 0)" in out
+    assert "``" not in out and ":class:" not in out and ":func:" not in out  # no reST in the terminal
     assert run_cli("modules", "--json") == 0
     mods = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in mods] == mo.available()
@@ -255,7 +256,11 @@ def test_compare_prints_table_and_writes_plot(tmp_path, capsys):
     if not _has_matplotlib():
         argv.append("--no-plots")
     assert run_cli(*argv) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
+    wrote = [ln for ln in captured.err.splitlines() if ln.startswith("modopt compare: wrote ")]
+    assert wrote and str(out / "compare.md") in wrote[0] and str(out / "compare.json") in wrote[0]
+    assert (str(out / "compare.png") in wrote[0]) == _has_matplotlib()
     lines = table.strip().splitlines()
     assert lines[0].startswith("| run") and "loss spikes" in lines[0] and "% clipped" in lines[0] and "ms/step" in lines[0]
     assert len(lines) == 2 + 3
@@ -404,8 +409,9 @@ def test_failed_start_leaves_no_run_directory_and_rerun_works(tmp_path, monkeypa
             assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--trust-imports") == 1
             assert msg in capsys.readouterr().err
         else:  # fails in the first step, before any checkpoint: the files it wrote are removed
-            with pytest.raises(RuntimeError, match=msg):
-                run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--trust-imports")
+            # (a crash in the user's task code is not a config error: exit 70 with its traceback)
+            assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--trust-imports") == 70
+            assert msg in capsys.readouterr().err
         assert not out.exists()
     # the same --out then runs without --force
     good = _exp_file(tmp_path, "good", {"name": "failing_tasks_mod:make_task"}, [{"type": "SGD", "lr": 0.1}])
@@ -420,3 +426,137 @@ def test_existing_directory_is_kept_when_a_forced_start_fails(tmp_path, capsys):
     path = _exp_file(tmp_path, "bad_value", {"name": "transformer", "options": {"seq_len": 7}})
     assert run_cli("run", str(path), "--out", str(out), "--quiet", "--no-plots", "--force") == 1
     assert (out / "notes.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+# --- the terminal summary, `modules NAME`, error reporting, the schedule ----------------------
+def test_summary_spike_list_is_never_cut_silently():
+    from modopt.cli import _format_summary
+
+    base = {"run_dir": "r", "steps": 100, "final_loss": 0.1, "final_loss_window": 5, "best_loss": 0.05,
+            "clipped_pct": 1.0, "skipped_steps": 0, "time_per_step_ms": 1.0}
+    few = _format_summary({**base, "loss_spikes": 3, "spike_steps": [21, 40, 77], "spike_series": "loss"})
+    assert "loss spikes:  3 (counted on the train loss) at steps 21, 40, 77" in few and "..." not in few
+    many = _format_summary({**base, "loss_spikes": 14, "spike_steps": list(range(30, 44)), "spike_series": "eval_loss"})
+    line = next(ln for ln in many.splitlines() if ln.startswith("loss spikes"))
+    assert "counted on the eval loss" in line
+    assert "39, ... (+4 more" in line and "40" not in line.split("...")[0]
+
+
+def test_modules_filters_by_name_with_ranges(capsys):
+    assert run_cli("modules", "clipnorm", "Adam") == 0
+    out = capsys.readouterr().out
+    heads = [ln.split(":")[0].split(" ")[0] for ln in out.splitlines() if ln and not ln.startswith(" ")]
+    assert heads == ["ClipNorm", "Adam"]
+    assert "max_norm: float (required; > 0)" in out
+    assert run_cli("modules", "ZClip", "--json") == 0
+    (z,) = json.loads(capsys.readouterr().out)
+    assert {f["name"]: f["range"] for f in z["fields"]}["alpha"] == "0.0 <= x < 1.0"
+
+
+def test_modules_unknown_name_suggests_the_closest(capsys):
+    assert run_cli("modules", "ClipNrom") == 1
+    err = capsys.readouterr().err
+    assert "no transform named 'ClipNrom'" in err and "did you mean ClipNorm" in err
+
+
+def test_format_range():
+    from modopt.cli.modules import format_range
+
+    assert format_range({"gt": 0}) == "> 0"
+    assert format_range({"ge": 0.0, "lt": 1.0}) == "0.0 <= x < 1.0"
+    assert format_range({"le": 5}) == "<= 5"
+    assert format_range({}) == ""
+
+
+def test_internal_error_is_reported_as_a_bug_with_traceback(monkeypatch, capsys):
+    import modopt.cli.modules as modules
+
+    def broken(names=None):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(modules, "describe_modules", broken)
+    monkeypatch.delenv("MODOPT_DEBUG", raising=False)
+    assert run_cli("modules") == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "internal error: ValueError: an internal bug" in err and "bug" in err
+    monkeypatch.setenv("MODOPT_DEBUG", "1")
+    with pytest.raises(ValueError, match="an internal bug"):
+        run_cli("modules")
+
+
+def test_user_errors_are_one_line_without_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MODOPT_DEBUG", raising=False)
+    assert run_cli("validate", str(tmp_path / "missing.yaml")) == 1
+    cfg = tmp_path / "bad_task.yaml"
+    write_config(cfg, [{"type": "SGD", "lr": 0.1}], steps=2)
+    text = cfg.read_text().replace("seq_len: 8", "seq_len: 7")
+    cfg.write_text(text)
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "seq_len" in err
+
+
+def _schedule_reference(kind: str, warmup: int, min_factor: float, s: int, total: int) -> float:
+    """The schedule's definition (docs/cli.md), written out independently of torch."""
+    import math
+
+    if warmup and s <= warmup:
+        return s / warmup
+    if kind == "constant":
+        return 1.0
+    t = min(1.0, (s - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * t)) if kind == "cosine" else 1 - t
+    return min_factor + (1 - min_factor) * shape
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear"])
+@pytest.mark.parametrize("warmup", [0, 1, 3, 12])
+@pytest.mark.parametrize("min_factor", [0.0, 0.25])
+def test_schedule_built_from_torch_schedulers_matches_its_definition(kind, warmup, min_factor):
+    import warnings
+
+    import torch
+
+    from modopt.cli.experiment import Schedule
+
+    total = 12
+    sc = Schedule(kind=kind, warmup_steps=warmup, min_factor=min_factor)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], mo.SGD(lr=0.3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no scheduler-order warnings
+        sched = sc.build(opt, total)
+        assert (sched is None) == (kind == "constant" and warmup <= 1)
+        if sched is not None:
+            assert type(sched).__module__ == "torch.optim.lr_scheduler"
+        for s in range(1, total + 1):
+            want = 0.3 * _schedule_reference(kind, warmup, min_factor, s, total)
+            assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15), s
+            p.grad = torch.ones(2)
+            opt.step()
+            if sched is not None:
+                sched.step()
+
+
+def test_resume_with_a_schedule_equals_uninterrupted_run(tmp_path):
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.05, "momentum": 0.9}], steps=20, checkpoint_every=5,
+                       schedule={"kind": "cosine", "warmup_steps": 4, "min_factor": 0.1})
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_cli("run", str(cfg), "--out", str(full), "--quiet", "--no-plots") == 0
+    assert run_cli("run", str(cfg), "--out", str(cut), "--quiet", "--no-plots", "--stop-after", "13") == 3
+    assert run_cli("run", "--resume", str(cut), "--quiet", "--no-plots") == 0
+    assert (cut / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+
+
+def test_plots_mark_spikes_and_take_the_pipeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    from modopt.cli.plots import plot_compare, plot_run, smooth
+
+    metrics = [{"step": i, "loss": 1.0 if i != 30 else 9.0, "grad_norm": 1.0, "post_clip_norm": 0.5,
+                "clipped": i % 7 == 0, "skipped": False, **({"eval_loss": 0.9} if i % 10 == 0 else {})}
+               for i in range(1, 61)]
+    summary = {"spike_steps": [30], "spike_series": "loss"}
+    assert plot_run(tmp_path, metrics, "t", pipeline="ClipNorm -> Adam", summary=summary) is None
+    assert plot_compare(tmp_path / "c.png", {"a": metrics, "b": metrics}, labels={"a": "A", "b": "B"}) is None
+    for f in ("loss.png", "grad_norm.png", "c.png"):
+        assert (tmp_path / f).read_bytes()[:4] == b"\x89PNG"
+    sm = smooth([1.0, None, 100.0, 1.0, 1.0], 3)
+    assert sm[1] == pytest.approx(10.0) and sm[0] == pytest.approx(1.0) and sm[3] == pytest.approx(100 ** (1 / 3))

@@ -22,6 +22,22 @@ EXAMPLES = all_examples()
 IDS = [e[0] for e in EXAMPLES]
 
 
+def test_every_registered_transform_has_a_conformance_example():
+    from modopt.core.registry import get_transform
+
+    from examples import NON_DEFAULT
+
+    # the package's own transforms (tests register throwaway ones in the same process)
+    shipped = {n for n in mo.available() if get_transform(n).__module__.startswith("modopt.")}
+    missing = sorted(shipped - set(NON_DEFAULT))
+    assert not missing, (
+        f"registered transform(s) {missing} have no entry in tests/examples.py: add "
+        + ", ".join(f'"{n}": mo.{n}(...)' for n in missing)
+        + " to NON_DEFAULT there, with every field set away from its default "
+        "(a list of instances when fields exclude each other); see docs/contributing.md"
+    )
+
+
 def make_model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))

@@ -1,8 +1,12 @@
-"""The ``modopt`` command: run, compare, validate, schema, modules, bench.
+"""The `modopt` command: run, compare, validate, schema, modules, bench.
 
-``main(argv)`` returns the exit status (0 on success, 1 on a bad config or a
-failed run, 2 on bad command-line usage); errors are one readable message on
-stderr, never a traceback (``MODOPT_DEBUG=1`` shows it).
+`main(argv)` returns the exit status: 0 on success, 1 on a user error (a config
+that does not validate, a missing file, a bad option value), 2 on bad
+command-line usage, 3 for `--stop-after`, 70 on an internal error.
+
+A user error is one readable message on stderr, no traceback. Anything else is
+a bug (in modopt, or in a task / optimizer class given by import path) and is
+reported as one, with its traceback; `MODOPT_DEBUG=1` re-raises every error.
 """
 
 from __future__ import annotations
@@ -12,10 +16,18 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import ValidationError
+
 from ..config import ConfigError
+
+#: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
+#: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
+#: that did not validate; the OS errors are paths the user named.
+USER_ERRORS = (ConfigError, ValidationError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action="store_true", help="the schema of a bare pipeline config instead of an experiment")
     p.add_argument("--indent", type=int, default=2)
 
-    p = sub.add_parser("modules", help="list every registered transform with its fields and defaults")
+    p = sub.add_parser("modules", help="list the registered transforms with their fields, defaults and ranges")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these transforms (case-insensitive)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     sub.add_parser("bench", help="speed/memory benchmarks (modopt.bench)", add_help=False)
@@ -72,7 +85,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``modopt`` console script; returns the exit status."""
+    """Entry point of the `modopt` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
@@ -89,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "schema": _cmd_schema,
             "modules": _cmd_modules,
         }[args.command](args)
-    except (ConfigError, FileNotFoundError, PermissionError, ValueError) as e:
+    except USER_ERRORS as e:
         if os.environ.get("MODOPT_DEBUG"):
             raise
         print(f"modopt {args.command}: error: {e}", file=sys.stderr)
@@ -97,6 +110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmodopt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if os.environ.get("MODOPT_DEBUG"):
+            raise
+        traceback.print_exc()
+        print(
+            f"modopt {args.command}: internal error: {type(e).__name__}: {e}\n"
+            "This is not a problem with your config: it is a bug in modopt (or in a task or optimizer "
+            "class given by import path). Please report it with the traceback above.",
+            file=sys.stderr,
+        )
+        return 70
 
 
 # --- run ---------------------------------------------------------------------------------
@@ -165,11 +189,23 @@ def _format_summary(s: dict) -> str:
     if s.get("final_eval_loss") is not None:
         lines.append(f"eval loss:    {_fmt(s['final_eval_loss'])} (best {_fmt(s['best_eval_loss'])})")
     lines += [
-        f"loss spikes:  {s['loss_spikes']}" + (f" at steps {s['spike_steps'][:10]}" if s["spike_steps"] else ""),
+        _format_spikes(s),
         f"clipped:      {s['clipped_pct']:.1f}% of steps; skipped {s['skipped_steps']}",
         f"time/step:    {_fmt(s['time_per_step_ms'], '.2f')} ms",
     ]
     return "\n".join(lines)
+
+
+def _format_spikes(s: dict, shown: int = 10) -> str:
+    """`loss spikes:  N on the train loss at steps a, b, ... (+K more)`."""
+    series = {"loss": "train loss", "eval_loss": "eval loss"}.get(s.get("spike_series", "loss"), s.get("spike_series"))
+    line = f"loss spikes:  {s['loss_spikes']} (counted on the {series})"
+    steps = list(s.get("spike_steps") or [])
+    if steps:
+        line += " at steps " + ", ".join(str(x) for x in steps[:shown])
+        if len(steps) > shown:
+            line += f", ... (+{len(steps) - shown} more, all in summary.json)"
+    return line
 
 
 # --- compare -----------------------------------------------------------------------------
@@ -188,7 +224,7 @@ def _cmd_compare(args) -> int:
 
 # --- validate / schema / modules ---------------------------------------------------------
 def _cmd_validate(args) -> int:
-    """Everything ``modopt run`` checks before training: the config, the task (name, options, built),
+    """Everything `modopt run` checks before training: the config, the task (name, options, built),
     every optimizer built on the task's model; then the pipeline lint (warnings, exit 0)."""
     from ..config import read_file
     from .experiment import load_experiment
@@ -225,7 +261,7 @@ def _cmd_schema(args) -> int:
 def _cmd_modules(args) -> int:
     from .modules import describe_modules, format_modules
 
-    mods = describe_modules()
+    mods = describe_modules(args.names)
     print(json.dumps(mods, indent=2) if args.json else format_modules(mods))
     return 0
 

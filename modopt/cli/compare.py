@@ -1,4 +1,4 @@
-"""``modopt compare``: run several experiments / variants and tabulate them."""
+"""`modopt compare`: run several experiments / variants and tabulate them."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def compare(
     progress: bool = True,
     plots: bool = True,
 ) -> str:
-    """Run every experiment (every variant of each) under ``out``; write and return the table."""
+    """Run every experiment (every variant of each) under `out`; write and return the table."""
     from . import _apply_overrides
 
     runs = []
@@ -85,7 +85,13 @@ def compare(
     if plots:
         from .plots import plot_compare
 
-        msg = plot_compare(out / "compare.png", curves)
+        names = {}
+        for (label, exp), row in zip(runs, rows):
+            pipe = " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
+            names[label] = f"{label}: {pipe} ({row['loss_spikes']} spike{'' if row['loss_spikes'] == 1 else 's'})"
+        msg = plot_compare(out / "compare.png", curves, labels=names)
         if msg:
             print(msg, file=sys.stderr)
+    written = ", ".join(str(out / f) for f in ("compare.md", "compare.json", "compare.png") if (out / f).exists())
+    print(f"modopt compare: wrote {written}", file=sys.stderr)
     return table

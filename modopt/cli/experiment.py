@@ -1,19 +1,20 @@
-"""The experiment config of ``modopt run`` / ``modopt compare``: a pydantic model.
+"""The experiment config of `modopt run` / `modopt compare`: a pydantic model.
 
-::
 
-    name: transformer-zclip
-    task: {name: transformer, options: {seq_len: 24}}
-    optimizer:                      # a modopt PipelineConfig
-      transforms:
-        - {type: ZClip}
-        - {type: Adam, lr: 0.01}
-    train: {steps: 600, batch_size: 32, seed: 0}
-    output: {dir: runs/transformer-zclip}
+```yaml
+name: transformer-zclip
+task: {name: transformer, options: {seq_len: 24}}
+optimizer:                      # a modopt PipelineConfig
+  transforms:
+    - {type: ZClip}
+    - {type: Adam, lr: 0.01}
+train: {steps: 600, batch_size: 32, seed: 0}
+output: {dir: runs/transformer-zclip}
+```
 
-Instead of ``optimizer`` a file may hold ``variants``, a mapping of names to
-pipelines; ``modopt compare`` runs every variant, ``modopt run --variant NAME``
-one of them. Files are YAML, JSON or TOML (read by :func:`modopt.config.read_file`);
+Instead of `optimizer` a file may hold `variants`, a mapping of names to
+pipelines; `modopt compare` runs every variant, `modopt run --variant NAME`
+one of them. Files are YAML, JSON or TOML (read by `modopt.config.read_file()`);
 errors name the file and the line (syntax) or the field path (validation).
 """
 
@@ -33,7 +34,7 @@ class _Strict(BaseModel):
 
 
 class TaskConfig(_Strict):
-    """Which task to train: a built-in name or ``package.module:function``, and its options."""
+    """Which task to train: a built-in name or `package.module:function`, and its options."""
 
     name: str = "transformer"
     options: dict[str, Any] = Field(default_factory=dict)
@@ -56,24 +57,53 @@ class TaskConfig(_Strict):
 
 
 class Schedule(_Strict):
-    """Learning-rate multiplier over steps (applied to every param group's base ``lr``)."""
+    """Learning-rate schedule over the steps, built from torch's own schedulers.
+
+    Step `s` (1-based) of `total` trains with `lr = base * f(s)`: a linear
+    warm-up `f(s) = s / warmup_steps` for `s <= warmup_steps`, then `constant`
+    (`f = 1`), `cosine` or `linear` decay from 1 at the end of the warm-up to
+    `min_factor` at the last step (`torch.optim.lr_scheduler.LinearLR`,
+    `CosineAnnealingLR` and `SequentialLR`; see `build`).
+    """
 
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_factor: float = Field(0.0, ge=0.0, le=1.0)
 
-    def factor(self, step: int, total: int) -> float:
-        """The multiplier at ``step`` (1-based) of ``total``."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return step / self.warmup_steps
-        if self.kind == "constant":
-            return 1.0
-        span = max(1, total - self.warmup_steps)
-        t = min(1.0, (step - self.warmup_steps) / span)
-        import math
+    def build(self, optimizer: Any, total: int) -> Any:
+        """A torch LR scheduler over `optimizer` for `total` steps, or None for a constant lr.
 
-        shape = 0.5 * (1 + math.cos(math.pi * t)) if self.kind == "cosine" else 1 - t
-        return self.min_factor + (1 - self.min_factor) * shape
+        Call its `step()` after each `optimizer.step()`: before step `s` the
+        groups' lr is `base * f(s)`. The groups' current `lr` is the base.
+        """
+        import warnings
+
+        from torch.optim import lr_scheduler as L
+
+        w = self.warmup_steps
+        decay = self.kind != "constant"
+        if w <= 1 and not decay:
+            return None
+        lrs = {g.get("lr") for g in optimizer.param_groups}
+        if None in lrs:
+            raise ConfigError("train.schedule needs every parameter group to have an 'lr'")
+        if self.kind == "cosine" and self.min_factor > 0 and len(lrs) > 1:
+            raise ConfigError("train.schedule: a cosine schedule with min_factor > 0 needs one lr for all parameter groups")
+        span = max(1, total - w)
+        parts = []
+        if w > 1:  # epoch e = s - 1 of the warm-up: (e + 1) / w
+            parts.append(L.LinearLR(optimizer, start_factor=1.0 / w, end_factor=1.0, total_iters=w - 1))
+        if self.kind == "cosine":
+            parts.append(L.CosineAnnealingLR(optimizer, T_max=span, eta_min=self.min_factor * next(iter(lrs))))
+        elif self.kind == "linear":
+            parts.append(L.LinearLR(optimizer, start_factor=1.0, end_factor=self.min_factor, total_iters=span))
+        # the decay starts at factor 1 at step s = w (epoch w - 1)
+        sched = parts[0] if len(parts) == 1 else L.SequentialLR(optimizer, parts, milestones=[w - 1])
+        if w == 0:  # no warm-up: step 1 is already one step into the decay
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                sched.step()
+        return sched
 
 
 class TrainConfig(_Strict):
@@ -116,13 +146,13 @@ class Experiment(_Strict):
         return self
 
     def pipelines(self) -> dict[str, PipelineConfig]:
-        """``{label: pipeline}``: the one optimizer (labelled by the experiment name) or every variant."""
+        """`{label: pipeline}`: the one optimizer (labelled by the experiment name) or every variant."""
         if self.optimizer is not None:
             return {self.name: self.optimizer}
         return dict(self.variants or {})
 
     def select(self, variant: str | None) -> "Experiment":
-        """This experiment with a single ``optimizer`` (the named variant when it has variants)."""
+        """This experiment with a single `optimizer` (the named variant when it has variants)."""
         if self.optimizer is not None:
             if variant is not None:
                 raise ConfigError(f"experiment {self.name!r} has no variants; drop --variant")
@@ -162,10 +192,10 @@ class Experiment(_Strict):
 
 
 def default_experiment() -> Experiment:
-    """What ``modopt run`` trains without a config.
+    """What `modopt run` trains without a config.
 
     ZClip in front of Adam on the tiny-transformer copy task at an aggressive
-    learning rate (``examples/configs/transformer_zclip.yaml``): 600 steps,
+    learning rate (`examples/configs/transformer_zclip.yaml`): 600 steps,
     a few seconds on 2 CPU cores.
     """
     return Experiment.model_validate(
@@ -188,7 +218,7 @@ def _default_clip() -> dict[str, Any]:
 
 
 def experiment_from_data(data: Any, source: str, trust_imports: bool = False) -> Experiment:
-    """Validate plain data as an :class:`Experiment`; errors name ``source`` and the field path."""
+    """Validate plain data as an `Experiment`; errors name `source` and the field path."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: an experiment config must be a mapping, got {type(data).__name__}")
     try:
@@ -201,7 +231,7 @@ def experiment_from_data(data: Any, source: str, trust_imports: bool = False) ->
 def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment:
     """Read an experiment from YAML / JSON / TOML.
 
-    A bare pipeline file (``transforms: [...]``) is accepted too: it becomes the
+    A bare pipeline file (`transforms: [...]`) is accepted too: it becomes the
     optimizer of the default experiment.
     """
     data = read_file(path)

@@ -1,11 +1,20 @@
-"""PNG plots of runs (matplotlib, optional: without it the plots are skipped with a message)."""
+"""PNG plots of runs (matplotlib, optional: without it the plots are skipped with a message).
+
+`loss.png` and `grad_norm.png` of one run mark the loss spikes (the count the
+summary reports), the eval loss and the clipped steps; `compare.png` of several
+runs has one panel per metric, each curve smoothed with the raw values faint
+behind it. Legends sit outside the axes, so they never cover the data.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install 'modopt[plot]')"
+
+SERIES_NAMES = {"loss": "train loss", "eval_loss": "eval loss"}
 
 
 def _pyplot():
@@ -19,63 +28,165 @@ def _pyplot():
     return plt
 
 
-def plot_run(out: Path, metrics: list[dict[str, Any]], title: str) -> str | None:
-    """``loss.png`` and ``grad_norm.png`` in ``out``; returns a message when skipped."""
+def smooth(values: Sequence[float | None], window: int) -> list[float | None]:
+    """Centered moving average of `log(values)` over `window` steps, back in linear units.
+
+    Missing (None) or non-positive values are left out of each average; a point
+    with no value in its window is None. Averaging logarithms suits curves drawn
+    on a log axis (one huge value does not lift its whole window).
+    """
+    logs = [math.log(v) if v is not None and v > 0 else None for v in values]
+    half = max(0, window // 2)
+    out: list[float | None] = []
+    for i in range(len(logs)):
+        part = [x for x in logs[max(0, i - half) : i + half + 1] if x is not None]
+        out.append(math.exp(sum(part) / len(part)) if part else None)
+    return out
+
+
+def _window(n: int) -> int:
+    return max(3, n // 30)
+
+
+def _xy(steps: Sequence[int], values: Sequence[float | None]) -> tuple[list[int], list[float]]:
+    pairs = [(s, v) for s, v in zip(steps, values) if v is not None and v > 0]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _legend_below(ax, ncol: int) -> None:
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, fontsize=8, frameon=False)
+
+
+def _clipped_rug(ax, steps: list[int], label: str = "clipped step") -> None:
+    """Clipped steps as short ticks along the bottom edge (off the curves)."""
+    if steps:
+        ax.plot(steps, [0.015] * len(steps), "|", color="tab:red", ms=7, alpha=0.6,
+                transform=ax.get_xaxis_transform(), label=label, clip_on=False)
+
+
+def plot_run(
+    out: Path,
+    metrics: list[dict[str, Any]],
+    title: str,
+    *,
+    pipeline: str | None = None,
+    summary: dict[str, Any] | None = None,
+) -> str | None:
+    """`loss.png` and `grad_norm.png` in `out`; returns a message when skipped.
+
+    `pipeline` (e.g. `"ZClip -> Adam"`) goes in the title; `summary` (from
+    `summarize`) gives the loss-spike steps and the series they are counted on.
+    """
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB
+    summary = summary or {}
+    spikes = list(summary.get("spike_steps") or [])
+    series = summary.get("spike_series", "loss")
     steps = [m["step"] for m in metrics]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(steps, [m["loss"] for m in metrics], lw=0.9, label="train loss")
-    ev = [(m["step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
-    if ev:
-        ax.plot(*zip(*ev), "o-", ms=3, lw=1.2, label="eval loss")
-    clipped = [(m["step"], m["loss"]) for m in metrics if m["clipped"] and m["loss"] is not None]
-    if clipped:
-        ax.plot(*zip(*clipped), "x", color="tab:red", ms=4, label="clipped step")
+    by_step = {m["step"]: m for m in metrics}
+    heading = f"{title}: {pipeline}" if pipeline else title
+    n_spikes = f"{len(spikes)} loss spike{'s' if len(spikes) != 1 else ''} (on the {SERIES_NAMES.get(series, series)})"
+    clipped = [m["step"] for m in metrics if m["clipped"]]
+
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    losses = [m["loss"] for m in metrics]
+    ax.plot(*_xy(steps, losses), lw=0.6, alpha=0.35, color="tab:blue", label="train loss")
+    ax.plot(*_xy(steps, smooth(losses, _window(len(steps)))), lw=1.6, color="tab:blue",
+            label=f"train loss, smoothed ({_window(len(steps))} steps)")
+    ev = _xy(*zip(*[(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m])) if any(
+        "eval_loss" in m for m in metrics) else ([], [])
+    if ev[0]:
+        if len(ev[0]) > 50:
+            ax.plot(*ev, lw=0.6, alpha=0.35, color="tab:orange")
+            ax.plot(*_xy(ev[0], smooth(ev[1], _window(len(ev[0])))), lw=1.6, color="tab:orange", label="eval loss, smoothed")
+        else:
+            ax.plot(*ev, "o-", ms=4, lw=1.4, color="tab:orange", label="eval loss")
+    for i, s in enumerate(spikes):
+        ax.axvline(s, color="tab:red", lw=0.8, ls="--", alpha=0.5, label="loss spike start" if i == 0 else None)
+    sp = _xy(spikes, [by_step[s].get(series) for s in spikes])
+    if sp[0]:
+        ax.plot(*sp, "v", color="tab:red", ms=6)
+    _clipped_rug(ax, clipped)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"{heading}\n{n_spikes}, {len(clipped)} of {len(steps)} steps clipped", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    _legend_below(ax, 3)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(steps, [m["grad_norm"] for m in metrics], lw=0.9, label="pre-clip grad norm")
-    ax.plot(steps, [m["post_clip_norm"] for m in metrics], lw=0.9, label="post-clip norm")
-    cl = [(m["step"], m["grad_norm"]) for m in metrics if m["clipped"] and m["grad_norm"] is not None]
-    if cl:
-        ax.plot(*zip(*cl), "x", color="tab:red", ms=4, label="clipped step")
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    pre = [m["grad_norm"] for m in metrics]
+    post = [m["post_clip_norm"] for m in metrics]
+    ax.plot(*_xy(steps, pre), lw=0.7, alpha=0.6, color="tab:gray", label="pre-clip grad norm")
+    ax.plot(*_xy(steps, post), lw=0.9, color="tab:green", label="post-clip norm (what the optimizer saw)")
+    for i, s in enumerate(spikes):
+        ax.axvline(s, color="tab:red", lw=0.8, ls="--", alpha=0.5, label="loss spike start" if i == 0 else None)
+    _clipped_rug(ax, clipped)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("global L2 norm")
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"{heading}\ngradient norm before and after the pipeline's clipping", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    _legend_below(ax, 2)
     fig.tight_layout()
     fig.savefig(out / "grad_norm.png", dpi=100)
     plt.close(fig)
     return None
 
 
-def plot_compare(path: Path, runs: dict[str, list[dict[str, Any]]], dpi: int = 100) -> str | None:
-    """Overlay of the loss and gradient-norm curves of several runs in one PNG."""
+def plot_compare(
+    path: Path,
+    runs: dict[str, list[dict[str, Any]]],
+    dpi: int = 100,
+    *,
+    labels: dict[str, str] | None = None,
+) -> str | None:
+    """Several runs in one PNG: a panel per metric (train loss, eval loss, gradient norm).
+
+    Each curve is smoothed over `max(3, steps // 30)` steps with its raw values
+    faint behind it. The eval-loss panel is drawn when the runs evaluate; when
+    they evaluate every step it comes first (it is then the loss to read).
+    `labels` maps a run to its legend entry (e.g. with its pipeline and spike count).
+    """
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
-    for label, metrics in runs.items():
-        steps = [m["step"] for m in metrics]
-        a1.plot(steps, [m["loss"] for m in metrics], lw=0.8, label=label)
-        a2.plot(steps, [m["grad_norm"] for m in metrics], lw=0.8, label=label)
-    a1.set_yscale("log")
-    a1.set_ylabel("train loss")
-    a2.set_yscale("log")
-    a2.set_ylabel("pre-clip grad norm")
-    a2.set_xlabel("step")
-    a1.legend(fontsize=8)
-    fig.tight_layout()
+    labels = labels or {}
+    has_eval = any("eval_loss" in m for ms in runs.values() for m in ms)
+    eval_every_step = has_eval and all(all("eval_loss" in m for m in ms) for ms in runs.values())
+    panels = [("loss", "train loss")]
+    if has_eval:
+        panels.insert(0 if eval_every_step else 1, ("eval_loss", "eval loss (held out)"))
+    panels.append(("grad_norm", "pre-clip grad norm"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels) + 1.2), sharex=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (label, metrics) in enumerate(runs.items()):
+        c = colors[k % len(colors)]
+        for ax, (key, _) in zip(axes[:, 0], panels):
+            pts = [(m["step"], m.get(key)) for m in metrics if key in m]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            if len(xs) > 50:
+                ax.plot(*_xy(xs, ys), lw=0.5, alpha=0.2, color=c)
+                ax.plot(*_xy(xs, smooth(ys, _window(len(xs)))), lw=1.5, color=c, label=labels.get(label, label))
+            else:
+                ax.plot(*_xy(xs, ys), "o-", ms=3.5, lw=1.4, color=c, label=labels.get(label, label))
+    for ax, (key, name) in zip(axes[:, 0], panels):
+        ax.set_yscale("log")
+        ax.set_ylabel(name)
+        ax.grid(True, which="major", alpha=0.3)
+    n = max((len(ms) for ms in runs.values()), default=0)
+    axes[0, 0].set_title(f"faint: raw values; solid: smoothed over {_window(n)} steps (log scale)", fontsize=9)
+    axes[-1, 0].set_xlabel("step")
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=2 if len(names) > 2 else len(names) or 1,
+               fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.025 * ((len(names) + 1) // 2) + 0.015, 1, 1))
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return None

@@ -1,14 +1,14 @@
-"""The training loop behind ``modopt run``: metrics, checkpoints, bit-exact resume.
+"""The training loop behind `modopt run`: metrics, checkpoints, bit-exact resume.
 
 A run directory holds:
 
-* ``config.yaml``: the resolved experiment (every default written out);
-* ``metrics.jsonl``: one JSON object per step (deterministic: no timings);
-* ``timing.jsonl``: wall-clock seconds per step (kept apart so that the same
-  config and seed give byte-identical ``metrics.jsonl``);
-* ``summary.json``: final/best loss, loss spikes, % of steps clipped, time per step;
-* ``loss.png``, ``grad_norm.png`` (with matplotlib);
-* ``checkpoint.pt``: model, optimizer, RNG state and step; ``--resume`` continues from it.
+* `config.yaml`: the resolved experiment (every default written out);
+* `metrics.jsonl`: one JSON object per step (deterministic: no timings);
+* `timing.jsonl`: wall-clock seconds per step (kept apart so that the same
+  config and seed give byte-identical `metrics.jsonl`);
+* `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step;
+* `loss.png`, `grad_norm.png` (with matplotlib);
+* `checkpoint.pt`: model, optimizer, RNG state and step; `--resume` continues from it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,8 +34,8 @@ from .tasks import make_task
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", "loss.png", "grad_norm.png")
 
-#: loss spikes: a step whose loss exceeds ``SPIKE_FACTOR`` x the median of the previous
-#: ``SPIKE_WINDOW`` losses and that median by at least ``SPIKE_MIN_RISE``;
+#: loss spikes: a step whose loss exceeds `SPIKE_FACTOR` x the median of the previous
+#: `SPIKE_WINDOW` losses and that median by at least `SPIKE_MIN_RISE`;
 #: consecutive spike steps count as one spike.
 SPIKE_WINDOW = 20
 SPIKE_FACTOR = 1.5
@@ -42,7 +43,7 @@ SPIKE_MIN_RISE = 0.1
 
 
 class RunInterrupted(Exception):
-    """Raised by ``stop_after``: the run stopped as if killed (for resume tests)."""
+    """Raised by `stop_after`: the run stopped as if killed (for resume tests)."""
 
 
 # --- determinism -------------------------------------------------------------------------
@@ -69,11 +70,11 @@ def _num(x: Any) -> float | None:
 
 
 def step_telemetry(stats: dict[str, torch.Tensor], pre_norm: float) -> dict[str, Any]:
-    """Clip scale / clipped / skipped of one step from ``opt.stats``.
+    """Clip scale / clipped / skipped of one step from `opt.stats`.
 
-    ``clip_scale`` is the product of the global-scope ``scale`` telemetry of the
-    pipeline's transforms (1 if none records one); ``clipped`` is true when any
-    transform reports a clipped segment; ``post_clip_norm = grad_norm * clip_scale``.
+    `clip_scale` is the product of the global-scope `scale` telemetry of the
+    pipeline's transforms (1 if none records one); `clipped` is true when any
+    transform reports a clipped segment; `post_clip_norm = grad_norm * clip_scale`.
     """
     scale = 1.0
     clipped = False
@@ -97,7 +98,7 @@ def step_telemetry(stats: dict[str, torch.Tensor], pre_norm: float) -> dict[str,
 def count_spikes(
     losses: list[float | None], window: int = SPIKE_WINDOW, factor: float = SPIKE_FACTOR, min_rise: float = SPIKE_MIN_RISE
 ) -> list[int]:
-    """Indices where a loss spike starts (see :data:`SPIKE_FACTOR`); a non-finite loss is a spike."""
+    """Indices where a loss spike starts (see `SPIKE_FACTOR`); a non-finite loss is a spike."""
     starts: list[int] = []
     prev = False
     for i in range(window, len(losses)):
@@ -115,7 +116,7 @@ def count_spikes(
 
 
 def summarize(name: str, metrics: list[dict], times: list[float], spike_kw: dict | None = None) -> dict[str, Any]:
-    """The ``summary.json`` of a run from its metrics and step times."""
+    """The `summary.json` of a run from its metrics and step times."""
     losses = [m["loss"] for m in metrics]
     finite = [x for x in losses if x is not None]
     tail = max(1, len(losses) // 20)
@@ -211,7 +212,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def check_dir(out: Path, force: bool) -> None:
-    """Refuse a non-empty ``out`` unless ``force`` (nothing is created or removed)."""
+    """Refuse a non-empty `out` unless `force` (nothing is created or removed)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not force:
@@ -219,7 +220,7 @@ def check_dir(out: Path, force: bool) -> None:
 
 
 def prepare_dir(out: Path, force: bool) -> None:
-    """Create ``out``; refuse a non-empty directory unless ``force`` (then clear the run files)."""
+    """Create `out`; refuse a non-empty directory unless `force` (then clear the run files)."""
     check_dir(out, force)
     if out.exists() and any(out.iterdir()):
         for name in RUN_FILES:
@@ -241,11 +242,11 @@ def load_run_config(out: Path, trust_imports: bool = False) -> Experiment:
 
 
 def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False) -> tuple[Any, Any]:
-    """The task and the optimizer of ``exp`` exactly as ``modopt run`` builds them; writes nothing.
+    """The task and the optimizer of `exp` exactly as `modopt run` builds them; writes nothing.
 
-    ``pipeline`` (default ``exp.optimizer``) is the pipeline to build. Call it
-    inside :func:`deterministic` after seeding, as the run does. Errors are
-    :class:`ConfigError` (a bad task name, options or optimizer) or the task's own.
+    `pipeline` (default `exp.optimizer`) is the pipeline to build. Call it
+    inside `deterministic()` after seeding, as the run does. Errors are
+    `ConfigError` (a bad task name, options or optimizer) or the task's own.
     """
     pipe = pipeline if pipeline is not None else exp.optimizer
     try:
@@ -262,7 +263,7 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
 
 
 def check_experiment(exp: Experiment, trust_imports: bool = False) -> None:
-    """Everything ``modopt run`` checks before its first step, for every pipeline of ``exp`` (``modopt validate``)."""
+    """Everything `modopt run` checks before its first step, for every pipeline of `exp` (`modopt validate`)."""
     with deterministic(exp.train.threads):
         for label, pipe in exp.pipelines().items():
             torch.manual_seed(exp.train.seed)
@@ -284,19 +285,19 @@ def run_experiment(
     log=print,
     force: bool | None = None,
 ) -> dict[str, Any]:
-    """Train ``exp`` (one optimizer) writing the run directory ``out``; return the summary.
+    """Train `exp` (one optimizer) writing the run directory `out`; return the summary.
 
-    With ``resume`` the run continues from ``out/checkpoint.pt`` (if there is
+    With `resume` the run continues from `out/checkpoint.pt` (if there is
     none, it starts over); metrics logged after the checkpoint are dropped and
-    recomputed, so the result equals an uninterrupted run. ``stop_after=K``
+    recomputed, so the result equals an uninterrupted run. `stop_after=K`
     stops after step K as if the process had been killed (raises
-    :class:`RunInterrupted`); only checkpoints already written survive.
+    `RunInterrupted`); only checkpoints already written survive.
 
     A new run builds its task and optimizer before writing anything, so a
     failed start leaves no run directory; a run that fails before its first
-    checkpoint removes the files it wrote (a re-run starts clean). ``force``:
-    None uses ``out`` as it is (created if missing); False refuses a
-    non-empty ``out``; True clears its run files first.
+    checkpoint removes the files it wrote (a re-run starts clean). `force`:
+    None uses `out` as it is (created if missing); False refuses a
+    non-empty `out`; True clears its run files first.
     """
     out = Path(out)
     wrote = {"dir": False, "files": False}
@@ -339,6 +340,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
             wrote["files"] = True
             (out / "config.yaml").write_text(exp.to_yaml())
         base_lrs = [g.get("lr") for g in opt.param_groups]
+        sched = tr.schedule.build(opt, tr.steps)
         start = 0
         if resume and ckpt_path.exists():
             ckpt = torch.load(ckpt_path, weights_only=True)
@@ -347,6 +349,15 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
             torch.set_rng_state(ckpt["rng"])
             start = int(ckpt["step"])
             log(f"resuming {out} from step {start}")
+            if sched is not None:  # the same scheduler, replayed to the checkpoint's step
+                for g, base in zip(opt.param_groups, base_lrs):
+                    g["lr"] = base
+                    g.pop("initial_lr", None)
+                sched = tr.schedule.build(opt, tr.steps)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    for _ in range(start):
+                        sched.step()
         metrics = _read_jsonl(out / "metrics.jsonl", start)
         timing = _read_jsonl(out / "timing.jsonl", start)
         if len(metrics) != start:
@@ -360,10 +371,6 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         try:
             for step in range(start + 1, tr.steps + 1):
                 t0 = time.perf_counter()
-                factor = tr.schedule.factor(step, tr.steps)
-                for g, base in zip(opt.param_groups, base_lrs):
-                    if base is not None:
-                        g["lr"] = base * factor
                 model.train()
                 batch = task.get_batch(step, tr.batch_size)
                 opt.zero_grad(set_to_none=True)
@@ -373,6 +380,8 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
                 opt.step()
                 row: dict[str, Any] = {"step": step, "loss": _num(loss.detach())}
                 row["lr"] = opt.param_groups[0].get("lr")
+                if sched is not None:
+                    sched.step()
                 row["grad_norm"] = _num(pre)
                 row.update(step_telemetry(opt.stats, pre))
                 if task.eval_fn is not None and (
@@ -406,7 +415,8 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
     if plots if plots is not None else exp.output.plots:
         from .plots import plot_run
 
-        msg = plot_run(out, metrics, exp.name)
+        pipeline = " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
+        msg = plot_run(out, metrics, exp.name, pipeline=pipeline, summary=summary)
         if msg:
             log(msg)
     return summary

@@ -1,14 +1,14 @@
-"""Built-in training tasks for ``modopt run``: data generated in process, nothing downloaded.
+"""Built-in training tasks for `modopt run`: data generated in process, nothing downloaded.
 
-A task is what :func:`make_task` returns: a :class:`Task` holding the model, a
+A task is what `make_task()` returns: a `Task` holding the model, a
 function giving the training batch of a step, and the loss. Batches are a pure
-function of ``(seed, step)``, so a resumed run sees exactly the data an
+function of `(seed, step)`, so a resumed run sees exactly the data an
 uninterrupted one would.
 
-User tasks are named by import path (``mypkg.tasks:make_task``); the callable is
-called as ``make_task(seed=seed, **options)`` and must return a :class:`Task`
+User tasks are named by import path (`mypkg.tasks:make_task`); the callable is
+called as `make_task(seed=seed, **options)` and must return a `Task`
 (or any object with the same attributes). Importing user code runs it, so the
-command line allows it only with ``--trust-imports``.
+command line allows it only with `--trust-imports`.
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..config import ConfigError
+
 
 @dataclass
 class Task:
     """A training problem.
 
-    * ``model``: the ``nn.Module`` to train (built after ``torch.manual_seed(seed)``).
-    * ``get_batch(step, batch_size)``: the training batch of ``step`` (1-based);
+    * `model`: the `nn.Module` to train (built after `torch.manual_seed(seed)`).
+    * `get_batch(step, batch_size)`: the training batch of `step` (1-based);
       must depend only on the seed and its arguments.
-    * ``loss_fn(model, batch)``: a scalar loss tensor.
-    * ``eval_fn(model)``: optional, a float tensor: the loss on fixed held-out data.
+    * `loss_fn(model, batch)`: a scalar loss tensor.
+    * `eval_fn(model)`: optional, a float tensor: the loss on fixed held-out data.
     """
 
     model: nn.Module
@@ -41,7 +43,7 @@ class Task:
 
 
 def _gen(seed: int, *salt: int) -> torch.Generator:
-    """A generator seeded by ``seed`` and a salt (a stream per purpose and per step)."""
+    """A generator seeded by `seed` and a salt (a stream per purpose and per step)."""
     g = torch.Generator()
     h = seed & 0xFFFFFFFF
     for s in salt:
@@ -77,7 +79,7 @@ def teacher_student(
 ) -> Task:
     """Regress a random teacher MLP with a student MLP; targets carry Student-t noise.
 
-    With ``noise_df`` small (1.5: finite mean, infinite variance) most batches
+    With `noise_df` small (1.5: finite mean, infinite variance) most batches
     are clean and a few hold huge outliers: the gradient norm spikes by orders
     of magnitude, the setting where norm clipping matters. The eval loss is the
     mean squared error against the noise-free teacher on a fixed batch.
@@ -122,7 +124,7 @@ def _student_t(shape: tuple[int, ...], df: float, seed: int) -> torch.Tensor:
 
 # --- a tiny transformer on a synthetic sequence task -------------------------------------
 class TinyTransformer(nn.Module):
-    """Token + position embeddings, a causal ``nn.TransformerEncoder``, a linear head."""
+    """Token + position embeddings, a causal `nn.TransformerEncoder`, a linear head."""
 
     def __init__(self, vocab: int, seq_len: int, d_model: int, nhead: int, layers: int, ff: int):
         super().__init__()
@@ -154,21 +156,21 @@ def transformer(
 ) -> Task:
     """Next-token prediction on a copy task with a tiny causal transformer.
 
-    Each sequence is ``seq_len // 2`` random tokens followed by the same tokens
+    Each sequence is `seq_len // 2` random tokens followed by the same tokens
     again; the loss is the cross-entropy on the predictable second half (the
-    first half is noise, not scored). With ``noise > 0`` each token of the second
+    first half is noise, not scored). With `noise > 0` each token of the second
     half is replaced by a random one with that probability, so the loss has a
     floor above zero and the gradients stay noisy. Solving it needs an attention head that
-    looks back ``seq_len // 2`` positions, learnt in a sharp transition: at an
+    looks back `seq_len // 2` positions, learnt in a sharp transition: at an
     aggressive learning rate training shows loss spikes.
     """
     if seq_len < 4 or seq_len % 2:
-        raise ValueError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
+        raise ConfigError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
     model = TinyTransformer(vocab, seq_len, d_model, nhead, layers, ff)
     half = seq_len // 2
 
     if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"transformer task: noise must be in [0, 1], got {noise}")
+        raise ConfigError(f"transformer task: noise must be in [0, 1], got {noise}")
 
     def sample(g: torch.Generator, n: int) -> torch.Tensor:
         first = torch.randint(0, vocab, (n, half), generator=g)
@@ -207,7 +209,7 @@ def _did_you_mean(name: str, candidates) -> str:
 
 
 def task_options(fn: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
-    """The options a task function takes (``{name: default}``, ``seed`` excluded) and whether it takes ``**kwargs``."""
+    """The options a task function takes (`{name: default}`, `seed` excluded) and whether it takes `**kwargs`."""
     import inspect
 
     sig = inspect.signature(fn)
@@ -227,7 +229,7 @@ def check_options(name: str, fn: Callable[..., Any], options: dict[str, Any]) ->
         return
     bad = sorted(set(options) - set(known))
     if bad and not any_kw:
-        raise ValueError(
+        raise ConfigError(
             f"task {name!r} has no option {bad[0]!r}{_did_you_mean(bad[0], known)}"
             + (f" (nor {', '.join(map(repr, bad[1:]))})" if len(bad) > 1 else "")
             + f"; its options: {', '.join(f'{k}={v!r}' for k, v in known.items()) or 'none'}"
@@ -242,16 +244,16 @@ def check_task(name: str, options: dict[str, Any]) -> None:
     if ":" in name:
         module_name, _, attr = name.partition(":")
         if not module_name or not attr.isidentifier():
-            raise ValueError(f"task {name!r}: an import path is 'package.module:function'")
+            raise ConfigError(f"task {name!r}: an import path is 'package.module:function'")
         return
-    raise ValueError(
+    raise ConfigError(
         f"unknown task {name!r}{_did_you_mean(name, BUILTIN)}; built-in tasks: {', '.join(sorted(BUILTIN))} "
         "(or an import path 'package.module:function' with --trust-imports)"
     )
 
 
 def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool = False) -> Task:
-    """Build the task ``name`` (a built-in name, or ``package.module:function`` with ``trust_imports``)."""
+    """Build the task `name` (a built-in name, or `package.module:function` with `trust_imports`)."""
     check_task(name, options)
     if name in BUILTIN:
         fn = BUILTIN[name]
@@ -265,17 +267,17 @@ def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool
         try:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load task {name!r}: {e}") from None
+            raise ConfigError(f"cannot load task {name!r}: {e}") from None
         if not callable(fn):
-            raise ValueError(f"task {name!r} is not callable")
+            raise ConfigError(f"task {name!r} is not callable")
         check_options(name, fn, options)
     else:  # pragma: no cover - check_task refused it
-        raise ValueError(f"unknown task {name!r}")
+        raise ConfigError(f"unknown task {name!r}")
     try:
         task = fn(seed=seed, **options)
     except TypeError as e:
-        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
+        raise ConfigError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
     for attr in ("model", "get_batch", "loss_fn"):
         if not hasattr(task, attr):
-            raise ValueError(f"task {name!r} returned {type(task).__name__}, which has no {attr!r} (expected a Task)")
+            raise ConfigError(f"task {name!r} returned {type(task).__name__}, which has no {attr!r} (expected a Task)")
     return task

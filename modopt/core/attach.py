@@ -12,9 +12,9 @@ from .transform import Transform, walk
 
 
 class AttachHandle:
-    """What :func:`attach` returns: holds the transforms' state; ``remove()`` detaches them.
+    """What `attach()` returns: holds the transforms' state; `remove()` detaches them.
 
-    Its ``state_dict()`` / ``load_state_dict()`` checkpoint the attached
+    Its `state_dict()` / `load_state_dict()` checkpoint the attached
     transforms' state (the torch optimizer checkpoints its own).
     """
 
@@ -29,7 +29,7 @@ class AttachHandle:
         self._hook = optimizer.register_step_pre_hook(self._pre_step)
 
     def __repr__(self) -> str:
-        """``AttachHandle(AdamW, ClipNorm(max_norm=1.0))``: the optimizer's class, the transforms, non-defaults."""
+        """`AttachHandle(AdamW, ClipNorm(max_norm=1.0))`: the optimizer's class, the transforms, non-defaults."""
         parts = [type(self.optimizer).__name__, *(repr(t) for t in self.transforms)]
         if self.nonfinite != "skip":
             parts.append(f"nonfinite={self.nonfinite!r}")
@@ -92,18 +92,21 @@ class AttachHandle:
 
 
 def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: str = "skip") -> AttachHandle:
-    """Run ``transforms`` on the gradients before every ``optimizer.step()``.
+    """Run `transforms` on the gradients before every `optimizer.step()`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     >>> handle = mo.attach(opt, mo.ClipNorm(1.0))
     >>> handle.remove()
 
-    ``nonfinite="skip"`` (default) skips a step with an inf/NaN gradient by
+    ```
+
+    `nonfinite="skip"` (default) skips a step with an inf/NaN gradient by
     clearing the gradients, so the optimizer leaves parameters and state alone.
-    Optimizer transforms cannot be attached; ``step(closure)`` is not supported
-    (the gradients must exist before ``step``).
+    Optimizer transforms cannot be attached; `step(closure)` is not supported
+    (the gradients must exist before `step`).
     """
     from ..config import PipelineConfig
 

@@ -1,18 +1,18 @@
-"""Statistics of sharded tensors (FSDP2 / DTensor): the one place modopt talks to ``torch.distributed``.
+"""Statistics of sharded tensors (FSDP2 / DTensor): the one place modopt talks to `torch.distributed`.
 
-Under FSDP2 (``torch.distributed.fsdp.fully_shard``) parameters, gradients and
-every buffer made with ``zeros_like`` are ``DTensor``\\ s, each rank holding a
-shard (``Shard(0)``) of the full tensor. A statistic must be that of the full,
-unsharded tensor, so :meth:`modopt.core.scope.Segments.reduce` hands lists that
-hold DTensors to :func:`reduce`, which
+Under FSDP2 (`torch.distributed.fsdp.fully_shard`) parameters, gradients and
+every buffer made with `zeros_like` are `DTensor`\\ s, each rank holding a
+shard (`Shard(0)`) of the full tensor. A statistic must be that of the full,
+unsharded tensor, so `modopt.core.scope.Segments.reduce()` hands lists that
+hold DTensors to `reduce()`, which
 
 1. computes *partial* statistics of each tensor on its local shard
-   (``to_local()``): the max and the scaled sum of ``|x|**p`` for p-norms, the
+   (`to_local()`): the max and the scaled sum of `|x|**p` for p-norms, the
    count of non-zeros, sums for means, sums of squared deviations for
    variances, all accumulated in at least float32;
 2. all-reduces them over the process groups of the mesh dims on which the
-   tensor is ``Shard``-ed (``Replicate`` dims hold the same values everywhere
-   and are not reduced; a ``Partial`` tensor is an error), batched: one
+   tensor is `Shard`-ed (`Replicate` dims hold the same values everywhere
+   and are not reduced; a `Partial` tensor is an error), batched: one
    collective per kind of partial and group, per call;
 3. returns plain tensors, exactly as in a single process, so everything a
    transform computes from a statistic (scales, EMAs of norms, warm-up
@@ -21,13 +21,13 @@ hold DTensors to :func:`reduce`, which
 A plain 0-d scale multiplies a DTensor as a replicated scalar, so the scales
 apply back with the transforms' ordinary (local) ops.
 
-Per-slice statistics (``scope="tensor"`` with ``dim``) of sharded parameters
-are refused with a :class:`ValueError` naming the parameter and its sharded
-dims (:func:`check_slices`, when the transform first builds its scope's
+Per-slice statistics (`scope="tensor"` with `dim`) of sharded parameters
+are refused with a `ValueError` naming the parameter and its sharded
+dims (`check_slices()`, when the transform first builds its scope's
 layout, on the first step).
 
 DDP needs nothing of this: its gradients are plain tensors, already averaged
-over the ranks before ``step``.
+over the ranks before `step`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def _dtensor_cls() -> type | None:
-    """``DTensor`` if ``torch.distributed.tensor`` was imported (no DTensor can exist otherwise).
+    """`DTensor` if `torch.distributed.tensor` was imported (no DTensor can exist otherwise).
 
-    Looked up in ``sys.modules`` so that importing modopt never imports
+    Looked up in `sys.modules` so that importing modopt never imports
     torch.distributed (seconds of import time) for single-process users.
     """
     mod = sys.modules.get("torch.distributed.tensor")
@@ -62,7 +62,7 @@ def is_sharded(t: Any) -> bool:
 
 
 def any_sharded(tensors: list) -> bool:
-    """True if any of ``tensors`` is a DTensor (cheap: ``False`` at once when DTensor was never imported)."""
+    """True if any of `tensors` is a DTensor (cheap: `False` at once when DTensor was never imported)."""
     cls = _dtensor_cls()
     if cls is None or not tensors:
         return False
@@ -70,7 +70,7 @@ def any_sharded(tensors: list) -> bool:
 
 
 def _groups_of(t: torch.Tensor, where: str = "") -> tuple:
-    """The process groups to all-reduce a partial statistic of ``t`` over (empty: it is whole here)."""
+    """The process groups to all-reduce a partial statistic of `t` over (empty: it is whole here)."""
     if not is_sharded(t):
         return ()
     mesh = t.device_mesh
@@ -91,7 +91,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
-    """All-reduce entry ``i`` of the 1-D ``values`` over the groups ``keys[i]`` (batched per key)."""
+    """All-reduce entry `i` of the 1-D `values` over the groups `keys[i]` (batched per key)."""
     import torch.distributed as dist
 
     out = values.clone()
@@ -109,10 +109,10 @@ def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
 
 
 def tensor_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-    """1-D plain tensor: the p-norm of each *full* tensor (DTensors reduced over their shards), in ``acc``.
+    """1-D plain tensor: the p-norm of each *full* tensor (DTensors reduced over their shards), in `acc`.
 
     The partials are scaled by the global per-tensor maximum before summing
-    ``|x|**p``, so no magnitude that a single-process norm can represent
+    `|x|**p`, so no magnitude that a single-process norm can represent
     overflows here. inf and NaN propagate as in a single process.
     """
     import torch.distributed as dist
@@ -143,7 +143,7 @@ def _tensor_sums(locals_: list[torch.Tensor], keys: list[tuple], acc: torch.dtyp
 
 
 def reduce(seg: "Segments", tensors: list[torch.Tensor], stat: float | str) -> "Stat":
-    """:meth:`Segments.reduce` for lists that hold DTensors (``stat`` already parsed)."""
+    """`Segments.reduce()` for lists that hold DTensors (`stat` already parsed)."""
     if not seg.stacked:  # sharded parameters were refused when the layout was built (check_slices)
         return [slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)]
     acc = common_acc_dtype(tensors)
@@ -174,7 +174,7 @@ def _device(tensors: list[torch.Tensor]) -> torch.device:
 
 
 def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names: list) -> None:
-    """Refuse per-slice statistics (``scope="tensor"`` with ``dim``) of sharded parameters, naming the first.
+    """Refuse per-slice statistics (`scope="tensor"` with `dim`) of sharded parameters, naming the first.
 
     Called when a transform first builds its scope's layout (its first step).
     """

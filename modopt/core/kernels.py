@@ -36,7 +36,7 @@ KNOWN_BAD: set[tuple[str, str, torch.dtype]] = {
 
 
 def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: bool = False) -> bool:
-    """Whether torch's fused ``kernel`` (``"sgd"``, ``"adam"``, ``"adamw"``) may write these parameters.
+    """Whether torch's fused `kernel` (`"sgd"`, `"adam"`, `"adamw"`) may write these parameters.
 
     False for devices torch has no fused kernel on, non-float dtypes, DTensors
     (FSDP2: the fused kernels have no sharding strategy; torch.optim takes the
@@ -50,7 +50,7 @@ def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: boo
 
 
 def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale):
-    """``torch._fused_sgd_`` (in place on ``params`` and ``bufs``; divides the gradients by ``grad_scale``)."""
+    """`torch._fused_sgd_` (in place on `params` and `bufs`; divides the gradients by `grad_scale`)."""
     torch._fused_sgd_(
         params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
         nesterov=nesterov, maximize=False, is_first_step=is_first_step, grad_scale=grad_scale,
@@ -59,7 +59,7 @@ def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, ne
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
                 weight_decay, eps, amsgrad, grad_scale):
-    """``torch._fused_adamw_`` (decoupled decay) or ``torch._fused_adam_``; the step tensors must
+    """`torch._fused_adamw_` (decoupled decay) or `torch._fused_adam_`; the step tensors must
     already be incremented (the kernels read them, torch.optim bumps them first)."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(
@@ -69,7 +69,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
 
 
 def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov):
-    """torch.optim.SGD's foreach implementation; ``bufs`` entries that are None are filled in."""
+    """torch.optim.SGD's foreach implementation; `bufs` entries that are None are filled in."""
     _torch_sgd(
         params, grads, bufs, foreach=True, fused=False, weight_decay=weight_decay, momentum=momentum, lr=lr,
         dampening=dampening, nesterov=nesterov, maximize=False,
@@ -78,7 +78,7 @@ def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, 
 
 def foreach_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
                   weight_decay, eps, amsgrad):
-    """torch.optim.Adam's (or AdamW's, ``decoupled``) foreach implementation; it increments ``steps``."""
+    """torch.optim.Adam's (or AdamW's, `decoupled`) foreach implementation; it increments `steps`."""
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=True, fused=False,
         decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,

@@ -1,4 +1,4 @@
-"""`Modular`: a real ``torch.optim.Optimizer`` that runs a chain of transforms."""
+"""`Modular`: a real `torch.optim.Optimizer` that runs a chain of transforms."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .transform import Transform, to_plain, walk
 from .select import route_group, routes
 
-#: the checkpoint format ``state_dict`` writes (``sd["modopt"]["format_version"]``)
+#: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
 FORMAT_VERSION = 1
-#: ``MIGRATIONS[n]`` upgrades a state dict of format ``n`` to format ``n + 1``.
-#: When a change to ``state_dict`` bumps ``FORMAT_VERSION`` to ``n + 1``, register
-#: here the function that rewrites an ``n`` checkpoint (renamed keys, new
+#: `MIGRATIONS[n]` upgrades a state dict of format `n` to format `n + 1`.
+#: When a change to `state_dict` bumps `FORMAT_VERSION` to `n + 1`, register
+#: here the function that rewrites an `n` checkpoint (renamed keys, new
 #: buffers with their initial values, ...). It must return a new dict and never
-#: modify its argument; ``load_state_dict`` runs the chain ``n -> n+1 -> ...``
+#: modify its argument; `load_state_dict` runs the chain `n -> n+1 -> ...`
 #: before any check, so an old checkpoint is validated as a current one.
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 #: param-group entries that are not hyperparameters ("name", "names": used by mo.Select)
@@ -26,7 +26,7 @@ _GROUP_BASE_KEYS = {"params", "param_names", "name", "names"}
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two plain-data trees first differ, as ``path: a != b``."""
+    """Where two plain-data trees first differ, as `path: a != b`."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in list(a) + [k for k in b if k not in a]:
             if k not in a or k not in b:
@@ -47,7 +47,7 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
-    """Upgrade a state dict of format ``version`` to :data:`FORMAT_VERSION` through :data:`MIGRATIONS`."""
+    """Upgrade a state dict of format `version` to `FORMAT_VERSION` through `MIGRATIONS`."""
     while version < FORMAT_VERSION:
         step = MIGRATIONS.get(version)
         if step is None:
@@ -66,19 +66,19 @@ def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
-    ``Modular(params, *transforms, nonfinite="skip", **group_defaults)``
+    `Modular(params, *transforms, nonfinite="skip", **group_defaults)`
 
-    * ``params``: tensors, param-group dicts, or ``named_parameters()`` pairs.
-    * ``transforms``: run in order on the gradient; the update after the last one
-      is subtracted from the parameters. Optimizer transforms (``Adam``, ``SGD``,
-      ``LR``, ...) expose their hyperparameters as param-group keys (``lr``,
-      ``betas``, ``momentum``, ``weight_decay``, ...), so torch's schedulers and
+    * `params`: tensors, param-group dicts, or `named_parameters()` pairs.
+    * `transforms`: run in order on the gradient; the update after the last one
+      is subtracted from the parameters. Optimizer transforms (`Adam`, `SGD`,
+      `LR`, ...) expose their hyperparameters as param-group keys (`lr`,
+      `betas`, `momentum`, `weight_decay`, ...), so torch's schedulers and
       per-group overrides work as with any torch optimizer.
-    * ``nonfinite``: what a step with an inf/NaN gradient does: ``"skip"``
+    * `nonfinite`: what a step with an inf/NaN gradient does: `"skip"`
       (default; parameters and every transform's state stay as they were, and
-      ``opt.stats["skipped_steps"]`` counts it), ``"raise"``, ``"zero"`` (non-finite
-      elements become 0) or ``"ignore"`` (no check, no host sync).
-    * ``group_defaults``: defaults for the exposed group keys (``lr=0.1``).
+      `opt.stats["skipped_steps"]` counts it), `"raise"`, `"zero"` (non-finite
+      elements become 0) or `"ignore"` (no check, no host sync).
+    * `group_defaults`: defaults for the exposed group keys (`lr=0.1`).
     """
 
     def __init__(self, params: Iterable[Any], *transforms: Transform, nonfinite: str = "skip", **group_defaults: Any):
@@ -166,12 +166,12 @@ class Modular(torch.optim.Optimizer):
     # --- configs ---------------------------------------------------------------
     @property
     def config(self) -> "PipelineConfig":  # noqa: F821
-        """The :class:`~modopt.PipelineConfig` that rebuilds this optimizer."""
+        """The `PipelineConfig` that rebuilds this optimizer."""
         return self._pipeline
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: Any, trust_imports: bool = False) -> "Modular":
-        """Build from a :class:`~modopt.PipelineConfig`, its dict, or a config file path."""
+        """Build from a `PipelineConfig`, its dict, or a config file path."""
         from ..config import PipelineConfig, load_config
 
         if isinstance(config, (str, Path)):
@@ -305,11 +305,11 @@ _SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momen
 
 
 def _check_buffers(entry: dict, p: torch.Tensor, current: dict | None, idx: Any) -> None:
-    """Refuse per-parameter buffers that cannot belong to ``p`` (before anything changes).
+    """Refuse per-parameter buffers that cannot belong to `p` (before anything changes).
 
     A buffer is 0-d (a counter, a per-tensor value), shaped like the parameter,
     or a per-slice value (the parameter's shape with reduced dims of size 1);
-    only histories (``*.history``) are 1-D of any length. Where this optimizer
+    only histories (`*.history`) are 1-D of any length. Where this optimizer
     already holds the same buffer, the loaded one must have its shape and dtype.
     """
     for k, v in entry.items():

@@ -1,18 +1,18 @@
-"""The ``ord`` vocabulary and the statistics it names, in one place.
+"""The `ord` vocabulary and the statistics it names, in one place.
 
-``ord`` is any real ``p >= 0`` (``0`` counts non-zeros, ``inf`` is the largest
+`ord` is any real `p >= 0` (`0` counts non-zeros, `inf` is the largest
 magnitude) or one of the names:
 
 =========  =====================================================
-name       statistic of the elements ``x`` of a slice
+name       statistic of the elements `x` of a slice
 =========  =====================================================
-``l0``     number of non-zero elements (``p = 0``)
-``l1``..   ``l1 l2 l3 l4``: the p-norm ``(sum |x|**p) ** (1/p)``
-``linf``   ``max |x|``
-``mad``    mean absolute value, ``mean |x|``
-``std``    standard deviation, ``ddof = 1`` (0 for fewer than 2 elements)
-``var``    variance, ``ddof = 1`` (0 for fewer than 2 elements)
-``sum``    the signed sum (scaling transforms use its magnitude)
+`l0`     number of non-zero elements (`p = 0`)
+`l1`..   `l1 l2 l3 l4`: the p-norm `(sum |x|**p) ** (1/p)`
+`linf`   `max |x|`
+`mad`    mean absolute value, `mean |x|`
+`std`    standard deviation, `ddof = 1` (0 for fewer than 2 elements)
+`var`    variance, `ddof = 1` (0 for fewer than 2 elements)
+`sum`    the signed sum (scaling transforms use its magnitude)
 =========  =====================================================
 
 Every statistic accumulates in at least float32, whatever the tensor's dtype.
@@ -32,7 +32,7 @@ ORD_NAMES = tuple(NAMED_P) + NAMED_STATS
 
 
 def parse_ord(ord: float | str) -> float | str:
-    """Canonical form of an ``ord``: a float ``p`` or one of ``mad std var sum``."""
+    """Canonical form of an `ord`: a float `p` or one of `mad std var sum`."""
     if isinstance(ord, bool):
         raise ValueError("ord must be a number or one of " + ", ".join(ORD_NAMES))
     if isinstance(ord, str):
@@ -52,12 +52,12 @@ def _check_ord(v: float | str) -> float | str:
     return v
 
 
-#: pydantic field type for ``ord``; keeps the value as written (``"l2"`` stays ``"l2"``)
+#: pydantic field type for `ord`; keeps the value as written (`"l2"` stays `"l2"`)
 Ord = Annotated[Union[float, str], AfterValidator(_check_ord)]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a statistic of ``dtype`` values accumulates in (at least float32)."""
+    """The dtype a statistic of `dtype` values accumulates in (at least float32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -87,7 +87,7 @@ def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
 
 
 def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
-    """The p-norm of a concatenation, from the p-norms of its parts (1-D ``norms``)."""
+    """The p-norm of a concatenation, from the p-norms of its parts (1-D `norms`)."""
     if p == 0:
         return norms.sum()
     if not norms.numel():
@@ -105,7 +105,7 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> torch.Tensor:
-    """Statistic of ``t`` over ``dims`` (keepdim). ``dims == ()`` means every element is its own slice."""
+    """Statistic of `t` over `dims` (keepdim). `dims == ()` means every element is its own slice."""
     acc = acc_dtype(t.dtype)
     if not dims:  # one-element slices
         x = t.to(acc)

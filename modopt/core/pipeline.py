@@ -17,10 +17,10 @@ NonFinite = Literal["skip", "raise", "zero", "ignore"]
 
 
 def collect(host: StateHost, param_groups: list[dict], stats: dict) -> StepContext:
-    """The parameters with a gradient, by group (params whose ``.grad`` is None are skipped).
+    """The parameters with a gradient, by group (params whose `.grad` is None are skipped).
 
     The per-step work is one pass over the parameters; everything derived from
-    which parameters have a gradient is cached in a :class:`Layout` (checks of
+    which parameters have a gradient is cached in a `Layout` (checks of
     the parameters themselves run when the layout is first seen).
     """
     params: list[torch.Tensor] = []
@@ -117,7 +117,7 @@ def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor
     settles. The norms are the ones a global or per-tensor 2-norm of the
     chain needs anyway: they go into the step's norm memo
     (`modopt.core.scope.NormMemo.pnorms`), so a following
-    ``ClipNorm`` reads them instead of the gradients.
+    `ClipNorm` reads them instead of the gradients.
     """
     memo = ctx.norm_memo
     if memo is not None:
@@ -174,9 +174,9 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
 
 
 def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ...], write: bool) -> list | None:
-    """Run ``transforms`` on the gradients of ``ctx``.
+    """Run `transforms` on the gradients of `ctx`.
 
-    With ``write=True`` the parameters move (the last transform may fuse that
+    With `write=True` the parameters move (the last transform may fuse that
     write); otherwise the final updates are returned (None if a transform
     stopped the step).
     """

@@ -1,9 +1,9 @@
 """The one registry: transform classes by name, and trusted optimizer classes.
 
-Every concrete :class:`~modopt.Transform` subclass registers itself under its
-class name when it is defined; a config names it by ``type: ClipNorm``.
-Optimizer classes that ``TorchOptimizer`` may import from a config are
-``torch.optim.*`` and the classes registered with :func:`register_optimizer`.
+Every concrete `Transform` subclass registers itself under its
+class name when it is defined; a config names it by `type: ClipNorm`.
+Optimizer classes that `TorchOptimizer` may import from a config are
+`torch.optim.*` and the classes registered with `register_optimizer()`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _TRANSFORMS: dict[str, type["Transform"]] = {}
 _OPTIMIZERS: dict[str, type] = {}
 _TRUST_IMPORTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modopt_trust_imports", default=False)
-#: a class object handed to ``TorchOptimizer`` in code, usable by that one instance only (never allow-listed)
+#: a class object handed to `TorchOptimizer` in code, usable by that one instance only (never allow-listed)
 _GIVEN_IN_CODE: contextvars.ContextVar[type | None] = contextvars.ContextVar("modopt_given_in_code", default=None)
 
 
@@ -51,7 +51,7 @@ def class_path(cls: type) -> str:
 
 
 def register_optimizer(cls: type) -> type:
-    """Allow ``TorchOptimizer`` configs to name ``cls`` by its import path. Usable as a decorator."""
+    """Allow `TorchOptimizer` configs to name `cls` by its import path. Usable as a decorator."""
     import torch
 
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -72,12 +72,12 @@ def trust_imports(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def given_in_code(cls: type | None) -> Iterator[None]:
-    """Within this block, :func:`resolve_optimizer` returns ``cls`` for its own path.
+    """Within this block, `resolve_optimizer()` returns `cls` for its own path.
 
-    Used while ``TorchOptimizer`` validates a class object given in code: the
+    Used while `TorchOptimizer` validates a class object given in code: the
     instance keeps the class, and nothing is added to the allow-list, so a
-    config file still cannot name it (only :func:`register_optimizer` and
-    ``trust_imports`` widen what configs may import).
+    config file still cannot name it (only `register_optimizer()` and
+    `trust_imports` widen what configs may import).
     """
     token = _GIVEN_IN_CODE.set(cls)
     try:

@@ -3,21 +3,21 @@
 One mechanism for every reducing transform. A scope splits the step's tensors
 into *segments*:
 
-* ``"global"``: one segment, every tensor of the step;
-* ``"group"``: one segment per param group;
-* ``"tensor"``: one segment per tensor, or, with ``dim``, one per slice of a
-  tensor (reduce over ``dim``; ``inverse_dims=True`` reduces over all other dims).
+* `"global"`: one segment, every tensor of the step;
+* `"group"`: one segment per param group;
+* `"tensor"`: one segment per tensor, or, with `dim`, one per slice of a
+  tensor (reduce over `dim`; `inverse_dims=True` reduces over all other dims).
 
-A statistic over the segments is a :class:`Stat`: a 1-D tensor with one value per
+A statistic over the segments is a `Stat`: a 1-D tensor with one value per
 segment (global, group, tensor), or a list holding, per tensor, a keepdim tensor
 of its slice values (slice-wise). Transforms write their math with ordinary
-torch ops on these values (:meth:`Segments.map`) and apply it with
-:meth:`Segments.mul_` / :meth:`Segments.sub_`.
+torch ops on these values (`Segments.map()`) and apply it with
+`Segments.mul_()` / `Segments.sub_()`.
 
 Dims: negative dims count from the end; dims outside a tensor's range are
-ignored; if none of ``dim`` applies to a tensor (and ``inverse_dims`` is False)
+ignored; if none of `dim` applies to a tensor (and `inverse_dims` is False)
 the whole tensor is one slice. Slices (or segments) with fewer than
-``min_size`` elements are left unchanged.
+`min_size` elements are left unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ Stat = Union[torch.Tensor, list]
 
 
 class Scoped(Transform, abstract=True):
-    """Mixin of the scope fields (see :mod:`modopt.core.scope`)."""
+    """Mixin of the scope fields (see `modopt.core.scope`)."""
 
     scope: ScopeName = "global"
     dim: Dims = None
@@ -79,14 +79,14 @@ class Scoped(Transform, abstract=True):
 
 
     def scale_(self, ctx: "StepContext", seg: "Segments", updates: list[torch.Tensor], scale: "Stat") -> None:
-        """``updates *= scale`` per segment, or defer it to the next transform when the runner allows.
+        """`updates *= scale` per segment, or defer it to the next transform when the runner allows.
 
         Deferring (global and group scopes, every segment active) hands the
-        multiplication to the next transform that declares ``folds_scale``
-        (see ``modopt.core.state.DeferredScale``): a fused optimizer folds it
+        multiplication to the next transform that declares `folds_scale`
+        (see `modopt.core.state.DeferredScale`): a fused optimizer folds it
         into its kernel, a normalization into its factor, so the updates are
         read and written once fewer. A transform that ends with this call and
-        writes the updates nowhere else declares ``update_access = "scale"``.
+        writes the updates nowhere else declares `update_access = "scale"`.
         """
         if seg.kind in ("global", "group") and seg.all_active and updates and ctx._may_defer:
             dev = updates[0].device
@@ -126,7 +126,7 @@ class Segments:
 
     # --- statistics -------------------------------------------------------
     def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> Stat:
-        """The ``ord`` statistic (or ``"mean"``) of each segment, accumulated in >= float32."""
+        """The `ord` statistic (or `"mean"`) of each segment, accumulated in >= float32."""
         stat = ord if ord == "mean" else parse_ord(ord)
         if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (modopt.core.distributed)
             return distributed.reduce(self, tensors, stat)
@@ -154,7 +154,7 @@ class Segments:
         return var if stat == "var" else var.sqrt()
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in ``acc``), through the step's `NormMemo`."""
+        """1-D tensor of the p-norm of each tensor (in `acc`), through the step's `NormMemo`."""
         if self.memo is not None:
             return self.memo.pnorms(tensors, p, acc)
         return _pnorms(tensors, p, acc)
@@ -182,7 +182,7 @@ class Segments:
 
     # --- application --------------------------------------------------------
     def mul_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
-        """``tensors[i] *= value of its segment`` for active tensors, in place."""
+        """`tensors[i] *= value of its segment` for active tensors, in place."""
         if self.kind in ("global", "group"):
             vals = stat.unbind(0)
             for s, (a, b) in enumerate(self.ranges):
@@ -199,7 +199,7 @@ class Segments:
             torch._foreach_mul_([tensors[i] for i in idx], [vals[i] for i in idx])
 
     def sub_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
-        """``tensors[i] -= value of its segment`` for active tensors, in place."""
+        """`tensors[i] -= value of its segment` for active tensors, in place."""
         if self.all_active and self.kind == "tensor":
             if tensors:
                 torch._foreach_sub_(tensors, stat.unbind(0))
@@ -210,7 +210,7 @@ class Segments:
             torch._foreach_sub_([tensors[i] for i in idx], [vals[i] for i in idx])
 
     def per_tensor(self, stat: Stat) -> list[torch.Tensor]:
-        """Alias of :meth:`expand` for readability in transforms."""
+        """Alias of `expand()` for readability in transforms."""
         return self.expand(stat)
 
 
@@ -225,12 +225,12 @@ class NormMemo:
 
     Owned by the pipeline runner, which makes it correct by construction: it
     is emptied when a step starts and ends, and after every transform that may
-    have written the updates (see ``Transform.update_access``); it survives
-    only transforms that provably did not write them (``Identity``, or a
+    have written the updates (see `Transform.update_access`); it survives
+    only transforms that provably did not write them (`Identity`, or a
     clip whose scale was deferred to the next transform). So the non-finite
-    check's 2-norms serve a following global ``ClipNorm``, and a global clip's
+    check's 2-norms serve a following global `ClipNorm`, and a global clip's
     per-tensor norms a per-tensor normalization, without reading memory again;
-    a write through ``.data`` (which no version counter sees) cannot make a
+    a write through `.data` (which no version counter sees) cannot make a
     later transform read a stale norm. Entries also check the tensors' version
     counters, as a second guard against in-place writes inside a transform.
     """
@@ -248,7 +248,7 @@ class NormMemo:
         return len(self._entries)
 
     def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in ``acc``), computed once per step and list."""
+        """1-D tensor of the p-norm of each tensor (in `acc`), computed once per step and list."""
         if not tensors or torch.compiler.is_compiling():
             return _pnorms(tensors, p, acc)
         key = (p, acc, tuple(map(id, tensors)))
@@ -269,9 +269,9 @@ def make_segments(
     tensors: list[torch.Tensor], ranges: list[tuple[int, int]], scope: str, dim: Dims, inverse_dims: bool, min_size: int,
     names: list | None = None,
 ) -> Segments:
-    """How ``scope`` splits ``tensors`` (``ranges``: the tensor index range of each param group).
+    """How `scope` splits `tensors` (`ranges`: the tensor index range of each param group).
 
-    ``names`` (optional) name the tensors in errors (per-slice scopes refuse sharded tensors).
+    `names` (optional) name the tensors in errors (per-slice scopes refuse sharded tensors).
     """
     numels = [t.numel() for t in tensors]
     if scope == "global":

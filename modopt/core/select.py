@@ -1,22 +1,25 @@
-"""`Select`: which parameters, as data (used by `Masked` and by AGC's ``exclude``).
+"""`Select`: which parameters, as data (used by `Masked` and by AGC's `exclude`).
 
 A parameter is selected when it satisfies *every* criterion that is set:
 
-* ``names``: its name matches one of these glob patterns (``fnmatch``, case
-  sensitive; ``*`` also matches dots). ``None`` (default): any name.
-* ``exclude``: its name matches none of these patterns.
-* ``min_ndim`` / ``max_ndim``: ``min_ndim <= p.dim() <= max_ndim``.
-* ``groups``: its param group is listed, by index in ``optimizer.param_groups``
-  or by the group's ``"name"`` entry. ``None`` (default): any group.
+* `names`: its name matches one of these glob patterns (`fnmatch`, case
+  sensitive; `*` also matches dots). `None` (default): any name.
+* `exclude`: its name matches none of these patterns.
+* `min_ndim` / `max_ndim`: `min_ndim <= p.dim() <= max_ndim`.
+* `groups`: its param group is listed, by index in `optimizer.param_groups`
+  or by the group's `"name"` entry. `None` (default): any group.
 
-A plain string is shorthand for ``names=[string]``; a list of strings for
-``names=list``. Names come from ``Modular(model.named_parameters(), ...)`` or a
-param group's ``"param_names"`` (or ``"names"``) list. Selecting by name when a
+A plain string is shorthand for `names=[string]`; a list of strings for
+`names=list`. Names come from `Modular(model.named_parameters(), ...)` or a
+param group's `"param_names"` (or `"names"`) list. Selecting by name when a
 parameter has no name is an error.
 
+    ```pycon
     >>> import modopt as mo
     >>> mo.Select("*.weight", min_ndim=2)
     Select(names=['*.weight'], min_ndim=2)
+
+    ```
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class Select(BaseModel):
         )
 
     def describe(self) -> str:
-        """Short, user-facing form: ``Select(names=['*.weight'], min_ndim=2)`` (set fields only)."""
+        """Short, user-facing form: `Select(names=['*.weight'], min_ndim=2)` (set fields only)."""
         d = self.to_dict()
         parts = [f"{k}={v!r}" for k, v in d.items() if v not in (None, [])]
         return f"Select({', '.join(parts)})"
@@ -110,7 +113,7 @@ class Select(BaseModel):
 
     # --- matching --------------------------------------------------------------
     def matches(self, name: str | None, p: "torch.Tensor", group_index: int, group: dict) -> bool:
-        """Does this selection take parameter ``p`` (named ``name``) of param group ``group_index``?"""
+        """Does this selection take parameter `p` (named `name`) of param group `group_index`?"""
         if not self._pre(p, group_index, group):
             return False
         if self.by_name:
@@ -144,7 +147,7 @@ class Select(BaseModel):
 
     def mask_of(self, params: list, names: list, group_indices: list[int], groups: list[dict],
                 owner: str | None = None) -> list[bool]:
-        """Per parameter: selected or not. ``group_indices[i]`` / ``groups[i]``: the group of ``params[i]``."""
+        """Per parameter: selected or not. `group_indices[i]` / `groups[i]`: the group of `params[i]`."""
         if self.by_name:  # names are needed only where the other criteria hold
             unnamed = sum(1 for p, n, gi, g in zip(params, names, group_indices, groups)
                           if n is None and self._pre(p, gi, g))
@@ -153,7 +156,7 @@ class Select(BaseModel):
         return [self.matches(n, p, gi, g) for p, n, gi, g in zip(params, names, group_indices, groups)]
 
     def mask(self, ctx: "StepContext", owner: str | None = None) -> list[bool]:
-        """Per parameter of the step: selected or not; computed once per layout (``ctx.layout.cache``)."""
+        """Per parameter of the step: selected or not; computed once per layout (`ctx.layout.cache`)."""
         cache = ctx.layout.cache if ctx.layout is not None else None
         key = self.cache_key()
         if cache is not None and key in cache:
@@ -171,13 +174,13 @@ class Select(BaseModel):
 
 
 def group_names(group: dict) -> list | None:
-    """A param group's parameter names: its ``"param_names"`` (torch's key) or ``"names"`` list, or None."""
+    """A param group's parameter names: its `"param_names"` (torch's key) or `"names"` list, or None."""
     names = group.get("param_names") or group.get("names")
     return list(names) if names else None
 
 
 def step_names(ctx: "StepContext") -> list:
-    """The name of each parameter of the step: ``ctx.names``, else the group's ``"names"`` list."""
+    """The name of each parameter of the step: `ctx.names`, else the group's `"names"` list."""
     names = list(ctx.names)
     if all(n is not None for n in names):
         return names
@@ -196,7 +199,7 @@ def step_names(ctx: "StepContext") -> list:
 def _optimizer_paths(transforms, prefix: str = "", selects: tuple = ()) -> list[tuple[str, Any, tuple]]:
     """Every optimizer transform with its key and the selections (outermost first) enclosing it.
 
-    A transform whose ``where`` is a `Select` (``Masked``) restricts its children to it.
+    A transform whose `where` is a `Select` (`Masked`) restricts its children to it.
     """
     out = []
     for i, t in enumerate(transforms):
@@ -210,16 +213,16 @@ def _optimizer_paths(transforms, prefix: str = "", selects: tuple = ()) -> list[
 
 
 def routes(transforms) -> list[tuple[str, Any, tuple]] | None:
-    """The optimizer transforms with their selections when some sits inside a ``Masked``, else None."""
+    """The optimizer transforms with their selections when some sits inside a `Masked`, else None."""
     paths = _optimizer_paths(transforms)
     return paths if any(sel for _, _, sel in paths) else None
 
 
 def route_group(paths: list, group: dict, index: int, given: set) -> None:
-    """Check that each parameter of param group ``index`` reaches exactly one optimizer transform, and
-    set the group's shared hyperparameters (``lr``, ...) to the defaults of the branch that owns it.
+    """Check that each parameter of param group `index` reaches exactly one optimizer transform, and
+    set the group's shared hyperparameters (`lr`, ...) to the defaults of the branch that owns it.
 
-    ``given``: keys set explicitly (in the group dict or ``Modular``'s keyword defaults); those are kept.
+    `given`: keys set explicitly (in the group dict or `Modular`'s keyword defaults); those are kept.
     A group whose parameters belong to branches with different defaults for a shared key must set it.
     """
     params = group["params"]

@@ -1,10 +1,10 @@
-"""Where transform state lives: the optimizer (or an ``attach`` handle), never the transform.
+"""Where transform state lives: the optimizer (or an `attach` handle), never the transform.
 
-Per-parameter buffers go in ``opt.state[p]`` under ``"<key>.<name>"``, the key
-being the transform's stable position in the chain (``"1:ClipNormByEMA"``,
-``"2/0:Normalize"`` inside a chain). Per-transform values that are not per
+Per-parameter buffers go in `opt.state[p]` under `"<key>.<name>"`, the key
+being the transform's stable position in the chain (`"1:ClipNormByEMA"`,
+`"2/0:Normalize"` inside a chain). Per-transform values that are not per
 parameter (a global EMA of a norm, a step counter) go in the host's transform
-store under the same key. Both are saved by ``state_dict``. The runtime store is
+store under the same key. Both are saved by `state_dict`. The runtime store is
 a cache that is never saved (segment layouts, wrapped torch optimizers).
 """
 
@@ -33,10 +33,10 @@ class StateHost(Protocol):
 class Layout:
     """Facts about one set of parameters with gradients, cached across steps.
 
-    ``collect`` returns the same ``Layout`` for every step whose parameters
+    `collect` returns the same `Layout` for every step whose parameters
     with a gradient (and their param groups) are the same objects, so
     per-layout work (segment tables, dtype/device grouping, fused-kernel
-    eligibility) runs once, not every step. ``cache`` is free for transforms;
+    eligibility) runs once, not every step. `cache` is free for transforms;
     keys should name the transform or helper that owns them.
     """
 
@@ -50,9 +50,9 @@ class Layout:
 class StepContext:
     """What every transform sees of one step.
 
-    ``params`` are the parameters that have a gradient, ordered by param group;
-    ``groups[g]`` is the param-group dict of the tensors ``params[a:b]`` with
-    ``(a, b) = ranges[g]``; ``group_ids[g]`` its index in ``optimizer.param_groups``.
+    `params` are the parameters that have a gradient, ordered by param group;
+    `groups[g]` is the param-group dict of the tensors `params[a:b]` with
+    `(a, b) = ranges[g]`; `group_ids[g]` its index in `optimizer.param_groups`.
     """
 
     def __init__(self, params, groups, group_ids, ranges, names, host: StateHost, stats: dict):
@@ -64,14 +64,14 @@ class StepContext:
         self.host = host
         self.stats = stats
         self._token: int | None = None
-        #: cached facts about this set of parameters (set by ``collect``; None for ad-hoc contexts)
+        #: cached facts about this set of parameters (set by `collect`; None for ad-hoc contexts)
         self.layout: Layout | None = None
         # the deferred scale (see DeferredScale): run by the runner (modopt.core.transform.run_sequence)
         self._pending: DeferredScale | None = None  # deferred, not yet handed to anyone
         self._incoming: DeferredScale | None = None  # handed to the running transform
         self._may_defer = False  # the running transform may defer (a later one folds)
         self._states: list[dict] | None = None
-        #: the step's per-tensor norm memo (``modopt.core.scope.NormMemo``), owned by the runner; None ad hoc
+        #: the step's per-tensor norm memo (`modopt.core.scope.NormMemo`), owned by the runner; None ad hoc
         self.norm_memo = None
 
     @property
@@ -82,7 +82,7 @@ class StepContext:
         return self._token
 
     def param_states(self) -> list[dict]:
-        """``host.state[p]`` for every parameter of the step (looked up once per step)."""
+        """`host.state[p]` for every parameter of the step (looked up once per step)."""
         if self._states is None:
             state = self.host.state
             self._states = [state[p] for p in self.params]
@@ -96,12 +96,12 @@ class StepContext:
     # ``Scoped.scale_`` (which defers when the runner allows it) and, when they
     # declare ``folds_scale``, read `incoming_scale` and ``take`` or ``apply`` it.
     def defer_scale(self, ranges: list[tuple[int, int]], scales: list[torch.Tensor]) -> bool:
-        """Record ``updates[a:b] *= scales[s]`` for ``(a, b) = ranges[s]`` without doing it, if allowed.
+        """Record `updates[a:b] *= scales[s]` for `(a, b) = ranges[s]` without doing it, if allowed.
 
         Returns False (and records nothing) unless the runner allows the running
-        transform to defer: a later transform declares ``folds_scale`` and only
+        transform to defer: a later transform declares `folds_scale` and only
         transforms that neither read nor write the updates stand between them.
-        The caller then multiplies the updates itself (``Scoped.scale_`` does
+        The caller then multiplies the updates itself (`Scoped.scale_` does
         both). Never call it for a scale that does not cover every tensor of a range.
         """
         if not self._may_defer or self._pending is not None:
@@ -112,12 +112,12 @@ class StepContext:
     @property
     def incoming_scale(self) -> "DeferredScale | None":
         """The scale deferred to the running transform (only a transform that declares
-        ``folds_scale`` ever sees one). It must `take()` it (and fold it into
+        `folds_scale` ever sees one). It must `take()` it (and fold it into
         its arithmetic) or `apply(updates)` it; the runner checks."""
         return self._incoming
 
     def _apply_pending(self, updates: list[torch.Tensor]) -> None:
-        """(runner) Multiply a pending scale into ``updates``."""
+        """(runner) Multiply a pending scale into `updates`."""
         pend, self._pending = self._pending, None
         if pend is not None:
             pend.apply(updates)
@@ -125,25 +125,25 @@ class StepContext:
                 self.norm_memo.clear()
 
     def write_updates(self, updates: list[torch.Tensor]) -> None:
-        """``p -= update`` for every parameter of the step (a pending scale multiplied in first)."""
+        """`p -= update` for every parameter of the step (a pending scale multiplied in first)."""
         self._apply_pending(updates)
         if self.params:
             torch._foreach_sub_(self.params, updates)
 
     def per_group(self):
-        """``(group, a, b)`` for each param group of the step."""
+        """`(group, a, b)` for each param group of the step."""
         for g, (a, b) in zip(self.groups, self.ranges):
             yield g, a, b
 
 
 class DeferredScale:
-    """``updates[a:b] *= values[s]`` for ``(a, b) = ranges[s]``, not yet done.
+    """`updates[a:b] *= values[s]` for `(a, b) = ranges[s]`, not yet done.
 
     A transform whose last act is such a multiplication (a clip, through
-    ``Scoped.scale_``) may leave it to the next transform that can fold it into
-    its own arithmetic (a fused optimizer's ``grad_scale``, a normalization's
+    `Scoped.scale_`) may leave it to the next transform that can fold it into
+    its own arithmetic (a fused optimizer's `grad_scale`, a normalization's
     factor): the updates are then read and written once fewer. The transform
-    that receives it (``ctx.incoming_scale``) either calls `take()`,
+    that receives it (`ctx.incoming_scale`) either calls `take()`,
     promising to fold it, or `apply(updates)`.
     """
 
@@ -155,14 +155,14 @@ class DeferredScale:
         self.state = "pending"
 
     def for_range(self, a: int, b: int) -> torch.Tensor | None:
-        """The 0-d scale of ``updates[a:b]`` when one value covers all of them, else None."""
+        """The 0-d scale of `updates[a:b]` when one value covers all of them, else None."""
         for (lo, hi), s in zip(self.ranges, self.values):
             if lo <= a and b <= hi:
                 return s
         return None
 
     def per_tensor(self, n: int) -> list[torch.Tensor] | None:
-        """The scale of each of ``n`` tensors (None if the ranges do not cover exactly ``n``)."""
+        """The scale of each of `n` tensors (None if the ranges do not cover exactly `n`)."""
         vals: list[torch.Tensor] = []
         for (a, b), v in zip(self.ranges, self.values):
             vals.extend([v] * (b - a))
@@ -174,7 +174,7 @@ class DeferredScale:
         return self
 
     def apply(self, updates: list[torch.Tensor]) -> None:
-        """Multiply the scale into ``updates`` (in place)."""
+        """Multiply the scale into `updates` (in place)."""
         for (a, b), s in zip(self.ranges, self.values):
             if b > a:
                 torch._foreach_mul_(updates[a:b], s.to(updates[a].device))
@@ -201,12 +201,12 @@ class TransformState:
         return self.host.runtime_store(self.key)
 
     def record(self, name: str, value: torch.Tensor) -> None:
-        """Telemetry for ``opt.stats`` (tensors; never synchronises)."""
+        """Telemetry for `opt.stats` (tensors; never synchronises)."""
         self.ctx.stats[f"{self.key}.{name}"] = value
 
     # --- per-parameter buffers --------------------------------------------
     def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-        """The buffer ``name`` of each parameter of the step, created by ``init(i, p)`` when missing."""
+        """The buffer `name` of each parameter of the step, created by `init(i, p)` when missing."""
         k = f"{self.key}.{name}"
         states = self.ctx.param_states()
         try:
@@ -227,7 +227,7 @@ class TransformState:
 
     # --- per-segment values (scope-aware) ---------------------------------
     def seg_get(self, seg: "Segments", name: str, init: float, dtype=torch.float32) -> "Stat":
-        """A saved per-segment value (see :mod:`modopt.core.scope`), ``init`` where new."""
+        """A saved per-segment value (see `modopt.core.scope`), `init` where new."""
         device = self.ctx.params[0].device if self.ctx.params else torch.device("cpu")
         if seg.kind == "global":
             v = self.store.get(name)
@@ -249,7 +249,7 @@ class TransformState:
         return self.buffers(name, lambda i, p: torch.full(shapes[i], init, dtype=dtype, device=p.device))
 
     def seg_set(self, seg: "Segments", name: str, value: "Stat") -> None:
-        """Save per-segment values read by :meth:`seg_get`."""
+        """Save per-segment values read by `seg_get()`."""
         if seg.kind == "global":
             self.store[name] = value.reshape(())
         elif seg.kind == "group":

@@ -2,9 +2,9 @@
 
 A transform is a frozen pydantic model: its fields are its hyperparameters and
 nothing else. It never holds state; per-step it receives the list of updates of
-the parameters that have a gradient, a :class:`~modopt.core.state.StepContext`
-and a :class:`~modopt.core.state.TransformState` (its slice of the optimizer's
-state), and returns the new list of updates (``None`` stops the chain for this
+the parameters that have a gradient, a `StepContext`
+and a `TransformState` (its slice of the optimizer's
+state), and returns the new list of updates (`None` stops the chain for this
 step: nothing after it runs and the parameters do not move).
 """
 
@@ -35,7 +35,7 @@ def to_plain(value: Any) -> Any:
 
 
 def did_you_mean(name: Any, candidates: Any) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``candidates`` to ``name``, or ``""``."""
+    """`" (did you mean 'x'?)"` for the closest of `candidates` to `name`, or `""`."""
     import difflib
 
     if not isinstance(name, str):
@@ -49,7 +49,7 @@ def did_you_mean(name: Any, candidates: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """``a`` is the default ``b`` (1 and 1.0 are the same number; True is not 1)."""
+    """`a` is the default `b` (1 and 1.0 are the same number; True is not 1)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -61,9 +61,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _named_error(cls_name: str, e: ValidationError) -> ValidationError:
-    """``e`` retitled so that its first line names the transform and fields as ``modopt validate`` does.
+    """`e` retitled so that its first line names the transform and fields as `modopt validate` does.
 
-    Still a ``pydantic.ValidationError`` with the same errors (type, location, message, input).
+    Still a `pydantic.ValidationError` with the same errors (type, location, message, input).
     """
     errors = e.errors(include_url=False)
     parts = []
@@ -89,7 +89,7 @@ def _example_kwargs(cls: type) -> str:
 
 
 def _check_positional(cls: type) -> None:
-    """A concrete transform states its positional field (``positional = "x"`` or ``None``)."""
+    """A concrete transform states its positional field (`positional = "x"` or `None`)."""
     declared = next(
         (k for k in cls.__mro__ if k is not Transform and issubclass(k, Transform) and "positional" in k.__dict__), None
     )
@@ -114,32 +114,32 @@ class Transform(BaseModel):
     """Base class of every modopt module.
 
     Subclasses declare their hyperparameters as pydantic fields and implement
-    :meth:`apply`. Every concrete subclass is registered under its class name.
+    `apply()`. Every concrete subclass is registered under its class name.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    #: the one field that may be given positionally (``mo.ClipNorm(1.0)``), or None for none.
+    #: the one field that may be given positionally (`mo.ClipNorm(1.0)`), or None for none.
     #: Every concrete transform states it (in its own body or a base class's other than
-    #: ``Transform``): forgetting it is an error when the class is defined.
+    #: `Transform`): forgetting it is an error when the class is defined.
     positional: ClassVar[str | None]
     #: fields exposed as param-group keys (so torch schedulers can drive them)
     group_keys: ClassVar[tuple[str, ...]] = ()
     #: True for transforms that produce the step itself (they carry the learning rate)
     is_optimizer: ClassVar[bool] = False
-    #: False for transforms that cannot run in front of another optimizer (``mo.attach``)
+    #: False for transforms that cannot run in front of another optimizer (`mo.attach`)
     attachable: ClassVar[bool] = True
-    #: what ``apply`` does to the updates, for the runner's deferred scale and norm memo:
-    #: ``"rewrite"`` (default: anything), ``"scale"`` (only multiplies them, through
-    #: ``Scoped.scale_``), ``"read"`` (reads, never writes), ``"none"`` (neither reads nor
+    #: what `apply` does to the updates, for the runner's deferred scale and norm memo:
+    #: `"rewrite"` (default: anything), `"scale"` (only multiplies them, through
+    #: `Scoped.scale_`), `"read"` (reads, never writes), `"none"` (neither reads nor
     #: writes them: a deferred scale passes by it to the next transform)
     update_access: ClassVar[Literal["rewrite", "scale", "read", "none"]] = "rewrite"
     #: whether it folds a per-segment scale deferred by the transform before it (see
-    #: ``modopt.core.state.DeferredScale``): False (default: the runner multiplies the scale
-    #: into the updates before this transform runs), True (``apply`` receives it as
-    #: ``ctx.incoming_scale``), or ``"final"`` (only ``apply_final`` does, as the last
-    #: transform; if ``apply_final`` declines, the runner multiplies it in and calls ``apply``).
-    #: A transform that receives a scale must ``take()`` or ``apply()`` it, or the step raises.
+    #: `modopt.core.state.DeferredScale`): False (default: the runner multiplies the scale
+    #: into the updates before this transform runs), True (`apply` receives it as
+    #: `ctx.incoming_scale`), or `"final"` (only `apply_final` does, as the last
+    #: transform; if `apply_final` declines, the runner multiplies it in and calls `apply`).
+    #: A transform that receives a scale must `take()` or `apply()` it, or the step raises.
     folds_scale: ClassVar[bool | Literal["final"]] = False
     _abstract: ClassVar[bool] = True
 
@@ -174,7 +174,7 @@ class Transform(BaseModel):
 
     @classmethod
     def _positional_field(cls) -> str | None:
-        """The field given positionally (``positional``), or None."""
+        """The field given positionally (`positional`), or None."""
         return cls.positional
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -196,7 +196,7 @@ class Transform(BaseModel):
         super().__setattr__(name, value)
 
     def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "Transform":
-        """A copy; with ``update``, a new transform whose changed fields are validated like a constructor's."""
+        """A copy; with `update`, a new transform whose changed fields are validated like a constructor's."""
         if not update:
             return super().model_copy(deep=deep)
         unknown = sorted(set(update) - set(type(self).model_fields))
@@ -211,7 +211,7 @@ class Transform(BaseModel):
         return new.model_copy(deep=True) if deep else new
 
     def _copy_context(self):
-        """Context in which :meth:`model_copy` rebuilds this transform (``TorchOptimizer`` keeps its class)."""
+        """Context in which `model_copy()` rebuilds this transform (`TorchOptimizer` keeps its class)."""
         import contextlib
 
         return contextlib.nullcontext()
@@ -227,7 +227,7 @@ class Transform(BaseModel):
         return order + [n for n in cls.model_fields if n not in order]
 
     def __repr_args__(self):
-        """Only the fields that differ from their defaults: ``ClipNorm(max_norm=1.0)``, ``Adam()``."""
+        """Only the fields that differ from their defaults: `ClipNorm(max_norm=1.0)`, `Adam()`."""
         for name in self.field_order():
             value = getattr(self, name)
             info = type(self).model_fields[name]
@@ -250,7 +250,7 @@ class Transform(BaseModel):
     def apply(
         self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]
     ) -> list["torch.Tensor"] | None:
-        """Return the new updates (may modify ``updates`` in place), or None to stop this step."""
+        """Return the new updates (may modify `updates` in place), or None to stop this step."""
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
     def apply_final(self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]) -> bool:
@@ -268,7 +268,7 @@ class Transform(BaseModel):
 
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """``{"type": name, field: value, ...}`` as plain data (every field, defaults included)."""
+        """`{"type": name, field: value, ...}` as plain data (every field, defaults included)."""
         data = {"type": type(self).__name__}
         for name in self.field_order():
             data[name] = to_plain(getattr(self, name))
@@ -280,7 +280,7 @@ class Transform(BaseModel):
 
 
 def _coerce_transform(value: Any) -> Any:
-    """Turn ``{"type": ..., ...}`` into the registered transform (nested errors keep their location)."""
+    """Turn `{"type": ..., ...}` into the registered transform (nested errors keep their location)."""
     if isinstance(value, Transform) or not isinstance(value, dict):
         return value
     if "type" not in value:
@@ -307,7 +307,7 @@ TransformField = Annotated[
 class Chain(Transform):
     """Run transforms in order; a chain is itself a transform and may be nested.
 
-    ``mo.Chain(mo.ClipNorm(1.0), mo.Normalize())``
+    `mo.Chain(mo.ClipNorm(1.0), mo.Normalize())`
     """
 
     transforms: list[TransformField] = Field(default_factory=list)
@@ -340,7 +340,7 @@ class Chain(Transform):
 
 
 def _scale_mode(t: Transform, final: bool) -> str:
-    """How the runner treats a deferred scale at ``t``: ``"fold"``, ``"pass"`` (by it) or ``"apply"`` (first)."""
+    """How the runner treats a deferred scale at `t`: `"fold"`, `"pass"` (by it) or `"apply"` (first)."""
     if t.update_access == "none":
         return "pass"
     f = t.folds_scale
@@ -348,22 +348,22 @@ def _scale_mode(t: Transform, final: bool) -> str:
 
 
 def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, final: bool) -> list | None:
-    """Run ``transforms`` in order; with ``final`` the last one writes the parameters.
+    """Run `transforms` in order; with `final` the last one writes the parameters.
 
-    Returns the updates (not ``final``), or None when a transform stopped the
+    Returns the updates (not `final`), or None when a transform stopped the
     step or the parameters were written.
 
     This runner owns two things no transform handles by hand:
 
     * the deferred scale: a transform may defer its closing multiplication
-      (``Scoped.scale_``) only when the next transform that touches the updates
-      declares ``folds_scale``; that one receives it (``ctx.incoming_scale``)
+      (`Scoped.scale_`) only when the next transform that touches the updates
+      declares `folds_scale`; that one receives it (`ctx.incoming_scale`)
       and must take or apply it; for every other transform the runner
-      multiplies it in first; transforms with ``update_access="none"`` let it
+      multiplies it in first; transforms with `update_access="none"` let it
       pass by;
-    * the step's norm memo (``ctx.norm_memo``): emptied after every transform
+    * the step's norm memo (`ctx.norm_memo`): emptied after every transform
       that may have written the updates, kept only across transforms that
-      provably did not (``update_access`` ``"read"``/``"none"``, or ``"scale"``
+      provably did not (`update_access` `"read"`/`"none"`, or `"scale"`
       whose scale was deferred).
     """
     n = len(transforms)
@@ -412,7 +412,7 @@ def _check_taken(t: Transform, incoming, where: str) -> None:
 
 
 def _after(t: Transform, ctx: "StepContext", incoming) -> None:
-    """Empty the norm memo unless ``t`` provably left the updates as they were."""
+    """Empty the norm memo unless `t` provably left the updates as they were."""
     memo = ctx.norm_memo
     if memo is None or not len(memo):
         return
@@ -425,7 +425,7 @@ def _after(t: Transform, ctx: "StepContext", incoming) -> None:
 
 
 def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list, mode: str) -> None:
-    """Run ``t`` as the last transform; write ``p -= update`` unless it fused the write."""
+    """Run `t` as the last transform; write `p -= update` unless it fused the write."""
     incoming = ctx._incoming
     if t.apply_final(ctx, st, updates):
         _check_taken(t, incoming, "apply_final")

@@ -2,7 +2,7 @@
 
 Readable, one segment at a time, written for clarity rather than speed. It
 documents the math and is the oracle of the runtime tests. One file per
-family, mirroring ``modopt/transforms``.
+family, mirroring `modopt/transforms`.
 """
 
 from . import adaptive, agc, core, ema, growth, guards, percentile, scope, stats

@@ -57,7 +57,7 @@ CRITERIA = {"ema": (ema_threshold, ema_update), "zstat": (zstat_threshold, zstat
 
 
 def _scale_to(g, c, eps):
-    """``c / (g + eps)`` when it is below 1, else 1."""
+    """`c / (g + eps)` when it is below 1, else 1."""
     if g + eps == 0:
         return 1.0
     r = c / (g + eps)
@@ -152,7 +152,7 @@ class ZClip:
 
 
 def percentile_linear(values, q):
-    """The ``q``-th percentile (0..100) of a list with linear interpolation (numpy's default)."""
+    """The `q`-th percentile (0..100) of a list with linear interpolation (numpy's default)."""
     xs = sorted(values)
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)

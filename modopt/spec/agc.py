@@ -16,7 +16,7 @@ def units(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def agc(updates, params, clipping=0.01, eps=1e-3, skip=()):
-    """``skip``: indices of tensors left alone (excluded by name)."""
+    """`skip`: indices of tensors left alone (excluded by name)."""
     out = [u.detach().to(torch.float64).clone() for u in updates]
     for i, (u, p) in enumerate(zip(out, params)):
         if i in skip:

@@ -1,7 +1,7 @@
 """Spec of the EMA family (float64, one segment at a time, state kept on the spec object).
 
-Each class is built with the fields of its transform and ``group_of`` (the
-param group of each tensor); ``step(updates)`` returns the new updates.
+Each class is built with the fields of its transform and `group_of` (the
+param group of each tensor); `step(updates)` returns the new updates.
 """
 
 from __future__ import annotations

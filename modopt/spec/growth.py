@@ -1,8 +1,8 @@
 """Spec of the growth family (float64, one segment / element at a time).
 
-``r`` is the remembered size of the previous output update. Step 1 passes
-through with ``r = max(size, min_value)``; later steps allow
-``A = min(r + add, r * mul)`` and remember ``max(size_out, r / max_decay, min_value)``.
+`r` is the remembered size of the previous output update. Step 1 passes
+through with `r = max(size, min_value)`; later steps allow
+`A = min(r + add, r * mul)` and remember `max(size_out, r / max_decay, min_value)`.
 Non-finite sizes are never remembered.
 """
 

@@ -16,7 +16,7 @@ def zero_nonfinite(updates):
 
 
 class Accumulate:
-    """``step`` returns None on the first ``steps - 1`` calls of each cycle, then the mean of the cycle."""
+    """`step` returns None on the first `steps - 1` calls of each cycle, then the mean of the cycle."""
 
     def __init__(self, steps):
         self.steps = steps

@@ -1,9 +1,9 @@
 """Spec of scopes: split tensors into segments, as flat float64 vectors.
 
 Written for clarity, independently of the runtime's reductions: each segment
-is a list of ``(tensor index, flat element indices)``; its values are gathered
+is a list of `(tensor index, flat element indices)`; its values are gathered
 into one float64 vector, a rule maps that vector to a new one, and the result
-is scattered back. Segments with fewer than ``min_size`` elements are left as
+is scattered back. Segments with fewer than `min_size` elements are left as
 they are.
 """
 
@@ -33,7 +33,7 @@ def reduce_dims(ndim: int, dim, inverse_dims: bool) -> list[int]:
 
 
 def tensor_slices(shape, dims: list[int]) -> list[torch.Tensor]:
-    """Flat element indices of every slice spanning ``dims`` of a tensor of ``shape``."""
+    """Flat element indices of every slice spanning `dims` of a tensor of `shape`."""
     numel = math.prod(shape)
     flat = torch.arange(numel).reshape(shape)
     keep = [d for d in range(len(shape)) if d not in dims]
@@ -75,7 +75,7 @@ def scatter(out, seg: Segment, values: torch.Tensor) -> None:
 def map_segments(
     tensors, group_of, scope, dim, inverse_dims, min_size, rule: Callable[[int, torch.Tensor], torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Apply ``rule(segment number, values)`` to every segment with at least ``min_size`` elements."""
+    """Apply `rule(segment number, values)` to every segment with at least `min_size` elements."""
     out = [t.detach().to(torch.float64).clone() for t in tensors]
     for s, seg in enumerate(segments(tensors, group_of, scope, dim, inverse_dims)):
         x = gather(out, seg)

@@ -1,4 +1,4 @@
-"""Spec of the ``ord`` statistics on a flat float64 vector."""
+"""Spec of the `ord` statistics on a flat float64 vector."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ NAMED = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf
 
 
 def stat(x: torch.Tensor, ord) -> torch.Tensor:
-    """The statistic named by ``ord`` of the vector ``x`` (float64)."""
+    """The statistic named by `ord` of the vector `x` (float64)."""
     x = x.to(torch.float64)
     ord = NAMED.get(ord, ord)
     n = x.numel()

@@ -12,25 +12,27 @@ from ..core.transform import Transform
 
 
 class Accumulate(Transform):
-    r"""Average the updates of ``steps`` calls; only every ``steps``-th call goes on.
+    r"""Average the updates of `steps` calls; only every `steps`-th call goes on.
 
-    .. math::
-        s \leftarrow s + u; \quad \text{on call } k\,\text{steps}:\; u \leftarrow s / \text{steps},\; s \leftarrow 0
+    $$
+    s \leftarrow s + u; \quad \text{on call } k\,\text{steps}:\; u \leftarrow s / \text{steps},\; s \leftarrow 0
+    $$
 
     On the other calls it returns None: the transforms after it do not run and
     the parameters do not move. Put it first to accumulate gradients, then call
-    ``opt.step()`` after every micro-batch. Sums are kept in at least float32;
+    `opt.step()` after every micro-batch. Sums are kept in at least float32;
     a parameter without a gradient on some call contributes zero for that call.
     A parameter without a gradient on the final call of a cycle does not move
-    (as with torch, which skips parameters whose ``.grad`` is None), and what it
+    (as with torch, which skips parameters whose `.grad` is None), and what it
     accumulated earlier in the cycle is dropped: every cycle's sums are cleared
     at its end, so nothing leaks into the next cycle.
     A step skipped by the non-finite policy is not a call. Count LR-scheduler
-    steps accordingly (they see every micro-step). ``Accumulate`` cannot be
-    used with :func:`modopt.attach` (a pre-hook cannot stop the optimizer).
+    steps accordingly (they see every micro-step). `Accumulate` cannot be
+    used with `modopt.attach()` (a pre-hook cannot stop the optimizer).
 
-    Reproduces shrew's ``GradAccumulator`` and optax's ``MultiSteps``.
+    Reproduces shrew's `GradAccumulator` and optax's `MultiSteps`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(1))
     >>> opt = mo.Modular([p], mo.Accumulate(2), mo.SGD(lr=1.0))
@@ -38,6 +40,8 @@ class Accumulate(Transform):
     tensor([0.])
     >>> p.grad = torch.tensor([3.0]); opt.step(); p.data       # the mean, 2
     tensor([-2.])
+
+    ```
     """
 
     positional = "steps"

@@ -1,12 +1,12 @@
 """Statistical clipping: thresholds learned from the history of the update's norm.
 
-``HistClip`` (drytorch's ``HistClipper`` / ``ParamHistClipper``) with its
-criteria ``EMACriterion`` and ``ZStatCriterion``; ``ZClip`` (the ``zclip``
-package); ``AutoClip`` (Seetharaman et al. 2020); and ``ZScoreNormalize``
-(drytorch's ``GradZScoreNormalizer``).
+`HistClip` (drytorch's `HistClipper` / `ParamHistClipper`) with its
+criteria `EMACriterion` and `ZStatCriterion`; `ZClip` (the `zclip`
+package); `AutoClip` (Seetharaman et al. 2020); and `ZScoreNormalize`
+(drytorch's `GradZScoreNormalizer`).
 
 All statistics live in the optimizer's state, one set per segment of the
-scope (``seg_get``/``seg_set``), as tensors: warm-up counters included, so a
+scope (`seg_get`/`seg_set`), as tensors: warm-up counters included, so a
 step never synchronises with the host. Warm-up statistics are accumulated with
 Welford's running mean / sum of squares (no history buffer). A non-finite norm
 never enters any statistic and does not count as a warm-up step.
@@ -35,14 +35,14 @@ def _ones(x: torch.Tensor) -> torch.Tensor:
 
 
 class EMACriterion(BaseModel):
-    r"""Trigger when the norm exceeds ``r_thresh`` times its EMA (drytorch's ``EMACriterion``).
+    r"""Trigger when the norm exceeds `r_thresh` times its EMA (drytorch's `EMACriterion`).
 
-    With ``mu`` the EMA of past norms and ``g`` the current norm: triggers when
-    ``mu > 0`` and ``g / mu > r_thresh``, and clips to ``mu * f(g / mu, r_thresh)``
-    with ``f`` = ``max``: ``r_thresh``; ``reciprocal``: ``r_thresh**2 / (g/mu)``;
-    ``mean``: 1 (clip to ``mu``; drytorch clips to zero there). Statistics:
-    ``mu <- alpha*mu + (1-alpha)*x``. Defaults: ``alpha=0.98``, ``r_thresh=1.05``,
-    ``rule="max"``.
+    With `mu` the EMA of past norms and `g` the current norm: triggers when
+    `mu > 0` and `g / mu > r_thresh`, and clips to `mu * f(g / mu, r_thresh)`
+    with `f` = `max`: `r_thresh`; `reciprocal`: `r_thresh**2 / (g/mu)`;
+    `mean`: 1 (clip to `mu`; drytorch clips to zero there). Statistics:
+    `mu <- alpha*mu + (1-alpha)*x`. Defaults: `alpha=0.98`, `r_thresh=1.05`,
+    `rule="max"`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -53,7 +53,7 @@ class EMACriterion(BaseModel):
     rule: Rule = "max"
 
     def threshold(self, mu: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(triggered, clip value)`` for the norm ``g`` given the statistics."""
+        """`(triggered, clip value)` for the norm `g` given the statistics."""
         safe_mu = torch.where(mu > 0, mu, _ones(mu))
         r = g / safe_mu
         t = self.r_thresh
@@ -66,20 +66,20 @@ class EMACriterion(BaseModel):
         return (mu > 0) & (r > t), mu * f
 
     def update(self, mu: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Statistics after observing ``x`` (``v`` is not used by this criterion)."""
+        """Statistics after observing `x` (`v` is not used by this criterion)."""
         return self.alpha * mu + (1 - self.alpha) * x, v
 
 
 class ZStatCriterion(BaseModel):
-    r"""Trigger on the z-score of the norm (drytorch's ``ZStatCriterion``; ZClip's rule).
+    r"""Trigger on the z-score of the norm (drytorch's `ZStatCriterion`; ZClip's rule).
 
-    ``z = (g - mu) / (sqrt(v) + 1e-8)``; triggers when ``mu > 0`` and
-    ``|z| > z_thresh`` (``z > z_thresh`` when not ``two_sided``); clips to
-    ``mu + f(|z|, z_thresh) * sqrt(v)`` with ``f`` = ``max``: ``z_thresh``;
-    ``reciprocal``: ``z_thresh**2 / |z|``; ``mean``: 0. Statistics, variance
-    first (it uses the old mean): ``v <- alpha*v + (1-alpha)*(x - mu)**2``,
-    ``mu <- alpha*mu + (1-alpha)*x``. Defaults: ``alpha=0.97``, ``z_thresh=2.5``,
-    ``rule="reciprocal"``, ``two_sided=True``.
+    `z = (g - mu) / (sqrt(v) + 1e-8)`; triggers when `mu > 0` and
+    `|z| > z_thresh` (`z > z_thresh` when not `two_sided`); clips to
+    `mu + f(|z|, z_thresh) * sqrt(v)` with `f` = `max`: `z_thresh`;
+    `reciprocal`: `z_thresh**2 / |z|`; `mean`: 0. Statistics, variance
+    first (it uses the old mean): `v <- alpha*v + (1-alpha)*(x - mu)**2`,
+    `mu <- alpha*mu + (1-alpha)*x`. Defaults: `alpha=0.97`, `z_thresh=2.5`,
+    `rule="reciprocal"`, `two_sided=True`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -91,7 +91,7 @@ class ZStatCriterion(BaseModel):
     two_sided: bool = True
 
     def threshold(self, mu: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(triggered, clip value)`` for the norm ``g`` given the statistics."""
+        """`(triggered, clip value)` for the norm `g` given the statistics."""
         sd = v.clamp(min=0).sqrt()
         z = (g - mu) / (sd + 1e-8)
         za = z.abs() if self.two_sided else z
@@ -105,12 +105,12 @@ class ZStatCriterion(BaseModel):
         return (mu > 0) & (za > t), mu + f * sd
 
     def update(self, mu: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Statistics after observing ``x``: the variance moves first, around the old mean."""
+        """Statistics after observing `x`: the variance moves first, around the old mean."""
         a = self.alpha
         return a * mu + (1 - a) * x, a * v + (1 - a) * (x - mu).square()
 
 
-#: a HistClip criterion, chosen in configs by its ``kind`` (``ema`` or ``zstat``)
+#: a HistClip criterion, chosen in configs by its `kind` (`ema` or `zstat`)
 Criterion = Annotated[Union[EMACriterion, ZStatCriterion], Field(discriminator="kind")]
 
 
@@ -119,7 +119,7 @@ def _stat_dtype(stat) -> torch.dtype:
 
 
 def _welford(n, mean, m2, g, ok):
-    """One warm-up observation: count, running mean and sum of squared deviations (``g`` only where ``ok``)."""
+    """One warm-up observation: count, running mean and sum of squared deviations (`g` only where `ok`)."""
     n1 = n + ok.to(n.dtype)
     delta = torch.where(ok, g - mean, torch.zeros_like(mean))
     mean1 = mean + delta / n1.clamp(min=1)
@@ -138,24 +138,25 @@ def _finish(t, ctx, st, seg, updates, g, scale, saved: dict, **telemetry):
 
 
 class HistClip(Scoped):
-    r"""Clip the norm when it is an outlier of its own history (drytorch's ``HistClipper``).
+    r"""Clip the norm when it is an outlier of its own history (drytorch's `HistClipper`).
 
-    Warm-up: the first ``warmup_steps`` steps record the pre-clip norm ``g`` and
-    clip it to ``warmup_max_norm`` (None: no clip); then the statistics start
-    from the recorded norms (``mu`` their mean, ``v`` their variance with
+    Warm-up: the first `warmup_steps` steps record the pre-clip norm `g` and
+    clip it to `warmup_max_norm` (None: no clip); then the statistics start
+    from the recorded norms (`mu` their mean, `v` their variance with
     ddof 1; 1.0 from fewer than 2 norms or a zero variance, as drytorch). After warm-up, when the
-    ``criterion`` triggers, ``u`` is clipped to the criterion's value ``c``
-    (scale ``c / (g + eps)``, never up), and the statistics are updated with
-    ``g`` (``update_stats_with="raw"``, drytorch) or with the clipped norm
-    ``min(g, c)`` (``"clipped"``, ZClip's choice). Initial ``mu = 0``, ``v = 1``.
+    `criterion` triggers, `u` is clipped to the criterion's value `c`
+    (scale `c / (g + eps)`, never up), and the statistics are updated with
+    `g` (`update_stats_with="raw"`, drytorch) or with the clipped norm
+    `min(g, c)` (`"clipped"`, ZClip's choice). Initial `mu = 0`, `v = 1`.
 
-    Defaults: ``criterion=ZStatCriterion()``, ``warmup_steps=20``,
-    ``warmup_max_norm=1.0``, ``update_stats_with="raw"``, ``ord=2``,
-    ``eps=1e-6``, ``scope="global"``. ``scope="tensor"`` is drytorch's
-    ``ParamHistClipper``; ``dim`` gives per-slice statistics.
+    Defaults: `criterion=ZStatCriterion()`, `warmup_steps=20`,
+    `warmup_max_norm=1.0`, `update_stats_with="raw"`, `ord=2`,
+    `eps=1e-6`, `scope="global"`. `scope="tensor"` is drytorch's
+    `ParamHistClipper`; `dim` gives per-slice statistics.
 
-    Telemetry: ``norm``, ``scale``, ``clipped``, ``triggered``, ``mu``, ``v``.
+    Telemetry: `norm`, `scale`, `clipped`, `triggered`, `mu`, `v`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(1))
     >>> clip = mo.HistClip(mo.EMACriterion(r_thresh=2.0), warmup_steps=2, warmup_max_norm=None)
@@ -164,6 +165,8 @@ class HistClip(Scoped):
     ...     p.grad = torch.tensor([g]); opt.step()
     >>> round(float(p.detach()), 4)   # the spike is clipped to 2 * mu = 2
     -4.0
+
+    ```
     """
 
     positional = "criterion"
@@ -221,29 +224,30 @@ class HistClip(Scoped):
 
 
 class ZClip(Scoped):
-    r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the ``zclip`` package.
+    r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the `zclip` package.
 
-    Warm-up: the first ``warmup_steps`` norms set ``mu`` (mean) and
-    ``sigma**2`` (variance, ddof 0). Then, with ``z = (g - mu) / (sigma + eps)``:
+    Warm-up: the first `warmup_steps` norms set `mu` (mean) and
+    `sigma**2` (variance, ddof 0). Then, with `z = (g - mu) / (sigma + eps)`:
 
-    * ``mode="zscore"``: a spike is ``z > z_thresh``; its threshold is
-      ``clip_factor * (mu + z_thresh**2 * sigma / z)`` (``clip_option="adaptive_scaling"``)
-      or ``mu`` (``clip_option="mean"``);
-    * ``mode="percentile"``: a spike is ``g > mu + z_thresh * sigma``, clipped to that.
+    * `mode="zscore"`: a spike is `z > z_thresh`; its threshold is
+      `clip_factor * (mu + z_thresh**2 * sigma / z)` (`clip_option="adaptive_scaling"`)
+      or `mu` (`clip_option="mean"`);
+    * `mode="percentile"`: a spike is `g > mu + z_thresh * sigma`, clipped to that.
 
-    ``max_grad_norm`` (None: off) caps the norm on every step, warm-up
-    included. The statistics then move with the threshold ``c`` on a spike,
-    else with ``g`` (mean first, then ``sigma**2 <- alpha*sigma**2 +
-    (1-alpha)*(x - mu_new)**2``); ``skip_update_on_spike`` leaves them
-    unchanged on spikes. The clip scale is ``c / (g + 1e-6)`` (the package's).
+    `max_grad_norm` (None: off) caps the norm on every step, warm-up
+    included. The statistics then move with the threshold `c` on a spike,
+    else with `g` (mean first, then ``sigma**2 <- alpha*sigma**2 +
+    (1-alpha)*(x - mu_new)**2`); `skip_update_on_spike`` leaves them
+    unchanged on spikes. The clip scale is `c / (g + 1e-6)` (the package's).
 
-    Defaults: ``alpha=0.97``, ``z_thresh=2.5``, ``max_grad_norm=1.0``,
-    ``eps=1e-6``, ``warmup_steps=25``, ``mode="zscore"``,
-    ``clip_option="adaptive_scaling"``, ``clip_factor=1.0``,
-    ``skip_update_on_spike=False``, ``ord=2``, ``scope="global"``.
+    Defaults: `alpha=0.97`, `z_thresh=2.5`, `max_grad_norm=1.0`,
+    `eps=1e-6`, `warmup_steps=25`, `mode="zscore"`,
+    `clip_option="adaptive_scaling"`, `clip_factor=1.0`,
+    `skip_update_on_spike=False`, `ord=2`, `scope="global"`.
 
-    Telemetry: ``norm``, ``scale``, ``clipped``, ``spike``, ``mu``, ``var``.
+    Telemetry: `norm`, `scale`, `clipped`, `spike`, `mu`, `var`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(1))
     >>> opt = mo.Modular([p], mo.ZClip(warmup_steps=3, max_grad_norm=None), mo.LR(1.0))
@@ -251,6 +255,8 @@ class ZClip(Scoped):
     ...     p.grad = torch.tensor([g]); opt.step()
     >>> bool(opt.stats["0:ZClip.spike"][0]), round(float(opt.stats["0:ZClip.scale"][0] * 50), 4)
     (True, 1.0034)
+
+    ```
     """
 
     positional = None
@@ -321,18 +327,19 @@ class ZClip(Scoped):
 class AutoClip(Scoped):
     r"""AutoClip (Seetharaman et al. 2020): clip to a percentile of the history of norms.
 
-    Each step appends the pre-clip norm ``g`` to the history (every step, or
-    the last ``window`` steps), then clips the update to the history's
-    ``percentile``-th percentile ``c`` (linear interpolation, as
-    ``numpy.percentile``): scale ``min(1, c / (g + eps))``. Non-finite norms
-    are kept out of the history. Without ``window`` the history grows by one
-    value per step (and so does the checkpoint); set ``window`` for long runs.
+    Each step appends the pre-clip norm `g` to the history (every step, or
+    the last `window` steps), then clips the update to the history's
+    `percentile`-th percentile `c` (linear interpolation, as
+    `numpy.percentile`): scale `min(1, c / (g + eps))`. Non-finite norms
+    are kept out of the history. Without `window` the history grows by one
+    value per step (and so does the checkpoint); set `window` for long runs.
 
-    Defaults: ``percentile=10``, ``window=None``, ``ord=2``, ``eps=1e-6``,
-    ``scope="global"``. ``dim`` (slice-wise statistics) is not supported.
+    Defaults: `percentile=10`, `window=None`, `ord=2`, `eps=1e-6`,
+    `scope="global"`. `dim` (slice-wise statistics) is not supported.
 
-    Telemetry: ``norm``, ``scale``, ``clipped``, ``threshold``.
+    Telemetry: `norm`, `scale`, `clipped`, `threshold`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(1))
     >>> opt = mo.Modular([p], mo.AutoClip(percentile=50, eps=0.0), mo.LR(1.0))
@@ -340,6 +347,8 @@ class AutoClip(Scoped):
     ...     p.grad = torch.tensor([g]); opt.step()
     >>> float(p.detach())   # 1 + 2 (median of 1, 3) + 3 (median of 1, 3, 8)
     -6.0
+
+    ```
     """
 
     positional = "percentile"
@@ -402,18 +411,21 @@ def _percentile(hist: torch.Tensor, q: float) -> torch.Tensor:
 
 
 class ZScoreNormalize(Scoped):
-    r"""Standardize the update over the scope: :math:`u \leftarrow (u - \bar u) / (\operatorname{std}(u) + \varepsilon)`.
+    r"""Standardize the update over the scope: $u \leftarrow (u - \bar u) / (\operatorname{std}(u) + \varepsilon)$.
 
-    The standard deviation has ddof 1, as drytorch's ``GradZScoreNormalizer``
-    (which it reproduces). Slices with fewer than ``min_size`` (at least 2)
+    The standard deviation has ddof 1, as drytorch's `GradZScoreNormalizer`
+    (which it reproduces). Slices with fewer than `min_size` (at least 2)
     elements are left unchanged instead of becoming NaN; a constant slice
-    becomes zero. Defaults: ``scope="tensor"``, ``eps=1e-8``, ``min_size=2``.
+    becomes zero. Defaults: `scope="tensor"`, `eps=1e-8`, `min_size=2`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(3))
     >>> opt = mo.Modular([p], mo.ZScoreNormalize(eps=0.0), mo.LR(1.0))
     >>> p.grad = torch.tensor([1.0, 2.0, 3.0]); opt.step(); p.data
     tensor([ 1.,  0., -1.])
+
+    ```
     """
 
     positional = None

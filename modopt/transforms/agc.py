@@ -20,31 +20,35 @@ def unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
 class AGC(Transform):
     r"""Adaptive gradient clipping: clip each unit's update relative to its weight's norm.
 
-    For each output unit ``i`` (the slice along dim 0 of a tensor with 2+ dims,
-    the whole tensor for biases and scalars), with ``W`` the parameter:
+    For each output unit `i` (the slice along dim 0 of a tensor with 2+ dims,
+    the whole tensor for biases and scalars), with `W` the parameter:
 
-    .. math::
-        \text{if } \|u_i\| > \lambda \max(\|W_i\|, \varepsilon):\quad
-        u_i \leftarrow u_i \, \frac{\lambda \max(\|W_i\|, \varepsilon)}{\max(\|u_i\|, 10^{-6})}
+    $$
+    \text{if } \|u_i\| > \lambda \max(\|W_i\|, \varepsilon):\quad
+    u_i \leftarrow u_i \, \frac{\lambda \max(\|W_i\|, \varepsilon)}{\max(\|u_i\|, 10^{-6})}
+    $$
 
-    ``clipping`` is :math:`\lambda`. ``exclude`` lists ``fnmatch`` patterns of
+    `clipping` is $\lambda$. `exclude` lists `fnmatch` patterns of
     parameter names left unclipped (the paper leaves the final classifier
-    alone); names come from ``Modular(model.named_parameters(), ...)``, and a
-    non-empty ``exclude`` with unnamed parameters is an error. ``exclude`` is a
-    shorthand of ``mo.Masked(mo.AGC(...), where=mo.Select(exclude=[...]))``
-    (same patterns, same matcher); use ``Masked`` for any other selection. Defaults:
-    ``clipping=0.01``, ``eps=1e-3``, ``exclude=None`` (same as ``[]``: nothing excluded). Reproduces AGC of
+    alone); names come from `Modular(model.named_parameters(), ...)`, and a
+    non-empty `exclude` with unnamed parameters is an error. `exclude` is a
+    shorthand of `mo.Masked(mo.AGC(...), where=mo.Select(exclude=[...]))`
+    (same patterns, same matcher); use `Masked` for any other selection. Defaults:
+    `clipping=0.01`, `eps=1e-3`, `exclude=None` (same as `[]`: nothing excluded). Reproduces AGC of
     "High-Performance Large-Scale Image Recognition Without Normalization"
-    (Brock et al. 2021) and timm's ``adaptive_clip_grad``.
+    (Brock et al. 2021) and timm's `adaptive_clip_grad`.
 
-    Telemetry: ``clipped`` (any unit clipped) and ``clipped_units``.
+    Telemetry: `clipped` (any unit clipped) and `clipped_units`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> lin = torch.nn.Linear(2, 1, bias=False)
     >>> lin.weight.data = torch.tensor([[3.0, 4.0]])
     >>> opt = mo.Modular(lin.named_parameters(), mo.AGC(clipping=0.1), mo.LR(1.0))
     >>> lin.weight.grad = torch.tensor([[6.0, 8.0]]); opt.step(); lin.weight.data   # |u| 10 -> 0.1 * 5
     tensor([[2.7000, 3.6000]])
+
+    ```
     """
 
     positional = "clipping"

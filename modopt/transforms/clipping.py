@@ -1,4 +1,4 @@
-"""Clipping by value and by norm (torchzero's family; torch's ``clip_grad_norm_``)."""
+"""Clipping by value and by norm (torchzero's family; torch's `clip_grad_norm_`)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,26 @@ from ..core.transform import Transform
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float, eps: float) -> torch.Tensor:
-    """``min(1, max_norm / (|norm| + eps))``: never scales up; a zero norm gives 1."""
+    """`min(1, max_norm / (|norm| + eps))`: never scales up; a zero norm gives 1."""
     return torch.clamp(max_norm / (norm.abs() + eps), max=1.0)
 
 
 class ClipValue(Transform):
-    r"""Clamp every element of the update to ``[-value, value]``.
+    r"""Clamp every element of the update to `[-value, value]`.
 
-    .. math:: u \leftarrow \operatorname{clamp}(u, -v, v)
+    $$
+    u \leftarrow \operatorname{clamp}(u, -v, v)
+    $$
 
-    Reproduces ``torch.nn.utils.clip_grad_value_`` and torchzero's ``ClipValue``.
+    Reproduces `torch.nn.utils.clip_grad_value_` and torchzero's `ClipValue`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(3)); p.grad = torch.tensor([-3.0, 0.5, 2.0])
     >>> opt = mo.Modular([p], mo.ClipValue(1.0), mo.LR(1.0)); opt.step(); p.data
     tensor([ 1.0000, -0.5000, -1.0000])
+
+    ```
     """
 
     positional = "value"
@@ -49,7 +54,7 @@ _BIG = 1 << 16
 
 
 def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``updates`` split into large tensors and the rest (the split is cached per layout)."""
+    """`updates` split into large tensors and the rest (the split is cached per layout)."""
     cache = ctx.layout.cache if ctx.layout is not None and len(ctx.layout.params) == len(updates) else None
     idx = cache.get("big_tensors") if cache is not None else None
     if idx is None:
@@ -65,21 +70,26 @@ def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor]
 
 
 class ClipNorm(Scoped):
-    r"""Scale the update down so that its ``ord`` norm over the scope is at most ``max_norm``.
+    r"""Scale the update down so that its `ord` norm over the scope is at most `max_norm`.
 
-    .. math:: u \leftarrow u \cdot \min\Big(1, \frac{\text{max\_norm}}{n(u) + \varepsilon}\Big)
+    $$
+    u \leftarrow u \cdot \min\Big(1, \frac{\text{max\_norm}}{n(u) + \varepsilon}\Big)
+    $$
 
-    Defaults: ``ord=2``, ``scope="global"``, ``eps=1e-6``. With these it equals
-    ``torch.nn.utils.clip_grad_norm_(params, max_norm)``; with ``eps=0`` it is
-    declearn's ``L2GlobalClipping`` (and, with ``scope="tensor"``, its
-    ``L2Clipping``). torchzero's ``ClipNorm``.
+    Defaults: `ord=2`, `scope="global"`, `eps=1e-6`. With these it equals
+    `torch.nn.utils.clip_grad_norm_(params, max_norm)`; with `eps=0` it is
+    declearn's `L2GlobalClipping` (and, with `scope="tensor"`, its
+    `L2Clipping`). torchzero's `ClipNorm`.
 
-    Telemetry: ``norm`` (pre-clip), ``scale`` and ``clipped`` per segment.
+    Telemetry: `norm` (pre-clip), `scale` and `clipped` per segment.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
     >>> opt = mo.Modular([p], mo.ClipNorm(1.0, eps=0.0), mo.LR(1.0)); opt.step(); p.data
     tensor([-0.6000, -0.8000])
+
+    ```
     """
 
     positional = "max_norm"

@@ -1,13 +1,13 @@
 """Clipping and normalizing by an exponential moving average of past updates (torchzero's EMA family).
 
-The EMA ``m`` is kept per parameter, as full vectors (``m <- beta*m + (1-beta)*u``);
-the norm of ``m`` over the transform's scope is the yardstick the update is
-measured against. Non-finite gradients never reach ``m`` under the optimizer's
-non-finite policy (the default ``"skip"`` leaves every state as it was;
-``"zero"`` zeroes them first). A segment whose norm is not finite (finite
-values whose norm overflowed) leaves ``m`` as it was. With
-``nonfinite="ignore"`` nothing is checked, and an inf or NaN element turns
-its ``m`` into NaN, as the user asked.
+The EMA `m` is kept per parameter, as full vectors (`m <- beta*m + (1-beta)*u`);
+the norm of `m` over the transform's scope is the yardstick the update is
+measured against. Non-finite gradients never reach `m` under the optimizer's
+non-finite policy (the default `"skip"` leaves every state as it was;
+`"zero"` zeroes them first). A segment whose norm is not finite (finite
+values whose norm overflowed) leaves `m` as it was. With
+`nonfinite="ignore"` nothing is checked, and an inf or NaN element turns
+its `m` into NaN, as the user asked.
 """
 
 from __future__ import annotations
@@ -85,28 +85,34 @@ def _dtype(stat) -> torch.dtype:
 class ClipNormByEMA(_NormEMA):
     r"""Clip the update's norm to the norm of an EMA of past updates.
 
-    .. math::
-        m &\leftarrow \beta m + (1-\beta) u \\
-        u &\leftarrow u \,/\, \max\big(1,\; n(u) / \max(n(m), \varepsilon)\big)
+    $$
+    \begin{aligned}
+    m &\leftarrow \beta m + (1-\beta) u \\
+    u &\leftarrow u \,/\, \max\big(1,\; n(u) / \max(n(m), \varepsilon)\big)
+    \end{aligned}
+    $$
 
-    ``m`` is kept per parameter (vectors, not norms). ``ema_init="update"``
-    starts ``m`` at the first update instead of zeros. With ``max_ema_growth=g``
-    the EMA's norm may grow at most by the factor ``g`` per step: when
-    ``n(m) > g * n_prev`` the EMA is rescaled to the norm ``g * n_prev`` (a
+    `m` is kept per parameter (vectors, not norms). `ema_init="update"`
+    starts `m` at the first update instead of zeros. With `max_ema_growth=g`
+    the EMA's norm may grow at most by the factor `g` per step: when
+    `n(m) > g * n_prev` the EMA is rescaled to the norm `g * n_prev` (a
     previous norm of 0, e.g. on the first step, sets no limit).
 
-    Defaults: ``beta=0.99``, ``ord=2``, ``eps=1e-6``, ``scope="global"``,
-    ``max_ema_growth=1.5``, ``ema_init="zeros"``. Reproduces torchzero's
-    ``ClipNormByEMA`` (whose ``tensorwise=True`` default is ``scope="tensor"`` here).
+    Defaults: `beta=0.99`, `ord=2`, `eps=1e-6`, `scope="global"`,
+    `max_ema_growth=1.5`, `ema_init="zeros"`. Reproduces torchzero's
+    `ClipNormByEMA` (whose `tensorwise=True` default is `scope="tensor"` here).
 
-    Telemetry: ``norm``, ``scale``, ``clipped``, ``ema_norm``.
+    Telemetry: `norm`, `scale`, `clipped`, `ema_norm`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> opt = mo.Modular([p], mo.ClipNormByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
     >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()            # m = u: no clip
     >>> p.grad = torch.tensor([30.0, 40.0]); opt.step(); p.data   # m grows 1.5x at most: norm 7.5
     tensor([ -7.5000, -10.0000])
+
+    ```
     """
 
     positional = "beta"
@@ -115,23 +121,29 @@ class ClipNormByEMA(_NormEMA):
 class NormalizeByEMA(_NormEMA):
     r"""Set the update's norm to the norm of an EMA of past updates.
 
-    .. math::
-        m &\leftarrow \beta m + (1-\beta) u \\
-        u &\leftarrow u \cdot \max(n(m), \varepsilon) / n(u) \qquad (n(u) > 0)
+    $$
+    \begin{aligned}
+    m &\leftarrow \beta m + (1-\beta) u \\
+    u &\leftarrow u \cdot \max(n(m), \varepsilon) / n(u) \qquad (n(u) > 0)
+    \end{aligned}
+    $$
 
-    The EMA, ``ema_init`` and ``max_ema_growth`` behave as in :class:`ClipNormByEMA`;
-    a zero update stays zero. Defaults: ``beta=0.99``, ``ord=2``, ``eps=1e-6``,
-    ``scope="tensor"`` (the normalization family's default), ``max_ema_growth=1.5``,
-    ``ema_init="zeros"``. Reproduces torchzero's ``NormalizeByEMA``.
+    The EMA, `ema_init` and `max_ema_growth` behave as in `ClipNormByEMA`;
+    a zero update stays zero. Defaults: `beta=0.99`, `ord=2`, `eps=1e-6`,
+    `scope="tensor"` (the normalization family's default), `max_ema_growth=1.5`,
+    `ema_init="zeros"`. Reproduces torchzero's `NormalizeByEMA`.
 
-    Telemetry: ``norm``, ``scale``, ``clipped`` (scale < 1), ``ema_norm``.
+    Telemetry: `norm`, `scale`, `clipped` (scale < 1), `ema_norm`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> opt = mo.Modular([p], mo.NormalizeByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
     >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()
     >>> p.grad = torch.tensor([0.3, 0.4]); opt.step(); p.data   # m = (1.65, 2.2): norm 2.75
     tensor([-4.6500, -6.2000])
+
+    ```
     """
 
     positional = "beta"
@@ -143,21 +155,27 @@ class NormalizeByEMA(_NormEMA):
 class ClipValueByEMA(Transform):
     r"""Clamp every element to the EMA of past magnitudes.
 
-    .. math::
-        m &\leftarrow \beta m + (1-\beta) |u| \\
-        u &\leftarrow \operatorname{clamp}(u, -m, m)
+    $$
+    \begin{aligned}
+    m &\leftarrow \beta m + (1-\beta) |u| \\
+    u &\leftarrow \operatorname{clamp}(u, -m, m)
+    \end{aligned}
+    $$
 
-    ``ema_init="update"`` starts ``m`` at ``|u|``. Defaults: ``beta=0.99``, ``ema_init="zeros"``. Reproduces
-    torchzero's ``ClipValueByEMA``.
+    `ema_init="update"` starts `m` at `|u|`. Defaults: `beta=0.99`, `ema_init="zeros"`. Reproduces
+    torchzero's `ClipValueByEMA`.
 
-    Telemetry: ``clipped`` (any element clipped).
+    Telemetry: `clipped` (any element clipped).
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> opt = mo.Modular([p], mo.ClipValueByEMA(beta=0.5, ema_init="update"), mo.LR(1.0))
     >>> p.grad = torch.tensor([1.0, -2.0]); opt.step()
     >>> p.grad = torch.tensor([5.0, -2.0]); opt.step(); p.data   # m = (3, 2)
     tensor([-4.,  4.])
+
+    ```
     """
 
     positional = "beta"

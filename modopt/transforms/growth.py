@@ -1,13 +1,13 @@
 """Limiting how fast the update may grow from one step to the next (torchzero's growth family).
 
-The rule, with ``r`` the remembered size of the previous (output) update:
+The rule, with `r` the remembered size of the previous (output) update:
 
-* step 1 passes through and remembers ``r = max(n(u), min_value)``;
-* later steps allow ``A = min(r + add, r * mul)`` (a ``None`` term drops out),
-  scale ``u`` down so that its size is at most ``A``, then remember
-  ``r <- max(size(u_out), r / max_decay, min_value)``.
+* step 1 passes through and remembers `r = max(n(u), min_value)`;
+* later steps allow `A = min(r + add, r * mul)` (a `None` term drops out),
+  scale `u` down so that its size is at most `A`, then remember
+  `r <- max(size(u_out), r / max_decay, min_value)`.
 
-A non-finite size is never remembered (``r`` and the first-step flag stay as they were).
+A non-finite size is never remembered (`r` and the first-step flag stay as they were).
 """
 
 from __future__ import annotations
@@ -45,26 +45,32 @@ class _Growth(Transform, abstract=True):
 class ClipNormGrowth(Scoped, _Growth):
     r"""Limit the growth of the update's norm from one step to the next.
 
-    .. math::
-        A &= \min(r + \text{add},\; r \cdot \text{mul}) \\
-        u &\leftarrow u \cdot \min\big(1, A / n(u)\big) \\
-        r &\leftarrow \max\big(n(u_\text{out}),\; r / \text{max\_decay},\; \text{min\_value}\big)
+    $$
+    \begin{aligned}
+    A &= \min(r + \text{add},\; r \cdot \text{mul}) \\
+    u &\leftarrow u \cdot \min\big(1, A / n(u)\big) \\
+    r &\leftarrow \max\big(n(u_\text{out}),\; r / \text{max\_decay},\; \text{min\_value}\big)
+    \end{aligned}
+    $$
 
-    The first step passes through and sets ``r = max(n(u), min_value)``. Terms
-    whose field is None drop out (``add=None, mul=None`` is the identity).
-    Defaults: ``add=None``, ``mul=1.5``, ``min_value=1e-4``, ``max_decay=2``,
-    ``ord=2``, ``scope="global"``. Reproduces torchzero's ``ClipNormGrowth``
-    (which defaults to per-parameter norms, ``scope="tensor"`` here, and bounds
-    the decay of its clip denominator rather than of ``r``).
+    The first step passes through and sets `r = max(n(u), min_value)`. Terms
+    whose field is None drop out (`add=None, mul=None` is the identity).
+    Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`, `max_decay=2`,
+    `ord=2`, `scope="global"`. Reproduces torchzero's `ClipNormGrowth`
+    (which defaults to per-parameter norms, `scope="tensor"` here, and puts no
+    `min_value` floor on the first step's remembered norm).
 
-    Telemetry: ``norm``, ``scale``, ``clipped``, ``allowed``.
+    Telemetry: `norm`, `scale`, `clipped`, `allowed`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> opt = mo.Modular([p], mo.ClipNormGrowth(mul=2.0), mo.LR(1.0))
     >>> p.grad = torch.tensor([3.0, 4.0]); opt.step()
     >>> p.grad = torch.tensor([30.0, 40.0]); opt.step(); p.data   # at most 2 * 5
     tensor([ -9., -12.])
+
+    ```
     """
 
     positional = "mul"
@@ -102,23 +108,26 @@ class ClipNormGrowth(Scoped, _Growth):
 class ClipValueGrowth(_Growth):
     r"""Limit the growth of every element's magnitude from one step to the next.
 
-    The :class:`ClipNormGrowth` rule elementwise, on ``|u|``: with ``r`` the
-    remembered magnitude of each element, ``A = min(r + add, r * mul)``,
-    ``u <- clamp(u, -A, A)``, then ``r <- max(|u_out|, r / max_decay, min_value)``.
+    The `ClipNormGrowth` rule elementwise, on `|u|`: with `r` the
+    remembered magnitude of each element, `A = min(r + add, r * mul)`,
+    `u <- clamp(u, -A, A)`, then `r <- max(|u_out|, r / max_decay, min_value)`.
     The first step of a parameter passes through and sets
-    ``r = max(|u|, min_value)``, so an element that was 0 is allowed
-    ``min_value * mul``. Defaults: ``add=None``, ``mul=1.5``, ``min_value=1e-4``,
-    ``max_decay=2``. Reproduces torchzero's ``ClipValueGrowth`` (which measures
-    the additive bound on the signed difference and bounds its denominator's decay).
+    `r = max(|u|, min_value)`, so an element that was 0 is allowed
+    `min_value * mul`. Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`,
+    `max_decay=2`. Reproduces torchzero's `ClipValueGrowth` (whose first step
+    remembers the update with no `min_value` floor).
 
-    Telemetry: ``clipped`` (any element clipped).
+    Telemetry: `clipped` (any element clipped).
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> opt = mo.Modular([p], mo.ClipValueGrowth(mul=2.0), mo.LR(1.0))
     >>> p.grad = torch.tensor([1.0, -1.0]); opt.step()
     >>> p.grad = torch.tensor([5.0, -1.5]); opt.step(); p.data
     tensor([-3.0000,  2.5000])
+
+    ```
     """
 
     positional = "mul"

@@ -10,7 +10,7 @@ from ..core.transform import Transform
 
 
 class Identity(Transform):
-    """Pass the update through unchanged (drytorch's ``NoOp``).
+    """Pass the update through unchanged (drytorch's `NoOp`).
 
     It neither reads nor writes the updates, so a scale deferred across it and
     the step's norm memo pass by: inserting it anywhere changes nothing, bit for bit.
@@ -27,19 +27,26 @@ class Identity(Transform):
 class ZeroNonFinite(Transform):
     r"""Replace non-finite elements of the update (inf, -inf, NaN) by 0.
 
-    .. math:: u_i \leftarrow \begin{cases} u_i & u_i \text{ finite} \\ 0 & \text{otherwise} \end{cases}
+    $$
+    \begin{aligned}
+    u_i \leftarrow \begin{cases} u_i & u_i \text{ finite} \\ 0 & \text{otherwise} \end{cases}
+    \end{aligned}
+    $$
 
-    Useful with ``Modular(..., nonfinite="ignore")`` (the default policy,
-    ``"skip"``, drops such steps before any transform runs) or after a transform
-    that may overflow. ``nonfinite="zero"`` does the same to the raw gradients.
+    Useful with `Modular(..., nonfinite="ignore")` (the default policy,
+    `"skip"`, drops such steps before any transform runs) or after a transform
+    that may overflow. `nonfinite="zero"` does the same to the raw gradients.
 
-    Telemetry: ``zeroed``, the number of elements replaced.
+    Telemetry: `zeroed`, the number of elements replaced.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(3))
     >>> opt = mo.Modular([p], mo.ZeroNonFinite(), mo.LR(1.0), nonfinite="ignore")
     >>> p.grad = torch.tensor([1.0, float("inf"), float("nan")]); opt.step(); p.data
     tensor([-1.,  0.,  0.])
+
+    ```
     """
 
     positional = None

@@ -15,36 +15,38 @@ from ..core.transform import Transform, TransformField, run_sequence, walk
 
 
 class Masked(Transform):
-    r"""Run ``transforms`` on the parameters that ``where`` selects; the others pass through untouched.
+    r"""Run `transforms` on the parameters that `where` selects; the others pass through untouched.
 
-    ``mo.Masked(*transforms, where=mo.Select(...))`` (a glob string is shorthand
-    for ``mo.Select(names=[glob])``). Inside, the step is the selection: a
-    ``scope="global"`` statistic is taken over the selected tensors only,
-    ``scope="group"`` over the selected tensors of each param group. For the
-    selected updates :math:`u_S` and the others :math:`u_{\bar S}`:
+    `mo.Masked(*transforms, where=mo.Select(...))` (a glob string is shorthand
+    for `mo.Select(names=[glob])`). Inside, the step is the selection: a
+    `scope="global"` statistic is taken over the selected tensors only,
+    `scope="group"` over the selected tensors of each param group. For the
+    selected updates $u_S$ and the others $u_{\bar S}$:
 
-    .. math::
-        u_S \leftarrow T_n(\cdots T_1(u_S)), \qquad u_{\bar S} \leftarrow u_{\bar S}
+    $$
+    u_S \leftarrow T_n(\cdots T_1(u_S)), \qquad u_{\bar S} \leftarrow u_{\bar S}
+    $$
 
-    State and telemetry keys nest as in ``Chain`` (``"0:Masked/0:ClipNorm"``);
-    ``Masked`` may be nested and may hold a ``Chain``. A selection that matches
+    State and telemetry keys nest as in `Chain` (`"0:Masked/0:ClipNorm"`);
+    `Masked` may be nested and may hold a `Chain`. A selection that matches
     none of the parameters with a gradient is reported once per parameter
-    layout (a ``UserWarning`` naming the selector) and the updates pass through.
-    If an inner transform stops the step (``Accumulate`` between cycles, a
-    ``ZClip`` spike skip), the whole step stops, as in a ``Chain``.
+    layout (a `UserWarning` naming the selector) and the updates pass through.
+    If an inner transform stops the step (`Accumulate` between cycles, a
+    `ZClip` spike skip), the whole step stops, as in a `Chain`.
 
-    **Routing.** A branch may end in its own optimizer transform (``SGD`` for
-    the embeddings, ``Adam`` for the rest): then every parameter must reach
-    exactly one optimizer transform (checked when the ``Modular`` is built,
+    **Routing.** A branch may end in its own optimizer transform (`SGD` for
+    the embeddings, `Adam` for the rest): then every parameter must reach
+    exactly one optimizer transform (checked when the `Modular` is built,
     the error names the parameters). Each branch optimizer reads its
     hyperparameters from the param groups of the parameters it owns, so
     schedulers drive them as with several torch optimizers; see the page
-    "Composing by parameter". ``TorchOptimizer`` writes every parameter itself
+    "Composing by parameter". `TorchOptimizer` writes every parameter itself
     and cannot be masked.
 
-    Default: none; ``where`` is required. Reproduces optax's ``masked`` (and,
-    with routing, ``partition``).
+    Default: none; `where` is required. Reproduces optax's `masked` (and,
+    with routing, `partition`).
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> model = torch.nn.Linear(2, 1)
     >>> opt = mo.Modular(model.named_parameters(), mo.Masked(mo.ClipValue(0.1), where="weight"), mo.LR(1.0))
@@ -54,6 +56,8 @@ class Masked(Transform):
     >>> opt.step()
     >>> model.weight.data, model.bias.data   # the weight's update clipped to 0.1, the bias's not
     (tensor([[-0.1000,  0.1000]]), tensor([-1.]))
+
+    ```
     """
 
     positional = "transforms"  # variadic: mo.Masked(a, b, where=...)
@@ -95,7 +99,7 @@ class Masked(Transform):
         """The indices of the selected parameters and a step context over them (None if nothing is selected).
 
         The selection and the sub-layout are computed once per layout of the
-        parent step (cached in its ``layout.cache``); the sub-context gets its
+        parent step (cached in its `layout.cache`); the sub-context gets its
         own `Layout`, so per-layout caches (scope
         segments, optimizer kernel plans) work inside the mask.
         """
@@ -156,7 +160,7 @@ class Masked(Transform):
 
     def apply_final(self, ctx, st, updates):
         """As the last transform, when the branch ends in an optimizer transform: that optimizer writes the
-        selected parameters itself (torch's fused kernels), and ``p -= update`` writes the others."""
+        selected parameters itself (torch's fused kernels), and `p -= update` writes the others."""
         if not self.transforms or not self.transforms[-1].is_optimizer:
             return False
         idx, sub = self.sub_context(ctx, st)

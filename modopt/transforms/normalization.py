@@ -13,24 +13,29 @@ from ..core.transform import Transform
 
 
 def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float) -> torch.Tensor:
-    """``norm_value / (|norm| + eps)`` where the norm is positive, else 1 (zeros stay zero)."""
+    """`norm_value / (|norm| + eps)` where the norm is positive, else 1 (zeros stay zero)."""
     n = norm.abs()
     return torch.where(n > 0, norm_value / (n + eps), torch.ones_like(n))
 
 
 class Normalize(Scoped):
-    r"""Set the ``ord`` norm of the update over the scope to ``norm_value``.
+    r"""Set the `ord` norm of the update over the scope to `norm_value`.
 
-    .. math:: u \leftarrow u \cdot \frac{\text{norm\_value}}{n(u) + \varepsilon} \quad (n(u) > 0)
+    $$
+    u \leftarrow u \cdot \frac{\text{norm\_value}}{n(u) + \varepsilon} \quad (n(u) > 0)
+    $$
 
     A slice whose norm is 0 is left unchanged (it stays zero). Defaults:
-    ``norm_value=1``, ``ord=2``, ``scope="tensor"``, ``eps=0``; ``eps=1e-8``
-    reproduces drytorch's ``GradParamNormalizer``. torchzero's ``Normalize``.
+    `norm_value=1`, `ord=2`, `scope="tensor"`, `eps=0`; `eps=1e-8`
+    reproduces drytorch's `GradParamNormalizer`. torchzero's `Normalize`.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
     >>> opt = mo.Modular([p], mo.Normalize(), mo.LR(1.0)); opt.step(); p.data
     tensor([-0.6000, -0.8000])
+
+    ```
     """
 
     positional = "norm_value"
@@ -60,7 +65,7 @@ class Normalize(Scoped):
 
 
     def _prior_scale(self, ctx, seg, updates):
-        """A scale deferred to this transform, per segment of ``seg`` (None: nothing incoming, or applied now)."""
+        """A scale deferred to this transform, per segment of `seg` (None: nothing incoming, or applied now)."""
         incoming = ctx.incoming_scale
         if incoming is None:
             return None
@@ -82,12 +87,14 @@ class Normalize(Scoped):
 
 
 class Centralize(Scoped):
-    r"""Subtract the mean of the update over the scope (or over ``dim``).
+    r"""Subtract the mean of the update over the scope (or over `dim`).
 
-    .. math:: u \leftarrow u - \operatorname{mean}(u)
+    $$
+    u \leftarrow u - \operatorname{mean}(u)
+    $$
 
-    Defaults: ``scope="tensor"``, ``min_size=2`` (a one-element slice is left
-    alone). torchzero's ``Centralize``; see :class:`GradientCentralization`.
+    Defaults: `scope="tensor"`, `min_size=2` (a one-element slice is left
+    alone). torchzero's `Centralize`; see `GradientCentralization`.
     """
 
     positional = None
@@ -105,7 +112,7 @@ class GradientCentralization(Centralize):
     r"""Gradient centralization (Yong et al. 2020): for each output unit, subtract
     the mean over all dims but the first; tensors with one dim (biases) are left alone.
 
-    Equal to ``Centralize(dim=0, inverse_dims=True)``.
+    Equal to `Centralize(dim=0, inverse_dims=True)`.
     """
 
     positional = None

@@ -1,10 +1,10 @@
 """Optimizer transforms: they carry the learning rate and produce the step.
 
-Their fields are the *defaults* of param-group keys: ``Modular`` exposes them as
-``group["lr"]``, ``group["betas"]``, ... so torch's LR schedulers and per-group
+Their fields are the *defaults* of param-group keys: `Modular` exposes them as
+`group["lr"]`, `group["betas"]`, ... so torch's LR schedulers and per-group
 overrides drive them. As the last transform they write the parameters with
 torch's fused (or foreach) kernels; elsewhere in a chain they return the update
-``lr * direction`` for the transforms after them.
+`lr * direction` for the transforms after them.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def _step_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool, torch.dtype]]:
-    """How ``ctx.params[a:b]`` split into (device, dtype) sub-groups for the kernels, cached per layout.
+    """How `ctx.params[a:b]` split into (device, dtype) sub-groups for the kernels, cached per layout.
 
-    Each entry: the indices into ``[a:b]`` (None: all of them), whether torch's
-    fused ``kernel`` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
+    Each entry: the indices into `[a:b]` (None: all of them), whether torch's
+    fused `kernel` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
     """
     cache = ctx.layout.cache if ctx.layout is not None else {}
     key = ("optimizer_plan", a, b, kernel)
@@ -52,7 +52,7 @@ def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool
 
 
 def _lr_value(lr, like: torch.Tensor):
-    """``lr`` for a foreach multiply. Compiled, a 0-d tensor: a scheduler's new value is then
+    """`lr` for a foreach multiply. Compiled, a 0-d tensor: a scheduler's new value is then
     a graph input, not a constant that forces a recompile (a Python scalar is specialised)."""
     if torch.compiler.is_compiling() and not isinstance(lr, torch.Tensor):
         return torch.ones((), dtype=torch.float32, device=like.device) * lr  # tensor * float: tensorified
@@ -75,7 +75,7 @@ def _prepare_pending(ctx, updates) -> None:
 
 
 def _grad_scale(ctx, a: int, b: int, grads: list[torch.Tensor], dtype: torch.dtype, fused: bool):
-    """The deferred clip scale of ``grads`` as a fused kernel's ``grad_scale`` (it divides by it).
+    """The deferred clip scale of `grads` as a fused kernel's `grad_scale` (it divides by it).
 
     Folded only for fused kernels on float32/16 parameters (the kernels take a
     float32 scale; float64 parameters get the exact multiplication instead).
@@ -91,9 +91,9 @@ def _grad_scale(ctx, a: int, b: int, grads: list[torch.Tensor], dtype: torch.dty
 
 
 def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict]) -> None:
-    """``step += 1`` for every step tensor of a sub-group, as one kernel.
+    """`step += 1` for every step tensor of a sub-group, as one kernel.
 
-    The per-parameter ``step`` tensors (torch's state layout, saved per
+    The per-parameter `step` tensors (torch's state layout, saved per
     parameter) are made views of one packed 1-D tensor the first time a
     layout is seen, so the increment is one op instead of one per tensor.
     """
@@ -120,9 +120,9 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
 
 
 class LR(Transform):
-    r"""Multiply the update by the learning rate: :math:`u \leftarrow \text{lr}\cdot u`.
+    r"""Multiply the update by the learning rate: $u \leftarrow \text{lr}\cdot u$.
 
-    Exposes ``group["lr"]``. ``Modular(params, mo.LR(0.1))`` is plain SGD.
+    Exposes `group["lr"]`. `Modular(params, mo.LR(0.1))` is plain SGD.
     """
 
     positional = "lr"
@@ -139,21 +139,24 @@ class LR(Transform):
 
 class _FusedOptimizer(Transform, abstract=True):
     """An optimizer transform that, as the last one, writes the parameters with torch's fused
-    kernels and folds a deferred clip scale into them (their ``grad_scale``)."""
+    kernels and folds a deferred clip scale into them (their `grad_scale`)."""
 
     is_optimizer: ClassVar[bool] = True
     folds_scale: ClassVar[str] = "final"  # apply_final folds it (_prepare_pending, _grad_scale)
 
 
 class SGD(_FusedOptimizer):
-    r"""Stochastic gradient descent, identical to ``torch.optim.SGD``.
+    r"""Stochastic gradient descent, identical to `torch.optim.SGD`.
 
-    .. math::
-        g &\leftarrow u + \lambda p \\
-        b &\leftarrow \mu b + (1 - \tau) g \quad (b = g \text{ on the first step}) \\
-        u &\leftarrow \text{lr}\,(g + \mu b \text{ if nesterov else } b)
+    $$
+    \begin{aligned}
+    g &\leftarrow u + \lambda p \\
+    b &\leftarrow \mu b + (1 - \tau) g \quad (b = g \text{ on the first step}) \\
+    u &\leftarrow \text{lr}\,(g + \mu b \text{ if nesterov else } b)
+    \end{aligned}
+    $$
 
-    Exposes ``lr``, ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` as group keys.
+    Exposes `lr`, `momentum`, `dampening`, `nesterov`, `weight_decay` as group keys.
     """
 
     positional = "lr"
@@ -241,15 +244,18 @@ class SGD(_FusedOptimizer):
 
 
 class Adam(_FusedOptimizer):
-    r"""Adam, identical to ``torch.optim.Adam`` (eps added after the bias-corrected square root).
+    r"""Adam, identical to `torch.optim.Adam` (eps added after the bias-corrected square root).
 
-    .. math::
-        m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
-        u &\leftarrow \frac{\text{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \varepsilon}
+    $$
+    \begin{aligned}
+    m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+    u &\leftarrow \frac{\text{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \varepsilon}
+    \end{aligned}
+    $$
 
-    with ``g = u + weight_decay * p`` (L2 penalty) and ``v`` replaced by its
-    running maximum when ``amsgrad``. Exposes ``lr``, ``betas``, ``eps``,
-    ``weight_decay``, ``amsgrad`` as group keys.
+    with `g = u + weight_decay * p` (L2 penalty) and `v` replaced by its
+    running maximum when `amsgrad`. Exposes `lr`, `betas`, `eps`,
+    `weight_decay`, `amsgrad` as group keys.
     """
 
     positional = "lr"
@@ -344,8 +350,8 @@ class Adam(_FusedOptimizer):
 
 
 class AdamW(Adam):
-    r"""AdamW, identical to ``torch.optim.AdamW``: Adam with decoupled weight decay
-    ``p <- p - lr * weight_decay * p`` (default ``weight_decay=1e-2``)."""
+    r"""AdamW, identical to `torch.optim.AdamW`: Adam with decoupled weight decay
+    `p <- p - lr * weight_decay * p` (default `weight_decay=1e-2`)."""
 
     positional = "lr"
 
@@ -354,7 +360,7 @@ class AdamW(Adam):
 
 
 class _NamespacedState:
-    """``opt.state``-like view that keeps a wrapped torch optimizer's state under one key per parameter."""
+    """`opt.state`-like view that keeps a wrapped torch optimizer's state under one key per parameter."""
 
     def __init__(self, state, key: str):
         self._state, self._key = state, key
@@ -388,17 +394,17 @@ class _NamespacedState:
 
 
 class TorchOptimizer(Transform):
-    """Any ``torch.optim.Optimizer`` class as the last transform.
+    """Any `torch.optim.Optimizer` class as the last transform.
 
-    ``mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2)``; in a config
-    ``{type: TorchOptimizer, cls: torch.optim.RMSprop, kwargs: {lr: 0.01}}``.
+    `mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2)`; in a config
+    `{type: TorchOptimizer, cls: torch.optim.RMSprop, kwargs: {lr: 0.01}}`.
     The class's constructor arguments become param-group keys, so schedulers
-    drive it; its state lives in the ``Modular``'s state (checkpointed with it).
-    From a config, only ``torch.optim.*`` and classes registered with
-    :func:`modopt.register_optimizer` are imported, unless ``trust_imports=True``.
+    drive it; its state lives in the `Modular`'s state (checkpointed with it).
+    From a config, only `torch.optim.*` and classes registered with
+    `modopt.register_optimizer()` are imported, unless `trust_imports=True`.
     A class object given in code is used by that instance only: building it
     never widens what a config may import, so the config of such an instance
-    loads back only after ``mo.register_optimizer(TheClass)``.
+    loads back only after `mo.register_optimizer(TheClass)`.
     Closure-based optimizers (LBFGS) are not supported.
     """
 

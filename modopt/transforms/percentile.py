@@ -11,12 +11,12 @@ from ..core.scope import Scoped, ScopeName
 
 
 def order_index(pct: int, n: int) -> int:
-    """0-based index of the lower order statistic: ``(pct * (n - 1)) // 100`` (integer arithmetic)."""
+    """0-based index of the lower order statistic: `(pct * (n - 1)) // 100` (integer arithmetic)."""
     return (pct * (n - 1)) // 100
 
 
 def _kth_abs(x: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
-    """The k-th smallest (1-based) of ``|x|`` along ``dim`` (half precision upcast: kthvalue lacks it on CPU)."""
+    """The k-th smallest (1-based) of `|x|` along `dim` (half precision upcast: kthvalue lacks it on CPU)."""
     a = x.abs()
     if a.dtype in (torch.float16, torch.bfloat16):
         a = a.float()
@@ -24,28 +24,32 @@ def _kth_abs(x: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
 
 
 class ClipValueByPercentile(Scoped):
-    r"""Clamp the update to the ``pct``-th percentile of its absolute values.
+    r"""Clamp the update to the `pct`-th percentile of its absolute values.
 
-    .. math::
-        b = \operatorname{sort}(|u|)\big[\lfloor \text{pct}\,(N - 1) / 100 \rfloor\big], \qquad
-        u \leftarrow \operatorname{clamp}(u, -b, b)
+    $$
+    b = \operatorname{sort}(|u|)\big[\lfloor \text{pct}\,(N - 1) / 100 \rfloor\big], \qquad
+    u \leftarrow \operatorname{clamp}(u, -b, b)
+    $$
 
-    ``pct`` is an integer 0..100 and the index uses integer arithmetic (the
-    "lower" order statistic): ``pct=100`` is the identity, ``pct=0`` clamps to
+    `pct` is an integer 0..100 and the index uses integer arithmetic (the
+    "lower" order statistic): `pct=100` is the identity, `pct=0` clamps to
     the smallest magnitude, an empty tensor is unchanged. Computed with
-    ``torch.kthvalue`` (``torch.quantile`` rounds differently, rejects half
+    `torch.kthvalue` (`torch.quantile` rounds differently, rejects half
     precision and inputs over 2**24 elements); half precision is ranked in
-    float32, which is exact. Defaults: ``scope="tensor"``. Reproduces the
+    float32, which is exact. Defaults: `scope="tensor"`. Reproduces the
     percentile clipping of a Lean 4 spec of gradient utilities; functional
-    form :func:`modopt.clip_grad_percentile_`.
+    form `modopt.clip_grad_percentile_()`.
 
-    Telemetry (stacked scopes): ``threshold`` ``b`` per segment.
+    Telemetry (stacked scopes): `threshold` `b` per segment.
 
+    ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(5))
     >>> opt = mo.Modular([p], mo.ClipValueByPercentile(50), mo.LR(1.0))
     >>> p.grad = torch.tensor([-5.0, 1.0, 2.0, -3.0, 4.0]); opt.step(); p.data
     tensor([ 3., -1., -2.,  3., -3.])
+
+    ```
     """
 
     positional = "pct"
