@@ -50,6 +50,9 @@ class Transform(BaseModel):
     is_optimizer: ClassVar[bool] = False
     #: False for transforms that cannot run in front of another optimizer (``mo.attach``)
     attachable: ClassVar[bool] = True
+    #: the values this transform saves (name -> kind or `modopt.Buffer`); checked on load,
+    #: see `modopt.core.state.Buffer`. A saved value not declared here cannot be loaded.
+    state_buffers: ClassVar[dict[str, Any]] = {}
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:

@@ -38,6 +38,7 @@ class Accumulate(Transform):
     """
 
     steps: PositiveInt
+    state_buffers: ClassVar[dict] = {"sum": "param", "calls": "counter"}
     attachable: ClassVar[bool] = False
 
     def apply(self, ctx, st, updates):

@@ -15,7 +15,7 @@ never enters any statistic and does not count as a warm-up step.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
@@ -172,6 +172,7 @@ class HistClip(Scoped):
     update_stats_with: Literal["raw", "clipped"] = "raw"
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
+    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "v": "segment"}
 
     def to_dict(self):
         data = super().to_dict()
@@ -259,6 +260,7 @@ class ZClip(Scoped):
     clip_factor: PositiveFloat = 1.0
     skip_update_on_spike: bool = False
     ord: Ord = 2.0
+    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "var": "segment"}
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -338,6 +340,7 @@ class AutoClip(Scoped):
     window: Optional[PositiveInt] = None
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
+    state_buffers: ClassVar[dict] = {"history": "history"}
 
     @model_validator(mode="after")
     def _no_dims(self):
