@@ -124,7 +124,7 @@ def _undeclared(owner_key: str, t: Transform, name: str, where: str) -> ValueErr
     return ValueError(
         f"load_state_dict: {where} holds {name!r} of transform {owner_key} ({cls}), which {cls} does not "
         f"declare; declare it on the class, e.g. `state_buffers: ClassVar[dict] = {{{name!r}: \"param\"}}` "
-        f"(kinds: param, segment, history, counter, torch; see modopt.Buffer)"
+        f"(kinds: param, segment, history, counter, fixed, torch; see modopt.Buffer)"
     )
 
 
@@ -149,6 +149,10 @@ def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
     if not isinstance(v, torch.Tensor):
         raise ValueError(f"{where}: unsupported value of type {type(v).__name__} (a {b.kind} buffer is a tensor)")
     _check_tensor(v, where)
+    if b.kind == "fixed":
+        if b.shape is not None and tuple(v.shape) != b.shape:
+            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit the declared shape {b.shape}")
+        return
     if b.kind == "history":
         if v.dim() != 1:
             raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a history (1-D)")
@@ -242,7 +246,7 @@ class StateLoader:
             if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and b.kind != "torch":
                 if old.dtype != v.dtype:
                     raise ValueError(f"{what} has dtype {v.dtype}, this optimizer's is {old.dtype}")
-                if b.kind != "history" and old.shape != v.shape:
+                if b.kind != "history" and old.shape != v.shape:  # "fixed": the live buffer's shape
                     raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
             if b.kind == "torch":
                 out[k] = _copy_torch_state(v, p)

@@ -237,9 +237,11 @@ def _slice_shapes(params: list[torch.Tensor], seg: "Segments") -> list[tuple[int
 #:   0-d (scope="tensor") or the parameter's shape with the reduced dims of size 1 (slices)
 #: * ``"history"``: a 1-D record of any length (AutoClip's past norms), in the store or per parameter
 #: * ``"counter"``: a 0-d tensor or a Python number (a step count), in the store or per parameter
+#: * ``"fixed"``: a tensor whose shape the transform chooses, not the parameter (four summary
+#:   statistics per parameter: shape (4,)); ``Buffer("fixed", shape=(4,))`` pins the shape
 #: * ``"torch"``: per parameter, the state dict a wrapped `torch.optim.Optimizer` keeps for it;
 #:   loaded with torch's own device and dtype policy
-BUFFER_KINDS = ("param", "segment", "history", "counter", "torch")
+BUFFER_KINDS = ("param", "segment", "history", "counter", "fixed", "torch")
 #: where a loaded buffer goes: ``"param"`` onto its parameter's device (store values: the device
 #: of the first parameter of the optimizer), ``"cpu"`` onto the CPU
 BUFFER_DEVICES = ("param", "cpu")
@@ -264,23 +266,27 @@ class Buffer:
     value that no declaration names is refused with the transform's name.
     """
 
-    __slots__ = ("kind", "device")
+    __slots__ = ("kind", "device", "shape")
 
-    def __init__(self, kind: str, device: str = "param") -> None:
+    def __init__(self, kind: str, device: str = "param", shape: tuple[int, ...] | None = None) -> None:
         if kind not in BUFFER_KINDS:
             raise ValueError(f"Buffer kind must be one of {', '.join(BUFFER_KINDS)}; got {kind!r}")
         if device not in BUFFER_DEVICES:
             raise ValueError(f"Buffer device must be one of {', '.join(BUFFER_DEVICES)}; got {device!r}")
+        if shape is not None and (kind != "fixed" or not all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ValueError("Buffer shape is a tuple of sizes, and only for kind 'fixed'")
         self.kind, self.device = kind, device
+        self.shape = tuple(shape) if shape is not None else None
 
     def __repr__(self) -> str:
-        return f"Buffer({self.kind!r}, device={self.device!r})"
+        extra = f", shape={self.shape}" if self.shape is not None else ""
+        return f"Buffer({self.kind!r}, device={self.device!r}{extra})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Buffer) and (self.kind, self.device) == (other.kind, other.device)
+        return isinstance(other, Buffer) and (self.kind, self.device, self.shape) == (other.kind, other.device, other.shape)
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.device))
+        return hash((self.kind, self.device, self.shape))
 
 
 def declared_buffers(t: Any) -> dict[str, Buffer]:
