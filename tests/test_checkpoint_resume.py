@@ -340,3 +340,49 @@ def test_state_dict_hooks_see_the_modopt_entry():
     assert seen == ["pre", "first", ["0:ZClip"]]
     assert sd["extra"] == 1 and sd["modopt"]["format_version"] == 2
     assert len(opt._optimizer_state_dict_post_hooks) == 2  # modopt's entry is not a registered hook
+
+
+# --- attach handles are checked like Modular ---------------------------------------------------
+def attached(*transforms, seed=0):
+    model = make_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt, mo.attach(opt, *transforms)
+
+
+def test_attach_handle_round_trip_and_checks():
+    model, opt, h = attached(mo.ZClip(warmup_steps=2), mo.ClipNormByEMA(scope="tensor"))
+    for k in range(4):
+        loss_backward(model, k)
+        opt.step()
+    sd = roundtrip(h.state_dict())
+    m2, o2, h2 = attached(mo.ZClip(warmup_steps=2), mo.ClipNormByEMA(scope="tensor"), seed=1)
+    h2.load_state_dict(sd)
+    assert_same(h.state_dict(), h2.state_dict())
+    m2.load_state_dict(model.state_dict())
+    for k in range(4, 6):
+        for mm, oo in ((model, opt), (m2, o2)):
+            loss_backward(mm, k)
+            oo.step()
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+    _, _, h3 = attached(mo.ZClip(warmup_steps=5), mo.ClipNormByEMA(scope="tensor"))
+    with pytest.warns(UserWarning, match=r"transforms\.0\.warmup_steps: 2 in the checkpoint, 5 here"):
+        h3.load_state_dict(sd)
+
+    bad = [
+        (lambda d: d["state"][0].__setitem__("1:ClipNormByEMA.ema", torch.zeros(7)), "does not fit the parameter"),
+        (lambda d: d["state"][0].__setitem__("1:ClipNormByEMA.nope", torch.zeros(())), "does not declare"),
+        (lambda d: d["state"].__setitem__(99, {}), "parameter index 99"),
+        (lambda d: d["transforms"].__setitem__("5:Other", {}), "unknown key"),
+        (lambda d: d["transforms"]["0:ZClip"].__setitem__("mu", torch.zeros(3)), "does not fit"),
+        (lambda d: d.__setitem__("config", [{"type": "ClipNorm", "max_norm": 1.0}]), "length 1 != 2"),
+        (lambda d: d.pop("state"), "expected a dict with 'state' and 'transforms'"),
+    ]
+    before = copy.deepcopy(h2.state_dict())
+    for tamper, match in bad:
+        d = copy.deepcopy(sd)
+        tamper(d)
+        with pytest.raises(ValueError, match=match):
+            h2.load_state_dict(d)
+        assert_same(before, h2.state_dict())
