@@ -119,6 +119,44 @@ def value_differences(saved: dict, live: dict, transforms: Iterable[Transform]) 
 
 
 # --- saved values ------------------------------------------------------------------------
+def encode_history(v: torch.Tensor) -> dict[str, Any]:
+    """A history as plain data, ``{"history": [numbers], "dtype": "float32"}``.
+
+    Histories change length from step to step; torch.distributed.checkpoint
+    loads tensors in place into tensors of the live optimizer's shape, so a
+    history travels as a list (exact for every float dtype; inf and NaN kept).
+    Costs a device-to-host copy, at checkpoint time only.
+    """
+    return {"history": v.detach().cpu().tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+
+
+def _decode_history(v: Any, where: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    if not (isinstance(v, dict) and set(v) == {"history", "dtype"} and isinstance(v["history"], list)):
+        raise ValueError(f"{where}: a history must be a 1-D tensor or {{'history': [numbers], 'dtype': name}}")
+    dtype = getattr(torch, str(v["dtype"]), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: unknown history dtype {v['dtype']!r}")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v["history"]):
+        raise ValueError(f"{where}: a history holds numbers only")
+    return torch.tensor(v["history"], dtype=dtype)
+
+
+def history_keys(transforms: Iterable[Transform]) -> tuple[set[str], dict[str, set[str]]]:
+    """Which saved values are histories: per-parameter state keys, and store names per transform key."""
+    from .transform import walk
+
+    per_param: set[str] = set()
+    store: dict[str, set[str]] = {}
+    for key, t in walk(tuple(transforms)):
+        for name, b in declared_buffers(t).items():
+            if b.kind == "history":
+                per_param.add(f"{key}.{name}")
+                store.setdefault(key, set()).add(name)
+    return per_param, store
+
+
 def _undeclared(owner_key: str, t: Transform, name: str, where: str) -> ValueError:
     cls = type(t).__name__
     return ValueError(
@@ -146,6 +184,8 @@ def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
         if isinstance(v, torch.Tensor) and v.dim() != 0:
             raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a counter (0-d)")
         return
+    if b.kind == "history":
+        v = _decode_history(v, where)
     if not isinstance(v, torch.Tensor):
         raise ValueError(f"{where}: unsupported value of type {type(v).__name__} (a {b.kind} buffer is a tensor)")
     _check_tensor(v, where)
@@ -248,6 +288,8 @@ class StateLoader:
                     raise ValueError(f"{what} has dtype {v.dtype}, this optimizer's is {old.dtype}")
                 if b.kind != "history" and old.shape != v.shape:  # "fixed": the live buffer's shape
                     raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
+            if b.kind == "history":
+                v = _decode_history(v, what)
             if b.kind == "torch":
                 out[k] = _copy_torch_state(v, p)
             else:
@@ -284,6 +326,8 @@ class StateLoader:
                     raise ValueError(f"{self.who}: {name!r} of transform {key} names param group {gid}, "
                                      f"this optimizer has {len(group_devices)}")
                 _check_kind(b, v, None, f"{self.who}: {name!r} of transform {key}")
+                if b.kind == "history":
+                    v = _decode_history(v, f"{self.who}: {name!r} of transform {key}")
                 dev = (group_devices[gid] if gid is not None else default) if b.device == "param" else torch.device("cpu")
                 new[name] = _copy(v, dev)
             out[key] = new

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .checkpoint import StateLoader, structure_difference, value_differences
+from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .transform import Transform, to_plain, walk
 
@@ -175,6 +175,12 @@ class Modular(torch.optim.Optimizer):
 
     def _add_modopt_entry(self, sd: dict[str, Any]) -> None:
         store = {k: dict(v) for k, v in self._store.items()}
+        per_param, store_hist = history_keys(self.transforms)
+        if per_param:  # histories (1-D, any length) travel as lists: see checkpoint.encode_history
+            for i, entry in list(sd["state"].items()):
+                if any(k in per_param for k in entry):
+                    sd["state"][i] = {k: encode_history(v) if k in per_param and isinstance(v, torch.Tensor) else v
+                                      for k, v in entry.items()}
         sd["modopt"] = {
             "format_version": FORMAT_VERSION,
             "config": self._pipeline.to_dict(),
@@ -184,8 +190,16 @@ class Modular(torch.optim.Optimizer):
         if sd["param_groups"]:
             sd["param_groups"][0][_GROUP_ENTRY] = {
                 "format_version": FORMAT_VERSION,
-                "transforms": {k: dict(v) for k, v in store.items()},
+                "transforms": {
+                    k: {n: encode_history(x) if n.split("@")[0] in store_hist.get(k, ()) and isinstance(x, torch.Tensor)
+                        else x for n, x in v.items()}
+                    for k, v in store.items()
+                },
                 "skipped_steps": self._skipped_steps,
+                # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
+                # slots its target state dict has) can tell when values were left behind
+                "inventory": sorted({k for e in sd["state"].values() for k in e}
+                                    | {f"{k}/{n}" for k, v in store.items() for n in v}),
             }
 
     @torch._disable_dynamo
@@ -241,6 +255,7 @@ class Modular(torch.optim.Optimizer):
             # transform state; the config is this optimizer's own (the structure is checked through the keys)
             meta = {**carried, "config": self._pipeline.to_dict()}
             sd = {**sd, "modopt": meta}
+            _check_inventory(sd["state"], meta)
         if not isinstance(meta, dict):
             raise ValueError(
                 "load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry, "
@@ -328,3 +343,21 @@ def _check_last(transforms: tuple[Transform, ...]) -> None:
             raise ValueError(f"{key}: {type(t).__name__} must be the last transform of the pipeline")
 
 
+def _check_inventory(state: Any, meta: dict) -> None:
+    """Refuse a state dict that lacks values its writer had (DCP fills only the target's slots)."""
+    inventory = meta.get("inventory")
+    if not isinstance(inventory, list) or not isinstance(state, dict):
+        return
+    have = {k for e in state.values() if isinstance(e, dict) for k in e}
+    store = meta.get("transforms")
+    if isinstance(store, dict):
+        have |= {f"{k}/{n}" for k, v in store.items() if isinstance(v, dict) for n in v}
+    missing = [k for k in inventory if k not in have]
+    if missing:
+        raise ValueError(
+            f"load_state_dict: the state dict lacks {len(missing)} value(s) its checkpoint was saved with "
+            f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}). "
+            "torch.distributed.checkpoint loads only the values its target state dict has a slot for, and a fresh "
+            "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
+            "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
+        )
