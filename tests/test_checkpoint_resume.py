@@ -386,3 +386,12 @@ def test_attach_handle_round_trip_and_checks():
         with pytest.raises(ValueError, match=match):
             h2.load_state_dict(d)
         assert_same(before, h2.state_dict())
+
+
+def test_meta_device_parameters_step_without_a_host_sync():
+    """Shape-only (meta) parameters: a step runs (no Tensor.item() on meta tensors) and keeps shapes."""
+    p = torch.nn.Parameter(torch.zeros(3, 2, device="meta"))
+    p.grad = torch.ones(3, 2, device="meta")
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.ClipNormByEMA(), mo.SGD(lr=0.1, momentum=0.9))
+    opt.step()
+    assert opt.state[p]["1:ClipNormByEMA.ema"].device.type == "meta" and opt.state[p]["1:ClipNormByEMA.ema"].shape == (3, 2)

@@ -122,7 +122,10 @@ class Modular(torch.optim.Optimizer):
         ctx = collect(self, self.param_groups, stats)
         if ctx.params:
             grads = [p.grad for p in ctx.params]
-            if apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads):
+            policy = self._pipeline.nonfinite
+            if policy in ("skip", "raise") and grads[0].device.type == "meta":
+                policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
+            if apply_nonfinite_policy(policy, ctx, grads):
                 run_chain(self, ctx, self.transforms, write=True)
                 stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:
