@@ -173,7 +173,7 @@ def test_same_hyperparameters_load_without_a_warning():
 
 
 # --- declared buffers ------------------------------------------------------------------------
-class SummaryClip(mo.Transform):
+class _SummaryClip(mo.Transform):
     """A contributor's transform: keeps 4 summary statistics per parameter (shape (4,), not the parameter's)."""
 
     beta: float = 0.5
@@ -189,7 +189,7 @@ class SummaryClip(mo.Transform):
         return updates
 
 
-class Undeclared(mo.Transform):
+class _Undeclared(mo.Transform):
     def apply(self, ctx, st, updates):
         st.buffers("secret", lambda i, p: torch.zeros(4))
         return updates
@@ -198,13 +198,13 @@ class Undeclared(mo.Transform):
 def test_custom_transform_with_a_4_shaped_per_parameter_buffer_checkpoints_and_resumes():
     def run(split):
         model = make_model()
-        opt = mo.Modular(model.parameters(), SummaryClip(), mo.SGD(lr=0.1))
+        opt = mo.Modular(model.parameters(), _SummaryClip(), mo.SGD(lr=0.1))
         for k in range(6):
             if k == split:
                 ck = roundtrip({"m": model.state_dict(), "o": opt.state_dict()})
                 model = make_model(3)
                 model.load_state_dict(ck["m"])
-                opt = mo.Modular(model.parameters(), SummaryClip(), mo.SGD(lr=0.1))
+                opt = mo.Modular(model.parameters(), _SummaryClip(), mo.SGD(lr=0.1))
                 opt.load_state_dict(ck["o"])
             loss_backward(model, k)
             opt.step()
@@ -214,21 +214,21 @@ def test_custom_transform_with_a_4_shaped_per_parameter_buffer_checkpoints_and_r
     resumed, o2 = run(split=3)
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
-    assert o2._store["0:SummaryClip"]["calls"] == 6
-    assert all(s["0:SummaryClip.summary"].shape == (4,) for s in o2.state.values())
+    assert o2._store["0:_SummaryClip"]["calls"] == 6
+    assert all(s["0:_SummaryClip.summary"].shape == (4,) for s in o2.state.values())
     sd = o2.state_dict()
-    sd["state"][0]["0:SummaryClip.summary"] = torch.zeros(5)
+    sd["state"][0]["0:_SummaryClip.summary"] = torch.zeros(5)
     with pytest.raises(ValueError, match=r"shape \(5,\) does not fit the declared shape \(4,\)"):
         o2.load_state_dict(sd)
 
 
 def test_undeclared_buffer_is_a_clear_error_naming_transform_and_buffer():
     model = make_model()
-    opt = mo.Modular(model.parameters(), Undeclared(), mo.SGD(lr=0.1))
+    opt = mo.Modular(model.parameters(), _Undeclared(), mo.SGD(lr=0.1))
     loss_backward(model, 0)
     opt.step()
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=r"'secret' of transform 0:Undeclared \(Undeclared\), which Undeclared does not "
+    with pytest.raises(ValueError, match=r"'secret' of transform 0:_Undeclared \(_Undeclared\), which _Undeclared does not "
                                          r"declare; declare it on the class, e\.g\. `state_buffers: ClassVar\[dict\]"):
         opt.load_state_dict(opt.state_dict())
     assert_same(before, opt.state_dict())
@@ -255,7 +255,7 @@ def devices():
 @pytest.mark.parametrize("device", devices())
 def test_a_cpu_checkpoint_loads_with_every_buffer_on_the_parameters_device(device):
     pipeline = lambda: [mo.ZClip(warmup_steps=2), mo.ClipNormByEMA(scope="tensor", dim=0, inverse_dims=True),
-                        mo.AutoClip(window=3, scope="group"), SummaryClip(), mo.AdamW(lr=1e-2)]  # noqa: E731
+                        mo.AutoClip(window=3, scope="group"), _SummaryClip(), mo.AdamW(lr=1e-2)]  # noqa: E731
     model = make_model()
     opt = mo.Modular(named_groups(model), *pipeline())
     for k in range(4):
