@@ -10,6 +10,7 @@ of that element's magnitude: a per-element spike guard.
 import argparse
 import io
 import os
+from typing import ClassVar
 
 import torch
 from pydantic import Field, PositiveFloat
@@ -31,6 +32,8 @@ class ClipToRunningAbs(mo.Transform):
 
     factor: PositiveFloat = 3.0
     beta: float = Field(0.9, ge=0.0, lt=1.0)
+    # what it saves: checked and placed on the parameter's device by load_state_dict
+    state_buffers: ClassVar[dict] = {"abs_ema": "param", "steps": "counter"}
 
     def apply(self, ctx, st, updates):
         # one buffer per parameter, created on first use; saved in opt.state_dict()

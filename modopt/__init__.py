@@ -10,6 +10,7 @@ from .core.modular import Modular
 from .core.registry import available, register_optimizer, trust_imports
 from .core.scope import Scoped
 from .core.select import Select
+from .core.state import Buffer
 from .core.transform import Chain, Transform
 from .functional import clip_grad_norm_, clip_grad_percentile_, clip_grad_value_, grad_norm, normalize_grads_
 from .transforms import *  # noqa: F401,F403  (every transform, flat, like optax)
@@ -22,4 +23,5 @@ __all__ = [
     "available", "register_optimizer", "trust_imports", "attach",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",
     *_transforms_all,
+    "Buffer",
 ]

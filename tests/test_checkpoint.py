@@ -36,7 +36,7 @@ def test_state_dict_is_plain_data_with_the_config():
     model, opt = model_and_opt()
     train(model, opt, 2)
     sd = roundtrip(opt.state_dict())
-    assert sd["modopt"]["format_version"] == 1
+    assert sd["modopt"]["format_version"] == mo.core.modular.FORMAT_VERSION == 2
     assert sd["modopt"]["config"] == opt.config.to_dict()
     assert mo.PipelineConfig.from_dict(sd["modopt"]["config"]) == opt.config
     assert set(sd["state"][0]) == {"1:Adam.step", "1:Adam.exp_avg", "1:Adam.exp_avg_sq"}
@@ -65,18 +65,24 @@ def test_resume_with_a_scheduler_is_bit_exact():
     assert o2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
-def test_different_pipeline_is_refused_naming_the_difference_and_changes_nothing():
+def test_different_structure_is_refused_naming_the_difference_and_changes_nothing():
     model, opt = model_and_opt(mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
     train(model, opt, 2)
-    other_model, other = model_and_opt(mo.ClipNorm(2.0), mo.Adam(lr=1e-2))
+    other_model, other = model_and_opt(mo.ClipNorm(2.0, scope="tensor"), mo.Adam(lr=1e-2))
     train(other_model, other, 3)
     before = snapshot(other)
-    with pytest.raises(ValueError, match=r"config\.transforms\.0\.max_norm: 1\.0 != 2\.0"):
+    with pytest.raises(ValueError, match=r"config\.transforms\.0\.scope: 'global' != 'tensor'"):
         other.load_state_dict(opt.state_dict())
     assert_same(before, snapshot(other))
     _, third = model_and_opt(mo.ClipNorm(1.0), mo.SGD(lr=1e-2))
     with pytest.raises(ValueError, match=r"config\.transforms\.1\.type: 'Adam' != 'SGD'"):
         third.load_state_dict(opt.state_dict())
+    _, fourth = model_and_opt(mo.Chain(mo.ClipNorm(1.0)), mo.Adam(lr=1e-2))
+    with pytest.raises(ValueError, match=r"config\.transforms\.0\.type: 'ClipNorm' != 'Chain'"):
+        fourth.load_state_dict(opt.state_dict())
+    _, fifth = model_and_opt(mo.Adam(lr=1e-2))
+    with pytest.raises(ValueError, match=r"config\.transforms: length 2 != 1"):
+        fifth.load_state_dict(opt.state_dict())
 
 
 def test_different_parameter_layout_is_refused_and_changes_nothing():
@@ -99,12 +105,15 @@ def test_different_parameter_layout_is_refused_and_changes_nothing():
 @pytest.mark.parametrize(
     "tamper,match",
     [
-        (lambda sd: sd.pop("modopt"), "not written by modopt"),
+        (lambda sd: (sd.pop("modopt"), sd["param_groups"][0].pop("modopt")), "not written by modopt"),
         (lambda sd: sd["modopt"].__setitem__("format_version", 99), "unsupported checkpoint format_version 99"),
         (lambda sd: sd["state"].__setitem__(17, {}), "parameter index 17"),
         (lambda sd: sd["state"][0].__setitem__("9:Evil.x", torch.zeros(1)), "belongs to no transform"),
         (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", object()), "unsupported value"),
-        (lambda sd: sd["param_groups"][0].__setitem__("bogus", 1), "unknown key"),
+        (lambda sd: sd["param_groups"][0].__setitem__("params", "x"), "param group 0 of the checkpoint is malformed"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.undeclared", torch.zeros(1)), "does not declare"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(5)), "does not fit the parameter"),
+        (lambda sd: sd["modopt"]["transforms"].__setitem__("0:ClipNorm", {"x": torch.zeros(())}), "does not declare"),
         (lambda sd: sd.pop("param_groups"), "expected a dict with 'state' and 'param_groups'"),
         (lambda sd: sd["modopt"]["transforms"].__setitem__("7:Nope", {}), "unknown key"),
     ],

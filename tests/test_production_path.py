@@ -195,6 +195,7 @@ def test_a_folding_transform_that_ignores_its_scale_is_an_error():
     from typing import ClassVar
 
     class _Lazy(mo.Transform):
+        positional = None
         folds_scale: ClassVar[bool] = True
 
         def apply(self, ctx, st, updates):

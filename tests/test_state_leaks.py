@@ -37,6 +37,8 @@ def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call()
 class _DataWriter(Transform):
     """A user transform that doubles the updates through ``.data`` (no version-counter bump)."""
 
+    positional = None
+
     def apply(self, ctx, st, updates):
         for u in updates:
             u.data.mul_(2.0)
@@ -46,6 +48,7 @@ class _DataWriter(Transform):
 class _NormSpy(Transform):
     """Records the per-tensor 2-norms it sees (through the step's memo, like a scoped transform)."""
 
+    positional = None
     seen: ClassVar[list] = []
     update_access: ClassVar[str] = "read"
 

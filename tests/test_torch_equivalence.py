@@ -280,10 +280,11 @@ def test_named_parameters_and_group_defaults():
     assert opt.config.defaults == {"lr": 0.05}
 
 
-def test_unknown_group_key_is_a_clear_error():
+def test_unknown_group_key_is_kept_as_torch_but_constructor_typos_are_errors():
     model = make_model()
-    with pytest.raises(ValueError, match="unknown param-group key.*momentum"):
-        mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
+    # torch.optim keeps group keys it does not use (issue 11 item 4); so does Modular
+    opt = mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
+    assert opt.param_groups[0]["momentum"] == 0.9
     with pytest.raises(TypeError, match="unknown hyperparameter"):
         mo.Modular(model.parameters(), mo.Adam(), momentum=0.9)
     with pytest.raises(ValueError, match="exposed by both"):

@@ -72,23 +72,54 @@ class AttachHandle:
         self.remove()
 
     def state_dict(self) -> dict[str, Any]:
+        """The attached transforms' state: `{"state": {param index: ...}, "transforms": ..., "config": ...}`."""
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         return {
             "state": {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index},
             "transforms": {k: dict(v) for k, v in self._store.items()},
+            "config": [t.to_dict() for t in self.transforms],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a handle checkpoint, checked as `Modular.load_state_dict` checks its own.
+
+        The transforms must have the same structure (types, order, nesting,
+        scopes); changed hyperparameters are reported in one `UserWarning`
+        and the live ones kept; every saved value must fit its transform's
+        declaration and parameter, and lands on the parameter's device. On any
+        error the handle is left as it was.
+        """
+        import warnings
+
+        from .checkpoint import StateLoader, structure_difference, value_differences
+
+        who = "AttachHandle.load_state_dict"
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("transforms"), dict):
+            raise ValueError(f"{who}: expected a dict with 'state' and 'transforms' (a handle's state_dict)")
+        live = [t.to_dict() for t in self.transforms]
+        notes: list[str] = []
+        if "config" in sd:  # handle checkpoints written before the config was saved have none
+            diff = structure_difference(sd["config"], live)
+            if diff is not None:
+                raise ValueError(f"{who}: the checkpoint's transforms differ from this handle's: {diff}")
+            notes = value_differences({"transforms": sd["config"]}, {"transforms": live}, self.transforms)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        try:
-            new_state = {params[i]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                         for i, s in sd["state"].items()}
-            new_store = {k: dict(v) for k, v in sd["transforms"].items()}
-        except (KeyError, IndexError, TypeError, AttributeError) as e:
-            raise ValueError(f"AttachHandle.load_state_dict: malformed state dict ({e!r})") from None
+        loader = StateLoader(self.transforms, who)
+        new_state = {}
+        for i, entry in sd["state"].items():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
+                raise ValueError(f"{who}: state for parameter index {i!r}; the optimizer has {len(params)} parameters")
+            new_state[params[i]] = loader.param_state(entry, params[i], self.state.get(params[i]), f"parameter {i}")
+        first = params[0].device if params else torch.device("cpu")
+        devices = [g["params"][0].device if g["params"] else first for g in self.optimizer.param_groups]
+        new_store = loader.store(sd["transforms"], devices)
+        if notes:
+            warnings.warn(f"{who}: the checkpoint's hyperparameters differ from this handle's:\n  " + "\n  ".join(notes),
+                          UserWarning, stacklevel=2)
         self.state.clear()
         self.state.update(new_state)
         self._store = new_store
+        self._runtime.clear()
 
 
 def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: str = "skip") -> AttachHandle:

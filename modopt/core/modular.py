@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
+from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .transform import Transform, to_plain, walk
 from .select import route_group, routes
 
 #: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: `MIGRATIONS[n]` upgrades a state dict of format `n` to format `n + 1`.
 #: When a change to `state_dict` bumps `FORMAT_VERSION` to `n + 1`, register
 #: here the function that rewrites an `n` checkpoint (renamed keys, new
@@ -21,29 +24,18 @@ FORMAT_VERSION = 1
 #: modify its argument; `load_state_dict` runs the chain `n -> n+1 -> ...`
 #: before any check, so an old checkpoint is validated as a current one.
 MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
-#: param-group entries that are not hyperparameters ("name", "names": used by mo.Select)
-_GROUP_BASE_KEYS = {"params", "param_names", "name", "names"}
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two plain-data trees first differ, as `path: a != b`."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in list(a) + [k for k in b if k not in a]:
-            if k not in a or k not in b:
-                return f"{path}{k}: {'missing' if k not in a else a[k]!r} != {'missing' if k not in b else b[k]!r}"
-            d = _first_difference(a[k], b[k], f"{path}{k}.")
-            if d:
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{path.rstrip('.')}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = _first_difference(x, y, f"{path}{i}.")
-            if d:
-                return d
-        return None
-    return None if a == b else f"{path.rstrip('.')}: {a!r} != {b!r}"
+def _v1_to_v2(sd: dict) -> dict:
+    """Format 2 also carries the transform state in `param_groups[0]["modopt"]` (the part of a state
+    dict that torch.distributed.checkpoint keeps); format 1 had it only in `sd["modopt"]`, which
+    stays the primary copy, so the upgrade only renumbers."""
+    return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
+
+
+MIGRATIONS[1] = _v1_to_v2
+#: the key of param_groups[0] in a state dict that carries the transform state (what DCP keeps)
+_GROUP_ENTRY = "modopt"
 
 
 def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
@@ -119,12 +111,10 @@ class Modular(torch.optim.Optimizer):
 
     # --- torch.optim.Optimizer contract -------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        unknown = sorted(set(param_group) - _GROUP_BASE_KEYS - set(self.defaults))
-        if unknown:
-            raise ValueError(
-                f"unknown param-group key(s) {unknown}; this pipeline accepts: "
-                f"{sorted(set(self.defaults)) or 'no hyperparameters'}"
-            )
+        """torch's `add_param_group`: keys this pipeline does not use are kept, as torch.optim does
+        (SWALR's `swa_lr`, Lightning's `name`, timm's `lr_scale`), and saved in checkpoints."""
+        if isinstance(param_group, dict) and _GROUP_ENTRY in param_group:
+            raise ValueError(f"param-group key {_GROUP_ENTRY!r} is reserved: state_dict() uses it to carry the transform state")
         given = set(param_group)
         super().add_param_group(param_group)
         if self._routes is not None:
@@ -146,7 +136,10 @@ class Modular(torch.optim.Optimizer):
         ctx = collect(self, self.param_groups, stats)
         if ctx.params:
             grads = [p.grad for p in ctx.params]
-            if apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads):
+            policy = self._pipeline.nonfinite
+            if policy in ("skip", "raise") and grads[0].device.type == "meta":
+                policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
+            if apply_nonfinite_policy(policy, ctx, grads):
                 run_chain(self, ctx, self.transforms, write=True)
                 stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:
@@ -182,51 +175,125 @@ class Modular(torch.optim.Optimizer):
 
     # --- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
+        """torch's state dict plus modopt's entry (see docs/howto/checkpoints.md).
+
+        `sd["modopt"]` holds the format version, the pipeline config, every
+        transform's state and the skipped-step counter; the transform state and
+        counter are also carried in `sd["param_groups"][0]["modopt"]` (the same
+        tensors), which is what survives `torch.distributed.checkpoint`. The
+        entry is added before any `register_state_dict_post_hook` hook runs.
+        """
+        user_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict([(-1, Modular._add_modopt_entry), *user_hooks.items()])
+        try:
+            return super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = user_hooks
+
+    def _add_modopt_entry(self, sd: dict[str, Any]) -> None:
+        store = {k: dict(v) for k, v in self._store.items()}
+        per_param, store_hist = history_keys(self.transforms)
+        if per_param:  # histories (1-D, any length) travel as lists: see checkpoint.encode_history
+            for i, entry in list(sd["state"].items()):
+                if any(k in per_param for k in entry):
+                    sd["state"][i] = {k: encode_history(v) if k in per_param and isinstance(v, torch.Tensor) else v
+                                      for k, v in entry.items()}
         sd["modopt"] = {
             "format_version": FORMAT_VERSION,
             "config": self._pipeline.to_dict(),
-            "transforms": {k: dict(v) for k, v in self._store.items()},
+            "transforms": store,
             "skipped_steps": self._skipped_steps,
         }
-        return sd
+        if sd["param_groups"]:
+            sd["param_groups"][0][_GROUP_ENTRY] = {
+                "format_version": FORMAT_VERSION,
+                "transforms": {
+                    k: {n: encode_history(x) if n.split("@")[0] in store_hist.get(k, ()) and isinstance(x, torch.Tensor)
+                        else x for n, x in v.items()}
+                    for k, v in store.items()
+                },
+                "skipped_steps": self._skipped_steps,
+                # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
+                # slots its target state dict has) can tell when values were left behind
+                "inventory": sorted({k for e in sd["state"].values() for k in e}
+                                    | {f"{k}/{n}" for k, v in store.items() for n in v}),
+            }
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of the same pipeline and parameter layout.
+        """Load a checkpoint of a pipeline with the same structure and parameter layout.
 
-        Everything is checked before anything changes: on any error the
-        optimizer is left exactly as it was.
+        As with torch.optim, the param groups (`lr`, `betas`, extra keys)
+        come from the checkpoint; the live transforms keep their other fields
+        (a new `max_norm` applies from the next step). Hyperparameters that
+        differ are reported in one `UserWarning`. Everything is checked
+        before anything changes: on any error the optimizer is left exactly as
+        it was. `register_load_state_dict_pre_hook`/`_post_hook` hooks run
+        as in torch.
         """
-        new_state, new_groups, new_store, skipped = self._prepare_load(state_dict)
+        if not isinstance(state_dict, dict):
+            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state_dict)")
+        state_dict = state_dict.copy()  # shallow, as torch
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        new_state, new_groups, new_store, skipped, notes = self._prepare_load(state_dict)
+        if notes:
+            warnings.warn(
+                "load_state_dict: the checkpoint's hyperparameters differ from this optimizer's:\n  "
+                + "\n  ".join(notes)
+                + "\n(set opt.param_groups[i][key] after loading to change a group key)",
+                UserWarning,
+                stacklevel=3,  # the caller of load_state_dict (torch._disable_dynamo wraps it)
+            )
         self.state.clear()
         self.state.update(new_state)
         self.param_groups[:] = new_groups
         self._store = new_store
         self._skipped_steps = skipped
         self._runtime.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _prepare_load(self, sd: Any):
         if not isinstance(sd, dict) or not {"state", "param_groups"} <= set(sd):
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state_dict)")
-        meta = sd.get("modopt")
-        if not isinstance(meta, dict):
-            raise ValueError("load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry)")
-        version = meta.get("format_version")
-        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
-            raise ValueError(f"load_state_dict: unsupported checkpoint format_version {version!r} (this modopt reads <= {FORMAT_VERSION})")
-        if version < FORMAT_VERSION:
-            sd = migrate(sd, version)
-            meta = sd["modopt"]
-        diff = _first_difference(to_plain(meta.get("config")), self._pipeline.to_dict())
-        if diff is not None:
-            raise ValueError(f"load_state_dict: the checkpoint's pipeline differs from this optimizer's: config.{diff}")
         saved_groups = sd["param_groups"]
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"load_state_dict: the checkpoint has {len(saved_groups) if isinstance(saved_groups, list) else '?'} "
                 f"param groups, this optimizer {len(self.param_groups)}"
             )
-        index: dict[int, torch.Tensor] = {}
+        meta = sd.get("modopt")
+        carried = saved_groups[0].get(_GROUP_ENTRY) if saved_groups and isinstance(saved_groups[0], dict) else None
+        if meta is None and isinstance(carried, dict):
+            # torch.distributed.checkpoint keeps only 'state' and 'param_groups': the group-0 copy has the
+            # transform state; the config is this optimizer's own (the structure is checked through the keys)
+            meta = {**carried, "config": self._pipeline.to_dict()}
+            sd = {**sd, "modopt": meta}
+            _check_inventory(sd["state"], meta)
+        if not isinstance(meta, dict):
+            raise ValueError(
+                "load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry, "
+                "neither at the top nor in param_groups[0])"
+            )
+        version = meta.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
+            raise ValueError(f"load_state_dict: unsupported checkpoint format_version {version!r} (this modopt reads <= {FORMAT_VERSION})")
+        if version < FORMAT_VERSION:
+            sd = migrate(sd, version)
+            meta = sd["modopt"]
+            saved_groups = sd["param_groups"]
+        saved_cfg = to_plain(meta.get("config"))
+        live_cfg = self._pipeline.to_dict()
+        if not isinstance(saved_cfg, dict):
+            raise ValueError("load_state_dict: the checkpoint's pipeline differs from this optimizer's: config is not a dict")
+        diff = structure_difference(saved_cfg.get("transforms"), live_cfg["transforms"])
+        if diff is not None:
+            raise ValueError(f"load_state_dict: the checkpoint's pipeline differs from this optimizer's: config.{diff}")
+        notes = value_differences(saved_cfg, live_cfg, self.transforms)
+        index: dict[Any, torch.Tensor] = {}
         new_groups = []
         for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if not isinstance(sg, dict) or not isinstance(sg.get("params"), list):
@@ -236,42 +303,35 @@ class Modular(torch.optim.Optimizer):
                     f"load_state_dict: param group {gi} has {len(sg['params'])} parameters in the checkpoint, "
                     f"{len(g['params'])} here"
                 )
-            unknown = sorted(set(sg) - _GROUP_BASE_KEYS - set(self.defaults) - _SCHEDULER_KEYS)
-            if unknown:
-                raise ValueError(f"load_state_dict: param group {gi} has unknown key(s) {unknown}")
             for idx, p in zip(sg["params"], g["params"]):
                 index[idx] = p
-            ng = {k: copy.deepcopy(v) for k, v in sg.items() if k != "params"}
+            # torch's rule: the group's keys (extra ones included: swa_lr, name, lr_scale) come from the
+            # checkpoint; keys this pipeline needs that the checkpoint lacks keep their current value
+            ng = {k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", _GROUP_ENTRY)}
+            for k in self.defaults:
+                if k not in ng:
+                    ng[k] = g[k]
             ng["params"] = g["params"]
-            if "param_names" in g:
+            if "param_names" in g and "param_names" not in ng:
                 ng["param_names"] = g["param_names"]
             new_groups.append(ng)
         state = sd["state"]
         if not isinstance(state, dict):
             raise ValueError("load_state_dict: 'state' must be a dict")
-        prefixes = tuple(self._keys)
+        loader = StateLoader(self.transforms)
         new_state: dict[torch.Tensor, dict] = {}
         for idx, entry in state.items():
             if idx not in index:
                 raise ValueError(f"load_state_dict: state for parameter index {idx!r}, which no param group holds")
             p = index[idx]
-            if not isinstance(entry, dict):
-                raise ValueError(f"load_state_dict: state of parameter {idx} is not a dict")
-            for k in entry:
-                if not (isinstance(k, str) and k.split(".", 1)[0] in prefixes):
-                    raise ValueError(f"load_state_dict: state key {k!r} of parameter {idx} belongs to no transform of this pipeline")
-            _check_buffers(entry, p, self.state.get(p), idx)
-            new_state[p] = _copy_state(entry, p, f"parameter {idx}")
-        store = meta.get("transforms", {})
-        if not isinstance(store, dict) or any(k not in prefixes for k in store):
-            bad = [k for k in store if k not in prefixes] if isinstance(store, dict) else store
-            raise ValueError(f"load_state_dict: transform state for unknown key(s) {bad}")
-        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-        new_store = {k: _copy_state(v, None, f"transform {k}", device) for k, v in store.items()}
+            new_state[p] = loader.param_state(entry, p, self.state.get(p), f"parameter {idx}")
+        first = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        devices = [g["params"][0].device if g["params"] else first for g in self.param_groups]
+        new_store = loader.store(meta.get("transforms", {}), devices)
         skipped = meta.get("skipped_steps", torch.zeros((), dtype=torch.int64))
         if not isinstance(skipped, torch.Tensor):
             raise ValueError("load_state_dict: skipped_steps must be a tensor")
-        return new_state, new_groups, new_store, skipped.clone()
+        return new_state, new_groups, new_store, skipped.detach().to("cpu", copy=True), notes
 
     # --- pickling / deepcopy -------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -300,53 +360,21 @@ def _check_last(transforms: tuple[Transform, ...]) -> None:
             raise ValueError(f"{key}: {type(t).__name__} must be the last transform of the pipeline")
 
 
-#: keys torch's LR schedulers add to param groups
-_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "initial_momentum"}
-
-
-def _check_buffers(entry: dict, p: torch.Tensor, current: dict | None, idx: Any) -> None:
-    """Refuse per-parameter buffers that cannot belong to `p` (before anything changes).
-
-    A buffer is 0-d (a counter, a per-tensor value), shaped like the parameter,
-    or a per-slice value (the parameter's shape with reduced dims of size 1);
-    only histories (`*.history`) are 1-D of any length. Where this optimizer
-    already holds the same buffer, the loaded one must have its shape and dtype.
-    """
-    for k, v in entry.items():
-        if not isinstance(v, torch.Tensor):
-            continue
-        where = f"load_state_dict: buffer {k!r} of parameter {idx} (shape {tuple(p.shape)})"
-        if v.is_complex() or v.is_sparse:
-            raise ValueError(f"{where} is {'complex' if v.is_complex() else 'sparse'}")
-        history = k.endswith("history")
-        if v.dim() and not history:
-            if v.dim() != p.dim() or any(a not in (b, 1) for a, b in zip(v.shape, p.shape)):
-                raise ValueError(f"{where} has shape {tuple(v.shape)}, which does not fit the parameter")
-        if history and v.dim() != 1:
-            raise ValueError(f"{where} must be 1-D, got shape {tuple(v.shape)}")
-        old = current.get(k) if current else None
-        if isinstance(old, torch.Tensor):
-            if old.dtype != v.dtype:
-                raise ValueError(f"{where} has dtype {v.dtype}, this optimizer's is {old.dtype}")
-            if not history and old.shape != v.shape:
-                raise ValueError(f"{where} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
-
-
-def _copy_state(value: Any, p: torch.Tensor | None, where: str, device: torch.device | None = None) -> Any:
-    """Deep copy of saved state onto the parameter's device, dtypes kept (bit-exact resume)."""
-    if isinstance(value, torch.Tensor):
-        target = p.device if p is not None else device
-        return value.detach().to(device=target, copy=True)
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if isinstance(k, str) and k.endswith("step") and isinstance(v, torch.Tensor):
-                out[k] = v.detach().clone()
-            else:
-                out[k] = _copy_state(v, p, where, device)
-        return out
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_state(v, p, where, device) for v in value)
-    if value is None or isinstance(value, (int, float, bool, str)):
-        return value
-    raise ValueError(f"load_state_dict: unsupported value of type {type(value).__name__} in the state of {where}")
+def _check_inventory(state: Any, meta: dict) -> None:
+    """Refuse a state dict that lacks values its writer had (DCP fills only the target's slots)."""
+    inventory = meta.get("inventory")
+    if not isinstance(inventory, list) or not isinstance(state, dict):
+        return
+    have = {k for e in state.values() if isinstance(e, dict) for k in e}
+    store = meta.get("transforms")
+    if isinstance(store, dict):
+        have |= {f"{k}/{n}" for k, v in store.items() if isinstance(v, dict) for n in v}
+    missing = [k for k in inventory if k not in have]
+    if missing:
+        raise ValueError(
+            f"load_state_dict: the state dict lacks {len(missing)} value(s) its checkpoint was saved with "
+            f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}). "
+            "torch.distributed.checkpoint loads only the values its target state dict has a slot for, and a fresh "
+            "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
+            "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
+        )

@@ -141,6 +141,9 @@ class Transform(BaseModel):
     #: transform; if `apply_final` declines, the runner multiplies it in and calls `apply`).
     #: A transform that receives a scale must `take()` or `apply()` it, or the step raises.
     folds_scale: ClassVar[bool | Literal["final"]] = False
+    #: the values this transform saves (name -> kind or `modopt.Buffer`); checked on load,
+    #: see `modopt.core.state.Buffer`. A saved value not declared here cannot be loaded.
+    state_buffers: ClassVar[dict[str, Any]] = {}
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:

@@ -47,6 +47,7 @@ class Accumulate(Transform):
     positional = "steps"
 
     steps: PositiveInt
+    state_buffers: ClassVar[dict] = {"sum": "param", "calls": "counter"}
     attachable: ClassVar[bool] = False
 
     def apply(self, ctx, st, updates):

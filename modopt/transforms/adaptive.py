@@ -177,6 +177,7 @@ class HistClip(Scoped):
     update_stats_with: Literal["raw", "clipped"] = "raw"
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
+    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "v": "segment"}
 
     def to_dict(self):
         data = super().to_dict()
@@ -271,6 +272,7 @@ class ZClip(Scoped):
     clip_factor: PositiveFloat = 1.0
     skip_update_on_spike: bool = False
     ord: Ord = 2.0
+    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "var": "segment"}
 
     update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
 
@@ -357,6 +359,7 @@ class AutoClip(Scoped):
     window: Optional[PositiveInt] = None
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
+    state_buffers: ClassVar[dict] = {"history": "history"}
 
     @model_validator(mode="after")
     def _no_dims(self):

@@ -31,6 +31,7 @@ class _NormEMA(Scoped, abstract=True):
     eps: NonNegativeFloat = 1e-6
     max_ema_growth: Optional[PositiveFloat] = 1.5
     ema_init: EmaInit = "zeros"
+    state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": "segment"}
 
     normalize: ClassVar[bool] = False
     update_access: ClassVar[str] = "scale"  # m is its own buffer; the updates only get scale_
@@ -182,6 +183,7 @@ class ClipValueByEMA(Transform):
 
     beta: float = Field(0.99, ge=0.0, lt=1.0)
     ema_init: EmaInit = "zeros"
+    state_buffers: ClassVar[dict] = {"ema": "param"}
 
     def apply(self, ctx, st, updates):
         if self.ema_init == "zeros":

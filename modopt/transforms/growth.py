@@ -13,7 +13,7 @@ A non-finite size is never remembered (`r` and the first-step flag stay as they 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
@@ -80,6 +80,7 @@ class ClipNormGrowth(Scoped, _Growth):
     min_value: NonNegativeFloat = 1e-4
     max_decay: Optional[float] = Field(2.0, ge=1.0)
     ord: Ord = 2.0
+    state_buffers: ClassVar[dict] = {"prev_norm": "segment", "started": "segment"}
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -136,6 +137,7 @@ class ClipValueGrowth(_Growth):
     mul: Optional[PositiveFloat] = 1.5
     min_value: NonNegativeFloat = 1e-4
     max_decay: Optional[float] = Field(2.0, ge=1.0)
+    state_buffers: ClassVar[dict] = {"prev": "param"}
 
     def apply(self, ctx, st, updates):
         fresh = [not h for h in st.has_buffers("prev")]

@@ -167,6 +167,7 @@ class SGD(_FusedOptimizer):
     nesterov: bool = False
     weight_decay: NonNegativeFloat = 0.0
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
+    state_buffers: ClassVar[dict] = {"momentum_buffer": "param"}
 
     @model_validator(mode="after")
     def _nesterov(self):
@@ -265,6 +266,7 @@ class Adam(_FusedOptimizer):
     eps: NonNegativeFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.0
     amsgrad: bool = False
+    state_buffers: ClassVar[dict] = {"step": "counter", "exp_avg": "param", "exp_avg_sq": "param", "max_exp_avg_sq": "param"}
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad")
     decoupled: ClassVar[bool] = False
 
@@ -412,6 +414,7 @@ class TorchOptimizer(Transform):
 
     cls: str
     kwargs: dict[str, Any] = {}
+    state_buffers: ClassVar[dict] = {"inner": "torch"}
     is_optimizer: ClassVar[bool] = True
     must_be_last: ClassVar[bool] = True
     _cls: type = PrivateAttr()

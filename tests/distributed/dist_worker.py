@@ -1,7 +1,8 @@
 """Worker of the distributed tests: ``python dist_worker.py MODE PORT OUT`` spawns 2 gloo ranks on 127.0.0.1.
 
-MODE is ``ddp``, ``fsdp`` or ``single`` (the single-process reference, no
-process group). Every case of :data:`CASES` trains the same small model for
+MODE is ``ddp``, ``fsdp``, ``fsdp-dcp`` (checkpoint and resume with
+torch.distributed.checkpoint, see :func:`run_dcp`) or ``single`` (the
+single-process reference, no process group). Every case of :data:`CASES` trains the same small model for
 ``STEPS`` steps on the same data; under DDP/FSDP each rank sees its half of the
 batch and the wrapper averages the gradients, so the full-batch gradient (and
 so the trajectory) is the single-process one. Rank 0 (or the single process)
@@ -142,13 +143,74 @@ def run_all(mode: str, rank: int) -> dict:
     return results
 
 
+#: pipelines checkpointed with torch.distributed.checkpoint under FSDP2 (mode ``fsdp-dcp``)
+DCP_CASES = {
+    "ZClip-EMA-AdamW": lambda: [mo.ZClip(warmup_steps=2), mo.ClipNormByEMA(beta=0.5, scope="group"), mo.AdamW(lr=0.01)],
+    "AutoClip-tensor-SGD": lambda: [mo.AutoClip(percentile=50, scope="tensor"), mo.HistClip(warmup_steps=2),
+                                    mo.SGD(lr=0.1, momentum=0.9)],
+}
+
+
+def _sharded(pipeline):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model, mo.Modular(param_groups(model), *pipeline)
+
+
+def _fsdp_steps(model, opt, rank: int, steps) -> None:
+    for step in steps:
+        x, y = batch(step)
+        half = x.shape[0] // WORLD
+        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+
+
+def run_dcp(rank: int, ckpt_dir: str) -> dict:
+    """FSDP2 + DCP: train 5 steps, dcp.save, train 5 more (straight); a fresh sharded model and optimizer
+    dcp.load and train the same 5 (resumed). Both runs' full parameters are returned."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    results: dict = {}
+    for name, pipeline in DCP_CASES.items():
+        try:
+            model, opt = _sharded(pipeline())
+            _fsdp_steps(model, opt, rank, range(5))
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{ckpt_dir}/{name}")
+            _fsdp_steps(model, opt, rank, range(5, 10))
+            straight = [p.full_tensor().detach().clone() for p in model.parameters()]
+            m2, o2 = _sharded(pipeline())
+            with torch.no_grad():
+                for p in m2.parameters():
+                    p.mul_(-2.0)  # other weights: the load must restore them
+            msd2, osd2 = get_state_dict(m2, o2)
+            target = {"model": msd2, "optim": osd2}
+            dcp.load(target, checkpoint_id=f"{ckpt_dir}/{name}")
+            set_state_dict(m2, o2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+            _fsdp_steps(m2, o2, rank, range(5, 10))
+            resumed = [p.full_tensor().detach().clone() for p in m2.parameters()]
+            sharded_buffers = sum(type(v) is not torch.Tensor for s in o2.state.values() for v in s.values()
+                                  if isinstance(v, torch.Tensor))
+            results[name] = {"straight": straight, "resumed": resumed, "sharded_buffers": sharded_buffers, "error": None}
+        except Exception:
+            results[name] = {"straight": None, "resumed": None, "sharded_buffers": 0, "error": traceback.format_exc()}
+    return results
+
+
 def _rank_main(rank: int, mode: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = run_all(mode, rank)
+        results = run_dcp(rank, out + ".dcp") if mode == "fsdp-dcp" else run_all(mode, rank)
         if rank == 0:
             torch.save(results, out)
         dist.barrier()

@@ -1,0 +1,334 @@
+"""Checking and copying saved transform state: shared by `Modular` and `attach` handles.
+
+A checkpoint loads when the pipeline's *structure* matches: transform types and
+order, nesting, the fields that decide where a transform's state lives
+(`scope`, `dim`, `inverse_dims`, a wrapped optimizer's `cls`), and
+every saved value fits the declaration of its transform (`state_buffers`, see
+`modopt.core.state.Buffer`). Hyperparameter values may differ: they are
+reported by `value_differences()` and the caller decides what wins (torch's
+rule: param-group keys come from the checkpoint, the live transforms keep their
+other fields).
+
+Everything here only reads its inputs and returns new objects, so a caller
+that checks everything before assigning leaves the optimizer as it was when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+import torch
+
+from .state import Buffer, declared_buffers
+from .transform import Transform, to_plain
+
+#: fields whose value decides where (and in which shape) a transform keeps its state
+LAYOUT_FIELDS = ("scope", "dim", "inverse_dims", "cls")
+_GROUP_SUFFIX = re.compile(r"^(.+)@group(\d+)$")
+
+
+# --- configs ---------------------------------------------------------------------------
+def _is_transform(v: Any) -> bool:
+    return isinstance(v, dict) and isinstance(v.get("type"), str)
+
+
+def _nested(v: Any) -> list | None:
+    """A field value holding transforms, as a list (None: not transforms)."""
+    if _is_transform(v):
+        return [v]
+    if isinstance(v, list) and v and all(_is_transform(x) for x in v):
+        return v
+    return None
+
+
+def structure_difference(saved: Any, live: list[dict], path: str = "transforms") -> str | None:
+    """Where the saved plain-data transform list first differs in structure from `live`, or None."""
+    if not isinstance(saved, list):
+        return f"{path}: {type(saved).__name__} is not a list of transforms"
+    if len(saved) != len(live):
+        return f"{path}: length {len(saved)} != {len(live)}"
+    for i, (a, b) in enumerate(zip(saved, live)):
+        p = f"{path}.{i}"
+        if not _is_transform(a):
+            return f"{p}: {a!r} is not a transform"
+        if a["type"] != b["type"]:
+            return f"{p}.type: {a['type']!r} != {b['type']!r}"
+        for f in LAYOUT_FIELDS:
+            if f in b and to_plain(a.get(f)) != to_plain(b[f]):
+                return f"{p}.{f}: {a.get(f)!r} != {b[f]!r} (this field decides where the transform keeps its state)"
+        for f, v in b.items():
+            kids = _nested(v)
+            if kids is not None:
+                d = structure_difference(_nested(a.get(f)) or a.get(f), kids, f"{p}.{f}")
+                if d:
+                    return d
+    return None
+
+
+def _diffs(a: Any, b: Any, path: str, out: list[tuple[str, Any, Any]]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(b) + [k for k in a if k not in b]:
+            _diffs(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{path}.{k}" if path else str(k), out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diffs(x, y, f"{path}.{i}", out)
+    elif a != b:
+        out.append((path, a, b))
+
+
+def _group_key_paths(transforms: Iterable[Transform], path: str = "transforms") -> dict[str, set[str]]:
+    """`{path of a transform: the fields it exposes as param-group keys}`, nested transforms included."""
+    out: dict[str, set[str]] = {}
+    for i, t in enumerate(transforms):
+        p = f"{path}.{i}"
+        keys = set(t.hyperparams()) | set(t.group_keys)
+        if "kwargs" in type(t).model_fields and keys:  # TorchOptimizer: its kwargs are the group keys
+            keys.add("kwargs")
+        out[p] = keys
+        for f in t.field_order():
+            v = getattr(t, f)
+            if isinstance(v, Transform):
+                out.update(_group_key_paths([v], f"{p}.{f}"))
+            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, Transform) for x in v):
+                out.update(_group_key_paths(v, f"{p}.{f}"))
+    return out
+
+
+def value_differences(saved: dict, live: dict, transforms: Iterable[Transform]) -> list[str]:
+    """Every hyperparameter that differs between two configs of the same structure, in user words."""
+    out: list[tuple[str, Any, Any]] = []
+    _diffs(to_plain(saved), live, "", out)
+    owners = _group_key_paths(transforms)
+    lines = []
+    for path, a, b in out:
+        group_key = path.startswith("defaults.")
+        m = re.match(r"^(.*?)\.([^.]+)(?:\..*)?$", path)
+        if not group_key and m:
+            # the transform owning the field: the longest transform path that prefixes it
+            for tp in sorted(owners, key=len, reverse=True):
+                if path.startswith(tp + "."):
+                    field = path[len(tp) + 1 :].split(".", 1)[0]
+                    group_key = field in owners[tp]
+                    break
+        rule = ("a param-group key: the checkpoint's value is restored, as torch.optim does"
+                if group_key else "this optimizer's value is kept")
+        lines.append(f"{path}: {a!r} in the checkpoint, {b!r} here ({rule})")
+    return lines
+
+
+# --- saved values ------------------------------------------------------------------------
+def encode_history(v: torch.Tensor) -> dict[str, Any]:
+    """A history as plain data, `{"history": [numbers], "dtype": "float32"}`.
+
+    Histories change length from step to step; torch.distributed.checkpoint
+    loads tensors in place into tensors of the live optimizer's shape, so a
+    history travels as a list (exact for every float dtype; inf and NaN kept).
+    Costs a device-to-host copy, at checkpoint time only.
+    """
+    return {"history": v.detach().cpu().tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+
+
+def _decode_history(v: Any, where: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    if not (isinstance(v, dict) and set(v) == {"history", "dtype"} and isinstance(v["history"], list)):
+        raise ValueError(f"{where}: a history must be a 1-D tensor or {{'history': [numbers], 'dtype': name}}")
+    dtype = getattr(torch, str(v["dtype"]), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: unknown history dtype {v['dtype']!r}")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v["history"]):
+        raise ValueError(f"{where}: a history holds numbers only")
+    return torch.tensor(v["history"], dtype=dtype)
+
+
+def history_keys(transforms: Iterable[Transform]) -> tuple[set[str], dict[str, set[str]]]:
+    """Which saved values are histories: per-parameter state keys, and store names per transform key."""
+    from .transform import walk
+
+    per_param: set[str] = set()
+    store: dict[str, set[str]] = {}
+    for key, t in walk(tuple(transforms)):
+        for name, b in declared_buffers(t).items():
+            if b.kind == "history":
+                per_param.add(f"{key}.{name}")
+                store.setdefault(key, set()).add(name)
+    return per_param, store
+
+
+def _undeclared(owner_key: str, t: Transform, name: str, where: str) -> ValueError:
+    cls = type(t).__name__
+    return ValueError(
+        f"load_state_dict: {where} holds {name!r} of transform {owner_key} ({cls}), which {cls} does not "
+        f"declare; declare it on the class, e.g. `state_buffers: ClassVar[dict] = {{{name!r}: \"param\"}}` "
+        f"(kinds: param, segment, history, counter, fixed, torch; see modopt.Buffer)"
+    )
+
+
+def _check_tensor(v: torch.Tensor, where: str) -> None:
+    if v.is_complex() or v.is_sparse:
+        raise ValueError(f"{where} is {'complex' if v.is_complex() else 'sparse'}")
+
+
+def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
+    """Does the saved value `v` fit its declaration (per parameter `p`, or in the store)?"""
+    if b.kind == "torch":
+        if p is None:
+            raise ValueError(f"{where}: a wrapped optimizer's state is per parameter, not transform-wide")
+        _check_nested(v, where)
+        return
+    if b.kind == "counter":
+        if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+            raise ValueError(f"{where}: a counter must be a number or a 0-d tensor, got {type(v).__name__}")
+        if isinstance(v, torch.Tensor) and v.dim() != 0:
+            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a counter (0-d)")
+        return
+    if b.kind == "history":
+        v = _decode_history(v, where)
+    if not isinstance(v, torch.Tensor):
+        raise ValueError(f"{where}: unsupported value of type {type(v).__name__} (a {b.kind} buffer is a tensor)")
+    _check_tensor(v, where)
+    if b.kind == "fixed":
+        if b.shape is not None and tuple(v.shape) != b.shape:
+            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit the declared shape {b.shape}")
+        return
+    if b.kind == "history":
+        if v.dim() != 1:
+            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a history (1-D)")
+        return
+    if p is None:  # transform-wide values: 0-d statistics
+        if b.kind == "param":
+            raise ValueError(f"{where}: a per-parameter buffer cannot be transform-wide")
+        if v.dim() != 0:
+            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a transform-wide statistic (0-d)")
+        return
+    shape, ps = tuple(v.shape), tuple(p.shape)
+    if b.kind == "param" and shape != ps:
+        raise ValueError(f"{where} has shape {shape}, which does not fit the parameter (shape {ps})")
+    if b.kind == "segment" and v.dim() and (v.dim() != p.dim() or any(a not in (c, 1) for a, c in zip(shape, ps))):
+        raise ValueError(f"{where} has shape {shape}, which does not fit the parameter (shape {ps})")
+
+
+def _check_nested(v: Any, where: str) -> None:
+    if isinstance(v, torch.Tensor):
+        _check_tensor(v, where)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_nested(x, f"{where}[{k!r}]")
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _check_nested(x, where)
+    elif not (v is None or isinstance(v, (int, float, bool, str))):
+        raise ValueError(f"{where}: unsupported value of type {type(v).__name__}")
+
+
+def _copy(v: Any, device: torch.device | None) -> Any:
+    """A deep copy (dtypes kept, for a bit-exact resume), tensors moved to `device`."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(device=device if device is not None else v.device, copy=True)
+    if isinstance(v, dict):
+        return {k: _copy(x, device) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copy(x, device) for x in v)
+    return v
+
+
+def _copy_torch_state(v: Any, p: torch.Tensor, key: Any = None) -> Any:
+    """A wrapped torch optimizer's state, placed by torch's own rule (its `step` stays where it was,
+    floating-point state takes the parameter's dtype and device)."""
+    if isinstance(v, torch.Tensor):
+        if key == "step":
+            return v.detach().clone()
+        if p.is_floating_point() and v.is_floating_point():
+            return v.detach().to(dtype=p.dtype, device=p.device, copy=True)
+        return v.detach().to(device=p.device, copy=True)
+    if isinstance(v, dict):
+        return {k: _copy_torch_state(x, p, k) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copy_torch_state(x, p) for x in v)
+    return v
+
+
+class StateLoader:
+    """Checks and copies the state of one set of transforms onto one set of parameters.
+
+    `transforms`: the live pipeline (keys as `walk` makes them). Every
+    method raises `ValueError` naming the parameter, transform and value at
+    fault, and builds new containers only.
+    """
+
+    def __init__(self, transforms: Iterable[Transform], who: str = "load_state_dict"):
+        from .transform import walk
+
+        self.owners: dict[str, Transform] = dict(walk(tuple(transforms)))
+        self.who = who
+
+    def _owner(self, key: Any, where: str) -> tuple[str, Transform, str]:
+        if not isinstance(key, str) or "." not in key or key.split(".", 1)[0] not in self.owners:
+            raise ValueError(f"{self.who}: state key {key!r} of {where} belongs to no transform of this pipeline")
+        prefix, name = key.split(".", 1)
+        return prefix, self.owners[prefix], name
+
+    def param_state(self, entry: Any, p: torch.Tensor, current: dict | None, where: str) -> dict:
+        """Check and copy the saved state of one parameter (`current`: what this optimizer holds for it)."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"{self.who}: state of {where} is not a dict")
+        out = {}
+        for k, v in entry.items():
+            prefix, t, name = self._owner(k, where)
+            b = declared_buffers(t).get(name)
+            if b is None:
+                raise _undeclared(prefix, t, name, where)
+            what = f"{self.who}: buffer {k!r} of {where} (shape {tuple(p.shape)})"
+            _check_kind(b, v, p, what)
+            old = current.get(k) if current else None
+            if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and b.kind != "torch":
+                if old.dtype != v.dtype:
+                    raise ValueError(f"{what} has dtype {v.dtype}, this optimizer's is {old.dtype}")
+                if b.kind != "history" and old.shape != v.shape:  # "fixed": the live buffer's shape
+                    raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
+            if b.kind == "history":
+                v = _decode_history(v, what)
+            if b.kind == "torch":
+                out[k] = _copy_torch_state(v, p)
+            else:
+                out[k] = _copy(v, p.device if b.device == "param" else torch.device("cpu"))
+        return out
+
+    def store(self, store: Any, group_devices: list[torch.device]) -> dict[str, dict]:
+        """Check and copy the transform-wide state (`{transform key: {name: value}}`).
+
+        `group_devices[g]`: where the values of param group `g` go (the
+        device of its first parameter); values of the global scope go to the
+        first group's device.
+        """
+        if not isinstance(store, dict):
+            raise ValueError(f"{self.who}: the transform state must be a dict, got {type(store).__name__}")
+        bad = [k for k in store if k not in self.owners]
+        if bad:
+            raise ValueError(f"{self.who}: transform state for unknown key(s) {bad}; this pipeline's: {sorted(self.owners)}")
+        default = group_devices[0] if group_devices else torch.device("cpu")
+        out: dict[str, dict] = {}
+        for key, values in store.items():
+            t = self.owners[key]
+            if not isinstance(values, dict):
+                raise ValueError(f"{self.who}: the state of transform {key} is not a dict")
+            decl = declared_buffers(t)
+            new = {}
+            for name, v in values.items():
+                m = _GROUP_SUFFIX.match(name) if isinstance(name, str) else None
+                base, gid = (m.group(1), int(m.group(2))) if m else (name, None)
+                b = decl.get(base)
+                if b is None:
+                    raise _undeclared(key, t, str(name), "the transform-wide state")
+                if gid is not None and gid >= len(group_devices):
+                    raise ValueError(f"{self.who}: {name!r} of transform {key} names param group {gid}, "
+                                     f"this optimizer has {len(group_devices)}")
+                _check_kind(b, v, None, f"{self.who}: {name!r} of transform {key}")
+                if b.kind == "history":
+                    v = _decode_history(v, f"{self.who}: {name!r} of transform {key}")
+                dev = (group_devices[gid] if gid is not None else default) if b.device == "param" else torch.device("cpu")
+                new[name] = _copy(v, dev)
+            out[key] = new
+        return out
