@@ -206,4 +206,5 @@ def test_lightning_page_runs(tmp_path, monkeypatch):
     ns, out = run_page("lightning.md", tmp_path, monkeypatch)
     assert "resumed exactly: True" in out
     logged = ns["logged"]
-    assert {"modopt/skipped", "modopt/skipped_steps"} <= set(logged)
+    assert {"modopt/skipped", "modopt/nonfinite"} <= set(logged), sorted(logged)
+    assert float(logged["modopt/skipped"]) == 0.0
