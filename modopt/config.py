@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core.pipeline import NonFinite
 from .core.registry import available, get_transform, trust_imports as _trust
-from .core.transform import Transform, TransformField, did_you_mean, to_plain
+from .core.transform import Transform, TransformField, did_you_mean, plain_input, to_plain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -230,19 +230,36 @@ def _models_in(annotation: Any) -> Any:
     return found[0] if len(found) == 1 else found
 
 
-def load_config(path: str | Path, trust_imports: bool = False) -> PipelineConfig:
-    """Read a pipeline config from a YAML, JSON or TOML file.
+def load_config(path: Any, trust_imports: bool = False) -> PipelineConfig:
+    """Read a pipeline config: a YAML, JSON or TOML file, or the same data in memory.
 
-    Errors raise `ConfigError` naming the file and the line (syntax) or
-    the field path (validation, e.g. `transforms.0.max_norm`).
+    `path` may be a file path, a dict (or any mapping), an OmegaConf `DictConfig`
+    (interpolations such as `${train.lr}` are resolved) or a `PipelineConfig`
+    (returned as is). An experiment config with an `optimizer` entry and no
+    `transforms` gives its `optimizer` pipeline.
+
+    Errors raise `ConfigError` naming the file (or `<dict>`) and the line
+    (syntax) or the field path (validation, e.g. `transforms.0.max_norm`).
     """
-    data = read_file(path)
+    if isinstance(path, PipelineConfig):
+        return path
+    if isinstance(path, (str, Path)):
+        data, source = read_file(path), str(path)
+    else:
+        data, source = plain_input(path), f"<{type(path).__name__}>"
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"load_config: expected a file path, a mapping (dict, DictConfig) or a PipelineConfig; "
+                f"got {type(path).__name__}"
+            )
     if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
-        data = data["optimizer"]  # an experiment config: take its pipeline
+        data = plain_input(data["optimizer"])  # an experiment config: take its pipeline
     try:
         return PipelineConfig.from_dict(data, trust_imports=trust_imports)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(path), data, PipelineConfig)) from e
+        raise ConfigError(format_validation_error(e, source, data, PipelineConfig)) from e
+    except ValueError as e:  # a transform's own check (pydantic wraps most; this catches the rest)
+        raise ConfigError(f"{source}: invalid config: {e}") from e
 
 
 def config_schema() -> dict[str, Any]:

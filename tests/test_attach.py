@@ -1,4 +1,4 @@
-"""Integrations: mo.attach on torch optimizers == Modular, removal, deepcopy / pickle, Lightning (if installed)."""
+"""Integrations: mo.attach on torch optimizers == Modular, closures, checkpoints, deepcopy / pickle, Lightning."""
 
 from __future__ import annotations
 
@@ -111,6 +111,149 @@ def test_attach_skips_nonfinite_steps_and_refuses_optimizer_transforms():
             mo.attach(topt, bad)
 
 
+# --- step(closure) and checkpoints through the optimizer's own state_dict -----------------
+
+
+def closure_for(model, opt, x):
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_attach_runs_on_the_gradients_a_closure_computes(how):
+    xs = batches(6)
+    ma = make_model()
+    ta = torch.optim.SGD(ma.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in ma.parameters()]
+    handle = mo.attach(ta, mo.ClipNorm(1e-6))
+    for x in xs:
+        c = closure_for(ma, ta, x)
+        loss = ta.step(c) if how == "positional" else ta.step(closure=c)
+        assert loss is not None  # step returns the closure's loss
+        assert not bool(handle.stats["skipped"])
+    # each step moves by lr * 1e-6 at most (total norm over all parameters)
+    moved = torch.cat([(p - q).flatten() for p, q in zip(ma.parameters(), before)]).norm()
+    assert moved <= 6 * 0.5 * 1e-6 * (1 + 1e-4)
+    # and equals the no-closure trajectory exactly, with a stateful transform too
+    for front in FRONTS.values():
+        mb, mc = make_model(), make_model()
+        tb, tc = torch.optim.AdamW(mb.parameters(), lr=1e-2), torch.optim.AdamW(mc.parameters(), lr=1e-2)
+        mo.attach(tb, *front())
+        mo.attach(tc, *front())
+        train(mb, tb, xs)
+        for x in xs:
+            tc.step(closure_for(mc, tc, x))
+        for p, q in zip(mb.parameters(), mc.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_attach_closure_skips_a_nonfinite_step():
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    handle = mo.attach(opt, mo.ZClip(warmup_steps=2))
+    for x in batches(3):
+        opt.step(closure_for(m, opt, x))
+    before = [p.detach().clone() for p in m.parameters()]
+    torch_state = copy.deepcopy(opt.state_dict())
+    zstate = copy.deepcopy(handle.state_dict())
+
+    def bad():
+        opt.zero_grad()
+        m(batches(1)[0]).pow(2).mean().backward()
+        m[0].weight.grad[0, 0] = float("inf")
+        return torch.tensor(1.0)
+
+    opt.step(bad)
+    assert bool(handle.stats["skipped"])
+    for p, q in zip(before, m.parameters()):
+        assert torch.equal(p, q)
+    for i, s in torch_state["state"].items():
+        assert torch.equal(s["momentum_buffer"], opt.state_dict()["state"][i]["momentum_buffer"])
+    assert str(zstate) == str(handle.state_dict())
+
+
+def test_attach_refuses_closures_evaluated_twice_per_step():
+    m = make_model()
+    with pytest.raises(ValueError, match="LBFGS"):
+        mo.attach(torch.optim.LBFGS(m.parameters()), mo.ClipNorm(1.0))
+
+    class TwiceSGD(torch.optim.SGD):  # an optimizer with a line search of its own
+        def step(self, closure=None):
+            closure()
+            return super().step(closure)
+
+    opt = TwiceSGD(m.parameters(), lr=0.1)
+    mo.attach(opt, mo.ClipNorm(1.0))
+    with pytest.raises(RuntimeError, match="closure more than once"):
+        opt.step(closure_for(m, opt, batches(1)[0]))
+
+
+def _attached(seed=0):
+    m = make_model(seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return m, opt, mo.attach(opt, mo.ZClip(warmup_steps=2, z_thresh=1.0), mo.ClipNormByEMA(scope="tensor"))
+
+
+def test_attach_state_travels_inside_the_optimizer_state_dict():
+    xs = batches(10)
+    m, opt, h = _attached()
+    train(m, opt, xs[:5])
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
+    assert "modopt_attach" in opt.state_dict()
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    m2, opt2, h2 = _attached(seed=3)
+    m2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])  # no extra code: the handle's state comes back with the optimizer's
+    assert str(h2.state_dict()) == str(h.state_dict())
+    train(m, opt, xs[5:])
+    train(m2, opt2, xs[5:])
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    # a fresh handle (no load) differs: the test can fail
+    m3, opt3, _ = _attached(seed=3)
+    m3.load_state_dict(ck["model"])
+    opt3.load_state_dict({k: v for k, v in ck["opt"].items() if k != "modopt_attach"})
+    train(m3, opt3, xs[5:])
+    assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), m3.parameters()))
+    # a plain torch optimizer (nothing attached) still loads the checkpoint
+    torch.optim.AdamW(make_model().parameters(), lr=1e-2).load_state_dict(ck["opt"])
+
+
+def test_a_bad_attach_entry_leaves_optimizer_and_handle_as_they_were():
+    m, opt, h = _attached()
+    train(m, opt, batches(3))
+    sd = opt.state_dict()
+    before_opt, before_h = copy.deepcopy(opt.state_dict()), str(h.state_dict())
+    m2, opt2, h2 = _attached()
+    train(m2, opt2, batches(2, seed=5))
+    before_opt2, before_h2 = str(opt2.state_dict()), str(h2.state_dict())
+    for broken in ({"state": {99: {}}, "transforms": {}}, {"transforms": {}}):
+        with pytest.raises(ValueError):
+            opt2.load_state_dict({**sd, "modopt_attach": broken})
+        assert str(opt2.state_dict()) == before_opt2 and str(h2.state_dict()) == before_h2
+    assert str(before_opt) == str(opt.state_dict()) and before_h == str(h.state_dict())
+
+
+def test_two_handles_and_remove():
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    h1 = mo.attach(opt, mo.ClipNormByEMA())
+    h2 = mo.attach(opt, mo.ZClip(warmup_steps=2))
+    train(m, opt, batches(3))
+    sd = opt.state_dict()
+    assert {"modopt_attach", "modopt_attach.1"} <= set(sd)
+    h2.remove()
+    h1.remove()
+    assert not any(k.startswith("modopt_attach") for k in opt.state_dict())
+    assert len(opt._optimizer_load_state_dict_pre_hooks) == 0
+
+
 # --- deepcopy / pickle ------------------------------------------------------------------
 
 
@@ -151,14 +294,7 @@ def test_copies_of_a_modular_continue_identically(how, load_from_checkpoint):
 
 
 def test_lightning_module_trains_with_modular_and_a_scheduler(tmp_path):
-    try:
-        import lightning as L
-    except ImportError:
-        L = pytest.importorskip(
-            "pytorch_lightning",
-            reason="Lightning is not installed (deliberately not a CI dependency: too heavy); "
-            "see docs/howto/lightning.md",
-        )
+    import lightning as L  # a dev dependency
 
     class Net(L.LightningModule):
         def __init__(self):
@@ -183,3 +319,64 @@ def test_lightning_module_trains_with_modular_and_a_scheduler(tmp_path):
     opt = trainer.optimizers[0]
     assert isinstance(opt, mo.Modular) and opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
     assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+class _AttachedNet:
+    """A LightningModule (built lazily: Lightning is imported inside the test) with an attached pipeline."""
+
+    @staticmethod
+    def make(L, front, lr=0.5):
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = make_model()
+                self.handle = None
+
+            def training_step(self, batch, _):
+                return self.net(batch[0]).pow(2).mean()
+
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=0.9)
+                self.handle = mo.attach(opt, *front())
+                return opt
+
+        return Net()
+
+
+def _loader(n=6):
+    xs = torch.cat(batches(n))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs), batch_size=7)
+
+
+def _trainer(L, tmp_path, steps, **kw):
+    return L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=str(tmp_path), **kw)
+
+
+def test_lightning_automatic_optimisation_runs_attached_transforms(tmp_path):
+    import lightning as L
+
+    net = _AttachedNet.make(L, lambda: [mo.ClipNorm(1e-6)])
+    before = [p.detach().clone() for p in net.parameters()]
+    _trainer(L, tmp_path, 4, enable_checkpointing=False).fit(net, _loader())
+    moved = torch.cat([(p - q).flatten() for p, q in zip(net.parameters(), before)]).norm()
+    # Lightning calls opt.step(closure): the clip applies to the closure's gradients
+    assert 0 < moved < 4 * 0.5 * 1e-6 * 4  # lr * max_norm per step, momentum <= 1/(1-0.9) not reached in 4 steps
+    assert not bool(net.handle.stats["skipped"])
+
+
+def test_lightning_checkpoint_resumes_the_attached_state(tmp_path):
+    import lightning as L
+
+    front = lambda: [mo.ZClip(warmup_steps=2, z_thresh=1.0), mo.ClipNormByEMA(scope="tensor")]  # noqa: E731
+    full = _AttachedNet.make(L, front, lr=0.05)
+    cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    _trainer(L, tmp_path / "full", 6, callbacks=[cb]).fit(full, _loader(3))  # 3 steps an epoch
+    ck = tmp_path / "ck" / "epoch=0-step=3.ckpt"
+    saved = torch.load(ck, weights_only=False)["optimizer_states"][0]
+    assert "0:ZClip" in saved["modopt_attach"]["transforms"]  # Lightning saved the handle's state, no extra code
+    resumed = _AttachedNet.make(L, front, lr=0.05)
+    _trainer(L, tmp_path / "b", 6, enable_checkpointing=False).fit(resumed, _loader(3), ckpt_path=str(ck))
+    for p, q in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert str(full.handle.state_dict()) == str(resumed.handle.state_dict())

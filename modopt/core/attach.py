@@ -14,8 +14,11 @@ from .transform import Transform, walk
 class AttachHandle:
     """What `attach()` returns: holds the transforms' state; `remove()` detaches them.
 
-    Its `state_dict()` / `load_state_dict()` checkpoint the attached
-    transforms' state (the torch optimizer checkpoints its own).
+    The attached transforms' state travels inside the optimizer's own
+    `optimizer.state_dict()` (under the key `"modopt_attach"`) and is restored by
+    `optimizer.load_state_dict()` once the handle is attached again, so the
+    checkpoints of Lightning, HF Trainer and accelerate carry it with no extra
+    code. `handle.state_dict()` / `handle.load_state_dict()` save it on its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, transforms: tuple[Transform, ...], nonfinite: str):
@@ -26,7 +29,20 @@ class AttachHandle:
         self._store: dict[str, dict] = {}
         self._runtime: dict[str, dict] = {}
         self.stats: dict[str, torch.Tensor] = {}
-        self._hook = optimizer.register_step_pre_hook(self._pre_step)
+        self._pending: dict[str, Any] | None = None
+        live = getattr(optimizer, "_modopt_attach_keys", set())
+        n = 0
+        while (f"modopt_attach.{n}" if n else "modopt_attach") in live:
+            n += 1
+        #: the key of this handle's entry in `optimizer.state_dict()`
+        self._key = f"modopt_attach.{n}" if n else "modopt_attach"
+        optimizer._modopt_attach_keys = live | {self._key}
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_state_dict_post_hook(self._sd_post),
+            optimizer.register_load_state_dict_pre_hook(self._load_pre),
+            optimizer.register_load_state_dict_post_hook(self._load_post),
+        ]
 
     def __repr__(self) -> str:
         """`AttachHandle(AdamW, ClipNorm(max_norm=1.0))`: the optimizer's class, the transforms, non-defaults."""
@@ -43,8 +59,37 @@ class AttachHandle:
     def runtime_store(self, key: str) -> dict:
         return self._runtime.setdefault(key, {})
 
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        # torch passes step's arguments with the optimizer first: (opt, closure?)
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._run()
+            return None
+        # step(closure): the closure computes the gradients inside step(), after this hook.
+        # Hand the optimizer a closure that runs the transforms on the gradients it made.
+        calls = [0]
+
+        def closure_with_transforms() -> Any:
+            calls[0] += 1
+            if calls[0] > 1:
+                raise RuntimeError(
+                    f"mo.attach: {type(optimizer).__name__}.step called its closure more than once in one step "
+                    "(LBFGS-style line search); attached transforms run once per step and cannot follow "
+                    "re-evaluations. Use mo.Modular, or compute the gradients before step() (no closure)."
+                )
+            with torch.enable_grad():
+                loss = closure()
+            self._run()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_with_transforms}
+        return (args[0], closure_with_transforms, *args[2:]), kwargs
+
     @torch.no_grad()
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _run(self) -> None:
+        """Run the transforms on the gradients now held by the optimizer's parameters."""
+        optimizer = self.optimizer
         stats: dict[str, torch.Tensor] = {}
         ctx = collect(self, optimizer.param_groups, stats)
         if ctx.params:
@@ -61,9 +106,39 @@ class AttachHandle:
                 stats["skipped"] = torch.ones((), dtype=torch.bool)
         self.stats = stats
 
+    # --- the handle's state inside the optimizer's own state_dict ----------------
+    def _sd_post(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        sd[self._key] = self.state_dict()
+        return sd
+
+    def _load_pre(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
+        self._pending = None
+        if self._key not in sd:  # a checkpoint saved without this handle: its state stays as it is
+            return None
+        entry = sd[self._key]
+        # check it now, before the optimizer loads anything: a bad entry leaves both as they were
+        saved_state = {p: dict(s) for p, s in self.state.items()}
+        saved_store = self._store
+        try:
+            self.load_state_dict(entry)
+        finally:
+            self.state.clear()
+            self.state.update(saved_state)
+            self._store = saved_store
+        self._pending = entry
+        return {k: v for k, v in sd.items() if k != self._key}
+
+    def _load_post(self, optimizer: torch.optim.Optimizer) -> None:
+        entry, self._pending = self._pending, None
+        if entry is not None:
+            self.load_state_dict(entry)
+
     def remove(self) -> None:
         """Detach: the optimizer steps as if nothing had been attached."""
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.optimizer._modopt_attach_keys = getattr(self.optimizer, "_modopt_attach_keys", set()) - {self._key}
 
     def __enter__(self) -> "AttachHandle":
         return self
@@ -136,12 +211,24 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
 
     `nonfinite="skip"` (default) skips a step with an inf/NaN gradient by
     clearing the gradients, so the optimizer leaves parameters and state alone.
-    Optimizer transforms cannot be attached; `step(closure)` is not supported
-    (the gradients must exist before `step`).
+    Optimizer transforms cannot be attached.
+
+    `optimizer.step(closure)` (Lightning's automatic optimisation) works: the
+    transforms run on the gradients the closure computes, before the optimizer
+    reads them. An optimizer that calls its closure more than once per step
+    (`torch.optim.LBFGS`) is refused with an error at that second call.
+
+    Checkpoints: attach first, then `optimizer.load_state_dict(sd)` restores
+    the transforms' state along with the optimizer's.
     """
     from ..config import PipelineConfig
 
     PipelineConfig(transforms=list(transforms), nonfinite=nonfinite)  # validate
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "mo.attach: LBFGS evaluates its closure several times per step; attached transforms run once per "
+            "step and cannot follow its line search. Put the transforms in a mo.Modular instead."
+        )
     for key, t in walk(transforms):
         if t.is_optimizer or not t.attachable:
             raise ValueError(f"{key}: {type(t).__name__} cannot be attached in front of a torch optimizer")

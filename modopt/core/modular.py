@@ -5,15 +5,14 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .pipeline import apply_nonfinite_policy, collect, run_chain
-from .transform import Transform, to_plain, walk
 from .select import route_group, routes
+from .transform import Transform, plain_input, to_plain, walk
 
 #: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
 FORMAT_VERSION = 2
@@ -71,11 +70,28 @@ class Modular(torch.optim.Optimizer):
       `opt.stats["skipped_steps"]` counts it), `"raise"`, `"zero"` (non-finite
       elements become 0) or `"ignore"` (no check, no host sync).
     * `group_defaults`: defaults for the exposed group keys (`lr=0.1`).
+
+    For frameworks that build the optimizer from keywords (HF Trainer's
+    `optimizer_cls_and_kwargs`, Hydra's `_partial_: true`), the pipeline may
+    come by name instead: `transforms=[...]` (transforms or their
+    `{"type": ...}` dicts) or `config=` (a `PipelineConfig`,
+    its dict or `DictConfig`, or a config file path; its `nonfinite` and
+    `defaults` apply, and keyword group defaults override them).
     """
 
-    def __init__(self, params: Iterable[Any], *transforms: Transform, nonfinite: str = "skip", **group_defaults: Any):
-        from ..config import PipelineConfig
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *transforms: Transform,
+        nonfinite: str | None = None,
+        config: Any = None,
+        **group_defaults: Any,
+    ):
+        from ..config import PipelineConfig, load_config
 
+        transforms, nonfinite, group_defaults = _pipeline_arguments(
+            transforms, nonfinite, config, plain_input(group_defaults), load_config
+        )
         for i, t in enumerate(transforms):
             if not isinstance(t, Transform):
                 raise TypeError(f"Modular: transform #{i} is {type(t).__name__}, not a modopt Transform")
@@ -164,14 +180,10 @@ class Modular(torch.optim.Optimizer):
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: Any, trust_imports: bool = False) -> "Modular":
-        """Build from a `PipelineConfig`, its dict, or a config file path."""
-        from ..config import PipelineConfig, load_config
+        """Build from a `PipelineConfig`, its dict or OmegaConf `DictConfig`, or a config file path."""
+        from ..config import load_config
 
-        if isinstance(config, (str, Path)):
-            config = load_config(config, trust_imports=trust_imports)
-        elif not isinstance(config, PipelineConfig):
-            config = PipelineConfig.from_dict(config, trust_imports=trust_imports)
-        return config.build(params)
+        return load_config(config, trust_imports=trust_imports).build(params)
 
     # --- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -345,6 +357,32 @@ class Modular(torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
         return f"Modular({inner}; {len(self.param_groups)} param group(s))"
+
+
+def _pipeline_arguments(transforms: tuple, nonfinite: Any, config: Any, group_defaults: dict, load_config) -> tuple:
+    """The pipeline given positionally, by `transforms=` or by `config=`, as (transforms, nonfinite, defaults)."""
+    by_name = group_defaults.pop("transforms", None)
+    given = [w for w, v in (("positional transforms", transforms or None), ("transforms=", by_name), ("config=", config))
+             if v is not None]
+    if len(given) > 1:
+        raise TypeError(f"Modular: give the pipeline one way, not by {' and '.join(given)}")
+    if by_name is not None:
+        if isinstance(by_name, (Transform, dict)) or not isinstance(by_name, (list, tuple)):
+            raise TypeError(f"Modular: transforms= takes a list of transforms, not {type(by_name).__name__}")
+        transforms = tuple(t if isinstance(t, Transform) else Transform.from_dict(t) if isinstance(t, dict) else t
+                           for t in by_name)
+    if config is not None:
+        cfg = load_config(config)
+        transforms = tuple(cfg.transforms)
+        nonfinite = cfg.nonfinite if nonfinite is None else nonfinite
+        group_defaults = {**cfg.defaults, **group_defaults}
+    if not transforms:
+        raise ValueError(
+            "Modular needs at least one transform, the last one making the step: for example "
+            "mo.Modular(params, mo.AdamW(lr=1e-3)) or mo.Modular(params, mo.ClipNorm(1.0), mo.SGD(lr=0.1)) "
+            "(or transforms=[...] / config=... by name)"
+        )
+    return transforms, "skip" if nonfinite is None else nonfinite, group_defaults
 
 
 def _check_last(transforms: tuple[Transform, ...]) -> None:

@@ -10,6 +10,8 @@ step: nothing after it runs and the parameters do not move).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, WithJsonSchema
@@ -108,6 +110,21 @@ def _check_positional(cls: type) -> None:
             f"transform {cls.__name__}: positional = {name!r} is not one of its fields "
             f"({', '.join(cls.model_fields)}){did_you_mean(name, cls.model_fields)}"
         )
+def plain_input(value: Any) -> Any:
+    """Config containers as plain data: OmegaConf's `DictConfig`/`ListConfig` (interpolations
+    resolved) and other mappings become dicts and lists, recursively; anything else is returned as is.
+
+    OmegaConf is never imported here: its containers can only exist once the caller imported it.
+    """
+    om = sys.modules.get("omegaconf")
+    if om is not None and isinstance(value, (om.DictConfig, om.ListConfig)):
+        return om.OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, (list, tuple)):
+        out = [plain_input(v) for v in value]
+        return out if isinstance(value, list) else tuple(out)
+    if isinstance(value, Mapping) and not isinstance(value, BaseModel):
+        return {k: plain_input(v) for k, v in value.items()}
+    return value
 
 
 class Transform(BaseModel):
@@ -158,6 +175,8 @@ class Transform(BaseModel):
             registry.register_transform(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "omegaconf" in sys.modules:  # built by hydra.utils.instantiate: fields may be DictConfig/ListConfig
+            args, kwargs = plain_input(args), plain_input(kwargs)
         if args:
             cls = type(self)
             name = cls._positional_field()
