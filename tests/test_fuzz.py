@@ -222,8 +222,10 @@ def test_invalid_configs_never_build(cfg, policy):
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(pydantic.ValidationError):
         mo.PipelineConfig.from_dict(cfg).build([p])
-    with pytest.raises(pydantic.ValidationError):
+    # from_config reads its input like a config file: a ConfigError naming the place (from the ValidationError)
+    with pytest.raises(mo.ConfigError, match="invalid config") as info:
         mo.Modular.from_config([p], cfg)
+    assert isinstance(info.value.__cause__, pydantic.ValidationError)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -74,10 +74,10 @@ def test_forgetting_positional_is_an_error_at_class_definition():
             factor: float = 1.0
             positional = "factr"
 
-    class Sub(mo.ClipNorm):  # inherits ClipNorm's statement
+    class _Sub(mo.ClipNorm):  # inherits ClipNorm's statement
         pass
 
-    assert Sub(2.0).max_norm == 2.0
+    assert _Sub(2.0).max_norm == 2.0
 
 
 def test_repr_shows_class_and_non_default_fields():

@@ -49,8 +49,7 @@ class AttachHandle:
         parts = [type(self.optimizer).__name__, *(repr(t) for t in self.transforms)]
         if self.nonfinite != "skip":
             parts.append(f"nonfinite={self.nonfinite!r}")
-        hook = getattr(self, "_hook", None)
-        removed = hook is not None and getattr(hook, "id", None) not in getattr(self.optimizer, "_optimizer_step_pre_hooks", {})
+        removed = not getattr(self, "_hooks", None)
         return f"AttachHandle({', '.join(parts)}{'; removed' if removed else ''})"
 
     def transform_store(self, key: str) -> dict:
