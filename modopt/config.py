@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core.pipeline import NonFinite
-from .core.registry import available, get_transform, trust_imports as _trust
+from .core.registry import available, builder, get_transform, trust_imports as _trust
 from .core.transform import Transform, TransformField, did_you_mean, plain_input, to_plain
 
 if sys.version_info >= (3, 11):
@@ -114,8 +114,7 @@ class PipelineConfig(BaseModel):
     # --- building -----------------------------------------------------------
     def build(self, params: Any) -> "Modular":
         """A fresh `Modular` over `params` running this pipeline."""
-        from .core.modular import Modular
-
+        Modular = builder()  # registered by modopt.core.modular, the layer above this one
         return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
 
 

@@ -128,35 +128,20 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def _apply_overrides(exp, args):
-    train = {}
-    if getattr(args, "steps", None) is not None:
-        train["steps"] = args.steps
-    if getattr(args, "seed", None) is not None:
-        train["seed"] = args.seed
-    if not train:
-        return exp
-    from .experiment import experiment_from_data
-
-    data = exp.to_dict()
-    data["train"] = {**data["train"], **train}
-    return experiment_from_data(data, "command line")
-
-
 def _cmd_run(args) -> int:
-    from .experiment import default_experiment, load_experiment
+    from .experiment import apply_overrides, default_experiment, load_experiment
     from .run import RunInterrupted, check_dir, load_run_config, run_experiment
 
     if args.resume:
         if args.config or args.out:
             raise ConfigError("--resume DIR continues the run in DIR with its own config; drop CONFIG/--out")
         out = Path(args.resume)
-        exp = _apply_overrides(load_run_config(out, args.trust_imports), args)
+        exp = apply_overrides(load_run_config(out, args.trust_imports), args)
         if args.steps is not None:
             (out / "config.yaml").write_text(exp.to_yaml())
     else:
         exp = load_experiment(args.config, args.trust_imports) if args.config else default_experiment()
-        exp = _apply_overrides(exp.select(args.variant), args)
+        exp = apply_overrides(exp.select(args.variant), args)
         out = Path(args.out or exp.output.dir or f"runs/{exp.name}-{_stamp()}")
         check_dir(out, args.force)  # created only once the task and optimizer are built
     err = lambda *a: print(*a, file=sys.stderr)  # noqa: E731

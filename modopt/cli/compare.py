@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from .experiment import load_experiment
+from .experiment import apply_overrides, load_experiment
 from .run import prepare_dir, run_experiment, summarize
 
 COLUMNS = [
@@ -45,7 +45,6 @@ def compare(
     plots: bool = True,
 ) -> str:
     """Run every experiment (every variant of each) under `out`; write and return the table."""
-    from . import _apply_overrides
 
     runs = []
     labels: set[str] = set()
@@ -55,7 +54,7 @@ def compare(
         for v in variants:
             one = exp.select(v)
             if overrides is not None:
-                one = _apply_overrides(one, overrides)
+                one = apply_overrides(one, overrides)
             label = one.name
             if label in labels:
                 label = f"{Path(path).stem}-{label}"

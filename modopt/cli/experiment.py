@@ -278,3 +278,17 @@ def experiment_schema() -> dict[str, Any]:
         "oneOf": [{"required": ["optimizer"]}, {"required": ["variants"]}],
         "$defs": defs,
     }
+
+
+def apply_overrides(exp: Experiment, args: Any) -> Experiment:
+    """`exp` with the command line's `--steps` / `--seed` (attributes of `args`, None when not given)."""
+    train = {}
+    if getattr(args, "steps", None) is not None:
+        train["steps"] = args.steps
+    if getattr(args, "seed", None) is not None:
+        train["seed"] = args.seed
+    if not train:
+        return exp
+    data = exp.to_dict()
+    data["train"] = {**data["train"], **train}
+    return experiment_from_data(data, "command line")

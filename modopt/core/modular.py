@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..config import PipelineConfig, load_config
+from . import registry
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .pipeline import apply_nonfinite_policy, collect, run_chain
 from .select import route_group, routes
@@ -87,8 +89,6 @@ class Modular(torch.optim.Optimizer):
         config: Any = None,
         **group_defaults: Any,
     ):
-        from ..config import PipelineConfig, load_config
-
         transforms, nonfinite, group_defaults = _pipeline_arguments(
             transforms, nonfinite, config, plain_input(group_defaults), load_config
         )
@@ -181,8 +181,6 @@ class Modular(torch.optim.Optimizer):
     @classmethod
     def from_config(cls, params: Iterable[Any], config: Any, trust_imports: bool = False) -> "Modular":
         """Build from a `PipelineConfig`, its dict or OmegaConf `DictConfig`, or a config file path."""
-        from ..config import load_config
-
         return load_config(config, trust_imports=trust_imports).build(params)
 
     # --- checkpoints -------------------------------------------------------------
@@ -416,3 +414,6 @@ def _check_inventory(state: Any, meta: dict) -> None:
             "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
             "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
         )
+
+
+registry.register_builder(Modular)  # what PipelineConfig.build makes (config.py never imports this module)

@@ -1,0 +1,113 @@
+"""The package's dependency direction: no import cycles, and every module imports on its own.
+
+Data and contracts sit at the bottom (norms, registry, transform, state, scope), the
+optimizer on top (`core.modular`), the command line above everything. An import that
+points back up, even one hidden inside a function, makes a cycle and fails here.
+Imports under `if TYPE_CHECKING:` are annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "modopt"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _targets(mods: dict[str, Path], cur: str, node: ast.AST) -> list[str]:
+    base = cur.split(".") if mods[cur].name == "__init__.py" else cur.split(".")[:-1]
+    if isinstance(node, ast.ImportFrom):
+        pkg = base[: len(base) - node.level + 1] if node.level else []
+        mod = ".".join(pkg + ([node.module] if node.module else [])) if node.level else (node.module or "")
+        return [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names if mod in mods or f"{mod}.{a.name}" in mods]
+    return [a.name for a in node.names if a.name in mods]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports at run time (function-level imports included)."""
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+
+    def visit(node: ast.AST, cur: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # annotations only
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                edges[cur].update(t for t in _targets(mods, cur, child) if t != cur)
+            visit(child, cur)
+
+    for name, path in mods.items():
+        visit(ast.parse(path.read_text()), name)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_the_package_has_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_graph_sees_function_level_imports():
+    edges = import_graph()
+    assert "modopt.core.modular" in edges["modopt.config"] or "modopt.config" in edges["modopt.core.modular"]
+    assert "modopt.cli.compare" in edges["modopt.cli"]  # imported inside a function of cli/__init__.py
+
+
+def test_every_module_imports_on_its_own():
+    names = [n for n in _modules() if not n.endswith("__main__")]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m == 'modopt' or m.startswith('modopt.')]:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+        "print('ok', len(" + repr(names) + "))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
