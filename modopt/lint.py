@@ -12,6 +12,10 @@ ones they do, end the search: nothing is claimed across them.
   norm, an EMA clip, a growth clip, `LR`) of the same or a coarser scope has no effect.
 * **a clip that never binds.** `ClipNorm(a)` then `ClipNorm(b)` over the same
   segments with the same `ord` and `b >= a + eps` (the second's): the second never scales.
+* **a clip after a normalization of the same norm.** `Normalize(norm_value=v)` then
+  `ClipNorm(b)` over the same segments with the same p-norm `ord` and `b >= v + eps`
+  (with a relative margin of 1e-5 for rounding): the normalized norm is at most `v`, so the
+  clip never binds.
 """
 
 from __future__ import annotations
@@ -131,5 +135,15 @@ def lint(config) -> list[Finding]:
                             f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.max_norm})",
                         ))
                         break
+                if (type(t) is T.Normalize and config.nonfinite != "ignore" and _segments(t) == _segments(n)
+                        and _pnorm(t.ord) is not None and parse_ord(t.ord) == parse_ord(n.ord)
+                        and t.min_size == 1 and n.min_size == 1
+                        and n.max_norm >= t.norm_value * (1 + 1e-5) + n.eps):
+                    findings.append(Finding(
+                        nkey, key,
+                        f"{nkey} never clips: {key} has already set that norm to {t.norm_value} "
+                        f"<= {n.max_norm}.",
+                        f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.norm_value})",
+                    ))
                 break
     return findings

@@ -31,6 +31,7 @@ CASES = [
     [mo.ClipNormGrowth(1.2), mo.ClipNorm(0.3, scope="tensor"), mo.Normalize(norm_value=0.5), mo.Adam(1e-2)],
     [mo.ClipNorm(0.5), mo.ClipNorm(1.0), mo.Adam(1e-2)],
     [mo.NormalizeByEMA(0.9, scope="group"), mo.Normalize(scope="group"), mo.LR(0.05)],
+    [mo.Normalize(), mo.ClipNorm(2.0, scope="tensor"), mo.Adam(1e-2)],  # a clip after a normalizer of its norm
 ]
 
 
@@ -65,6 +66,10 @@ def test_not_flagged_when_not_provably_cancelled():
         [mo.ClipNorm(1.0), mo.ClipNorm(1.0), mo.Adam()],                  # eps: the second still scales a little
         [mo.ClipNorm(1.0), mo.ClipNorm(2.0, ord=1), mo.Adam()],            # another norm
         [mo.ClipNorm(1.0, scope="tensor"), mo.ClipNorm(2.0), mo.Adam()],   # another scope
+        [mo.Normalize(), mo.ClipNorm(0.5, scope="tensor"), mo.Adam()],     # the clip binds below norm_value
+        [mo.Normalize(), mo.ClipNorm(1.0, scope="tensor"), mo.Adam()],     # at norm_value: rounding may bind
+        [mo.Normalize(), mo.ClipNorm(2.0), mo.Adam()],                     # global norm of unit tensors can exceed 2
+        [mo.Normalize(ord=1), mo.ClipNorm(2.0, scope="tensor"), mo.Adam()],  # another norm
     ]
     for transforms in quiet:
         assert mo.PipelineConfig(transforms=transforms).lint() == [], transforms
