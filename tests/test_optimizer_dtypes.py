@@ -113,9 +113,9 @@ class TorchReference:
         params = [p for g in self.groups for p in g["params"]]
         if self.clip:
             clipped = clip_reference(params)
-            if not self.upcast:
-                for p, g in zip(params, clipped):
-                    p.grad.copy_(g)  # rounded to the parameter's dtype, as torch's clip_grad_norm_ leaves it
+            for p, g in zip(params, clipped):
+                p.grad.copy_(g)  # rounded to the parameter's dtype, as torch's clip_grad_norm_ leaves it
+            clipped = [p.grad.float() for p in params]
         else:
             clipped = [p.grad.float() for p in params]
         if not self.upcast:
