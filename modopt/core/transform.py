@@ -326,6 +326,17 @@ TransformField = Annotated[
 ]
 
 
+def variadic_transforms(owner: str, transforms: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with `transforms` set from positional ones (`mo.Chain(a, b)` or `mo.Chain([a, b])`)."""
+    if transforms:
+        if "transforms" in kwargs:
+            raise TypeError(f"{owner} got transforms both positionally and by name")
+        if len(transforms) == 1 and isinstance(transforms[0], (list, tuple)):
+            transforms = tuple(transforms[0])
+        kwargs = {**kwargs, "transforms": list(transforms)}
+    return kwargs
+
+
 class Chain(Transform):
     """Run transforms in order; a chain is itself a transform and may be nested.
 
@@ -336,13 +347,7 @@ class Chain(Transform):
     positional = "transforms"  # variadic: mo.Chain(a, b, c)
 
     def __init__(self, *transforms: Any, **kwargs: Any) -> None:
-        if transforms:
-            if "transforms" in kwargs:
-                raise TypeError("Chain got transforms both positionally and by name")
-            if len(transforms) == 1 and isinstance(transforms[0], (list, tuple)):
-                transforms = tuple(transforms[0])
-            kwargs["transforms"] = list(transforms)
-        super().__init__(**kwargs)
+        super().__init__(**variadic_transforms(type(self).__name__, transforms, kwargs))
 
     def __repr__(self) -> str:
         inner = [repr(t) for t in self.transforms]

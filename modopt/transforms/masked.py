@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from ..core.select import Select
 from ..core.state import Layout, StepContext, TransformState
-from ..core.transform import Transform, TransformField, run_sequence, walk
+from ..core.transform import Transform, TransformField, run_sequence, variadic_transforms, walk
 
 
 class Masked(Transform):
@@ -66,13 +66,7 @@ class Masked(Transform):
     where: Select
 
     def __init__(self, *transforms: Any, **kwargs: Any) -> None:
-        if transforms:
-            if "transforms" in kwargs:
-                raise TypeError("Masked got transforms both positionally and by name")
-            if len(transforms) == 1 and isinstance(transforms[0], (list, tuple)):
-                transforms = tuple(transforms[0])
-            kwargs["transforms"] = list(transforms)
-        super().__init__(**kwargs)
+        super().__init__(**variadic_transforms("Masked", transforms, kwargs))
 
     @model_validator(mode="after")
     def _maskable(self) -> "Masked":
