@@ -161,3 +161,28 @@ def test_sparse_gradients_and_complex_parameters_are_clear_errors_with_attach():
     with pytest.raises(RuntimeError, match="complex parameters \\(parameter z of group 0\\)"):
         named.step()
     assert torch.equal(c.detach(), torch.ones(2, dtype=torch.complex64))
+
+
+# --- a parameter listed twice -----------------------------------------------------------------------
+
+
+def test_a_parameter_listed_twice_is_refused_with_its_name():
+    """torch.optim only warns (its fused, foreach and for-loop Adam then give three different
+    trajectories); Modular refuses it, naming the parameter, before any state exists."""
+    model = torch.nn.Linear(3, 2)
+    w, b = model.weight, model.bias
+    with pytest.raises(ValueError, match=r"param group 0 lists parameter at positions 0 and 2 more than once"):
+        mo.Modular([w, b, w], mo.Adam())
+    named = list(model.named_parameters()) + [("weight", w)]
+    with pytest.raises(ValueError, match=r"lists parameter 'weight' more than once"):
+        mo.Modular(named, mo.ClipNorm(1.0), mo.SGD(lr=0.1))
+    opt = mo.Modular([w], mo.Adam())
+    with pytest.raises(ValueError, match=r"param group 1 lists parameter"):
+        opt.add_param_group({"params": [b, b]})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+
+
+def test_a_parameter_in_two_groups_is_still_torchs_error():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        mo.Modular([{"params": [w]}, {"params": [w]}], mo.Adam())

@@ -132,7 +132,14 @@ class Modular(torch.optim.Optimizer):
         if isinstance(param_group, dict) and _GROUP_ENTRY in param_group:
             raise ValueError(f"param-group key {_GROUP_ENTRY!r} is reserved: state_dict() uses it to carry the transform state")
         given = set(param_group)
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # torch only warns about duplicates; the check below refuses them
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)
+        try:
+            _check_no_duplicates(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
         if self._routes is not None:
             try:
                 route_group(self._routes, self.param_groups[-1], len(self.param_groups) - 1,
@@ -381,6 +388,28 @@ def _pipeline_arguments(transforms: tuple, nonfinite: Any, config: Any, group_de
             "(or transforms=[...] / config=... by name)"
         )
     return transforms, "skip" if nonfinite is None else nonfinite, group_defaults
+
+
+def _check_no_duplicates(group: dict[str, Any], index: int) -> None:
+    """Refuse a parameter listed twice in a group.
+
+    torch.optim only warns (and says it will become an error); its own Adam
+    paths then disagree with one another (fused, foreach and for-loop give three
+    different trajectories), so there is no behaviour to match.
+    """
+    params = group["params"]
+    if len(params) == len(set(params)):
+        return
+    seen: dict[torch.Tensor, int] = {}
+    names = group.get("param_names")
+    for j, p in enumerate(params):
+        if p in seen:
+            what = f"{names[j]!r}" if names else f"at positions {seen[p]} and {j}"
+            raise ValueError(
+                f"param group {index} lists parameter {what} more than once; list each parameter once "
+                "(torch.optim warns about this and will refuse it; a step would update it twice)"
+            )
+        seen[p] = j
 
 
 def _check_last(transforms: tuple[Transform, ...]) -> None:
