@@ -284,16 +284,21 @@ def test_run_with_variants_needs_variant(tmp_path, capsys):
     assert run_cli("run", str(v), "--variant", "b", "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 0
 
 
-def test_bench_is_delegated(monkeypatch):
-    import types
+def test_bench_runs_the_checkouts_script(capsys):
+    from modopt import cli
 
-    calls = []
-    fake = types.ModuleType("modopt.bench")
-    fake.main = lambda argv: calls.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "modopt.bench", fake)
-    monkeypatch.setattr(mo, "bench", fake, raising=False)
-    assert run_cli("bench", "--quick", "x") == 0
-    assert calls == [["--quick", "x"]]
+    assert cli.BENCH_SCRIPT.is_file()
+    assert run_cli("bench", "--quick", "--only", "ZClip", "--models", "mlp", "--no-ignore-rows") == 0
+    out = capsys.readouterr().out
+    assert "| mlp " in out and "ZClip(), AdamW()" in out
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmark_is(monkeypatch, tmp_path, capsys):
+    from modopt import cli
+
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing" / "bench.py")
+    assert run_cli("bench", "--quick") == 1
+    assert "python benchmarks/bench.py" in capsys.readouterr().err
 
 
 def test_count_spikes_definition():

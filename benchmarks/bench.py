@@ -1,0 +1,572 @@
+"""The step users run, timed: `opt.step()` after a real forward and backward, with modopt's defaults,
+side by side with the careful torch loop (and torchzero, when it is installed) in one process.
+
+    python benchmarks/bench.py                 # both models, every pipeline, 3 repeats (a few minutes)
+    python benchmarks/bench.py --quick         # tiny models, 2 steps: a smoke run (the tests run it)
+    python benchmarks/bench.py --only ClipNorm --models mlp --repeats 5 --json rows.json
+    modopt bench ...                           # the same, from a source checkout
+
+Sides. For every pipeline and model, each side trains its own copy of the same model on the same
+batches:
+
+* **modopt**: `mo.Modular(params, *pipeline)` with every default (`nonfinite="skip"`: a step with
+  an inf/NaN gradient is skipped, one host sync per step);
+* **torch**: the same algorithm as a careful user writes it with torch: `torch.optim`'s fused
+  optimizer, `torch.nn.utils` clipping or `torch._foreach_*` code, and the finite check that makes
+  a non-finite step a no-op (`if norm.isfinite(): opt.step()`);
+* **torchzero** (only when importable): the same pipeline written with its modules and defaults.
+
+Rows marked `nonfinite="ignore"` time modopt without the check against torch without it.
+
+Timing. Every iteration all sides run forward and backward on the same batch, then each side's
+`step` is timed alone with `time.perf_counter` (the order of the sides alternates every iteration,
+Python's garbage collector is paused). After the warm-up, a repeat reports the median step time of
+each side and the median of the per-iteration ratios modopt/torch (a paired statistic: a slow phase
+of the machine hits both members of a pair). Each repeat builds fresh models and optimizers; the
+table gives every repeat's ratio and their median. For `Accumulate(4)` a timed step is the four
+`step` calls of one cycle, each after its own backward.
+
+Memory. `extra` is the peak, during one more (untimed) step, of the bytes of tensors the step
+allocated and still holds, in % of the parameter bytes, seen by a dispatch mode that sees every aten
+op (torch's CPU allocator keeps no statistics; on CUDA `max_memory_allocated` measures the same).
+Scratch memory inside one kernel is invisible to it, on both sides alike. `state` is the persistent
+optimizer state in % of the parameter bytes.
+
+`diff` is the largest difference between the modopt and torch parameters after a repeat, relative
+to the largest parameter: 0 means bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import modopt as mo
+
+# --------------------------------------------------------------------------- models
+
+
+class TinyTransformer(nn.Module):
+    """A token classifier: embedding, pre-built encoder layers, layer norm, linear head."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, ff: int, layers: int, classes: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.enc(self.emb(x))))
+
+
+def build_model(name: str, quick: bool) -> tuple[nn.Module, Callable[[torch.Generator], tuple]]:
+    """The model and a batch maker (inputs, targets) drawn from a generator."""
+    if name == "mlp":  # 5.77M parameters in 8 tensors (memory-bound)
+        dims = [64, 128, 64, 32] if quick else [1024, 2048, 1024, 1024, 512]
+        layers: list[nn.Module] = []
+        for a, b in zip(dims[:-1], dims[1:]):
+            layers += [nn.Linear(a, b), nn.GELU()]
+        model = nn.Sequential(*layers[:-1])
+        batch = 8 if quick else 32
+
+        def make(g):
+            return torch.randn(batch, dims[0], generator=g), torch.randn(batch, dims[-1], generator=g)
+
+        return model, make
+    if name == "transformer":  # 5.79M parameters in 77 tensors (per-tensor overhead)
+        vocab, dim, ff, nl, classes = (64, 16, 32, 2, 8) if quick else (4096, 256, 1024, 6, 16)
+        model = TinyTransformer(vocab, dim, 4, ff, nl, classes)
+        shape = (2, 8) if quick else (4, 32)
+
+        def make(g):
+            return torch.randint(0, vocab, shape, generator=g), torch.randint(0, classes, shape, generator=g)
+
+        return model, make
+    raise ValueError(f"unknown model {name!r}")  # pragma: no cover - argparse restricts the names
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if y.dtype == torch.long:
+        return nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
+    return nn.functional.mse_loss(out, y)
+
+
+# --------------------------------------------------------------------------- sides
+
+
+@dataclass
+class Side:
+    """One optimizer under test: its model, `step()` and what it keeps."""
+
+    model: nn.Module
+    step: Callable[[], Any]
+    state: Callable[[], list]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def state_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in tree_leaves(self.state()):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+def _opt_state(opt: torch.optim.Optimizer) -> Callable[[], list]:
+    def state():
+        out: list = [dict(s) for s in opt.state.values()]
+        if isinstance(opt, mo.Modular):
+            out.append({k: dict(v) for k, v in opt._store.items()})
+        return out
+
+    return state
+
+
+def modopt_side(make: Callable[[], list], nonfinite: str | None) -> Callable[[nn.Module], Side]:
+    def build(model):
+        kw = {} if nonfinite is None else {"nonfinite": nonfinite}
+        opt = mo.Modular(model.parameters(), *make(), **kw)
+        return Side(model, opt.step, _opt_state(opt))
+
+    return build
+
+
+# The careful torch user: the same algorithm with torch's kernels, and (check=True) a finite check
+# that turns a non-finite step into a no-op. Each builder returns a Side.
+
+
+def _grads(params):
+    return [p.grad for p in params]
+
+
+def _finite(total: torch.Tensor, check: bool) -> bool:
+    return bool(total.isfinite()) if check else True  # the one host sync of the careful loop
+
+
+def torch_clipnorm_adam(model, check):
+    ps = list(model.parameters())
+    opt = torch.optim.Adam(ps, lr=1e-3, fused=True)
+
+    def step():
+        n = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        if _finite(n, check):
+            opt.step()
+
+    return Side(model, step, _opt_state(opt))
+
+
+def torch_mission(model, check, beta=0.99, growth=1.5, eps=1e-6):
+    """ClipNormByEMA() (global EMA of the update, growth limit 1.5), Normalize() (per tensor), Adam()."""
+    ps = list(model.parameters())
+    opt = torch.optim.Adam(ps, lr=1e-3, fused=True)
+    ema = [torch.zeros_like(p) for p in ps]
+    prev = torch.zeros(())  # the EMA's norm after the previous step
+
+    def step():
+        nonlocal prev
+        grads = _grads(ps)
+        norms = torch.stack(torch._foreach_norm(grads))
+        n_u = torch.linalg.vector_norm(norms)
+        if not _finite(n_u, check):
+            return
+        torch._foreach_lerp_(ema, grads, 1 - beta)
+        n_ema = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ema)))
+        limit = torch.where(prev > 0, torch.clamp(growth * prev / n_ema, max=1.0), 1.0)
+        limit = torch.where(n_ema > 0, limit, 1.0)
+        torch._foreach_mul_(ema, limit)
+        prev = n_ema * limit
+        clip = 1.0 / torch.clamp(n_u / torch.clamp(prev, min=eps), min=1.0)
+        # Normalize of the clipped update: the clip cancels wherever a tensor's norm is positive
+        scale = torch.where(norms > 0, 1.0 / norms, clip)
+        torch._foreach_mul_(grads, scale.unbind(0))
+        opt.step()
+
+    return Side(model, step, lambda: [_opt_state(opt)(), ema, prev])
+
+
+def torch_clipvalue_sgd(model, check):
+    ps = list(model.parameters())
+    opt = torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True)
+
+    def step():
+        if check and not _finite(torch.nn.utils.get_total_norm(_grads(ps), foreach=True), True):
+            return
+        torch.nn.utils.clip_grad_value_(ps, 0.01, foreach=True)
+        opt.step()
+
+    return Side(model, step, _opt_state(opt))
+
+
+def torch_centralize_normalize_adam(model, check):
+    ps = list(model.parameters())
+    opt = torch.optim.Adam(ps, lr=1e-3, fused=True)
+    multi = [i for i, p in enumerate(ps) if p.numel() >= 2]
+
+    def step():
+        grads = _grads(ps)
+        if check and not _finite(torch.nn.utils.get_total_norm(grads, foreach=True), True):
+            return
+        cg = [grads[i] for i in multi]
+        torch._foreach_sub_(cg, [g.mean() for g in cg])
+        norms = torch.stack(torch._foreach_norm(grads))
+        torch._foreach_mul_(grads, torch.where(norms > 0, 1.0 / norms, 1.0).unbind(0))
+        opt.step()
+
+    return Side(model, step, _opt_state(opt))
+
+
+def torch_zclip_adamw(model, check, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup=25):
+    ps = list(model.parameters())
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    hist: list[torch.Tensor] = []
+    stats: dict[str, torch.Tensor] = {}
+
+    def step():
+        grads = _grads(ps)
+        g = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if not _finite(g, check):
+            return
+        if len(hist) < warmup:  # a Python counter: no host sync
+            hist.append(g)
+            thresh = torch.full((), max_grad_norm)
+            if len(hist) == warmup:
+                h = torch.stack(hist)
+                stats["mu"], stats["var"] = h.mean(), h.var(correction=0)
+        else:
+            mu, var = stats["mu"], stats["var"]
+            sigma = var.sqrt()
+            z = (g - mu) / (sigma + eps)
+            spike = z > z_thresh
+            c = mu + z_thresh**2 * sigma / torch.where(spike, z, 1.0)
+            x = torch.where(spike, c, g)
+            new_mu = alpha * mu + (1 - alpha) * x
+            stats["var"] = alpha * var + (1 - alpha) * (x - new_mu) ** 2
+            stats["mu"] = new_mu
+            thresh = torch.clamp(torch.where(spike, c, math.inf), max=max_grad_norm)
+        torch._foreach_mul_(grads, torch.clamp(thresh / (g + eps), max=1.0))
+        opt.step()
+
+    return Side(model, step, lambda: [_opt_state(opt)(), stats])
+
+
+def torch_accumulate_clipnorm_adam(model, check, k=4):
+    from torch.optim.adam import adam
+
+    ps = list(model.parameters())
+    acc = [torch.zeros_like(p) for p in ps]
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    steps = [torch.zeros(()) for _ in ps]
+    calls = [0]
+
+    def step():
+        grads = _grads(ps)
+        if check and not _finite(torch.nn.utils.get_total_norm(grads, foreach=True), True):
+            return
+        torch._foreach_add_(acc, grads)
+        calls[0] += 1
+        if calls[0] % k:
+            return
+        torch._foreach_mul_(acc, 1.0 / k)
+        torch._foreach_copy_(grads, acc)
+        torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        adam(ps, grads, m, v, [], steps, fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
+             weight_decay=0.0, eps=1e-8, maximize=False)
+        torch._foreach_zero_(acc)
+
+    return Side(model, step, lambda: [acc, m, v, steps])
+
+
+# torchzero (an optional peer) ---------------------------------------------------------------
+
+
+def torchzero():
+    try:
+        import torchzero as tz  # type: ignore[import-not-found]
+    except Exception:
+        return None
+    return tz
+
+
+def torchzero_side(modules: Callable[[Any], list]) -> Callable[[nn.Module], Side]:
+    tz = torchzero()
+
+    def build(model):
+        cls = getattr(tz, "Modular", None) or tz.Optimizer  # the class was renamed across releases
+        opt = cls(model.parameters(), *modules(tz.m))
+        return Side(model, opt.step, lambda: [dict(s) for s in opt.state.values()])
+
+    return build
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+@dataclass
+class Pipeline:
+    name: str
+    modopt: Callable[[], list]
+    torch: Callable[[nn.Module, bool], Side]
+    torch_label: str
+    #: the same pipeline in torchzero's modules (with its defaults), or None where it has none
+    torchzero: Callable[[Any], list] | None = None
+    #: optimizer calls per timed step (Accumulate(k): the k calls of one cycle)
+    calls: int = 1
+
+
+PIPELINES = [
+    Pipeline("ClipNorm(1.0), Adam()", lambda: [mo.ClipNorm(1.0), mo.Adam()], torch_clipnorm_adam,
+             "clip_grad_norm_(foreach) + finite check + Adam(fused)",
+             lambda m: [m.ClipNorm(1.0, dim="global"), m.Adam(), m.LR(1e-3)]),
+    Pipeline("ClipNormByEMA(), Normalize(), Adam()", lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
+             torch_mission, "foreach EMA clip and normalize + finite check + Adam(fused)",
+             lambda m: [m.ClipNormByEMA(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
+    Pipeline("ClipValue(0.01), SGD(0.01, momentum=0.9)",
+             lambda: [mo.ClipValue(0.01), mo.SGD(lr=1e-2, momentum=0.9)], torch_clipvalue_sgd,
+             "finite check + clip_grad_value_(foreach) + SGD(foreach)",
+             lambda m: [m.ClipValue(0.01), m.HeavyBall(0.9), m.LR(1e-2)]),
+    Pipeline("Centralize(), Normalize(), Adam()", lambda: [mo.Centralize(), mo.Normalize(), mo.Adam()],
+             torch_centralize_normalize_adam, "finite check + foreach centralize and normalize + Adam(fused)",
+             lambda m: [m.Centralize(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
+    Pipeline("ZClip(), AdamW()", lambda: [mo.ZClip(), mo.AdamW()], torch_zclip_adamw,
+             "foreach z-score clip + finite check + AdamW(fused)"),
+    Pipeline("Accumulate(4), ClipNorm(1.0), Adam()", lambda: [mo.Accumulate(4), mo.ClipNorm(1.0), mo.Adam()],
+             torch_accumulate_clipnorm_adam, "finite check + foreach accumulate + clip_grad_norm_ + adam(fused)",
+             calls=4),
+]
+#: pipelines that also get a `nonfinite="ignore"` row (modopt and torch without the finite check)
+IGNORE_ROWS = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Bytes of storages allocated under it and still alive; `peak` is their maximum."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(k)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr == 0 or ptr in inputs or ptr in self.live:
+                continue
+            self.live[ptr] = (StorageWeakRef(s), s.nbytes())
+            self.current += s.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+# --------------------------------------------------------------------------- runner
+
+
+@dataclass
+class Row:
+    model: str
+    pipeline: str
+    nonfinite: str
+    modopt_ms: float
+    torch_ms: float
+    ratio: float  # median over repeats of each repeat's median paired ratio modopt/torch
+    ratios: list[float]
+    torch_label: str
+    diff: float
+    extra_modopt: float
+    extra_torch: float
+    state_modopt: float
+    state_torch: float
+    torchzero_ms: float | None = None
+    torchzero_speedup: float | None = None  # median over repeats of torchzero/modopt paired ratios
+    torchzero_speedups: list[float] = field(default_factory=list)
+    params: int = 0
+    tensors: int = 0
+
+
+def _backward(side: Side, batch: tuple) -> None:
+    for p in side.model.parameters():
+        p.grad = None
+    loss_fn(side.model, *batch).backward()
+
+
+def _timed_steps(sides: dict[str, Side], batches: list[tuple], warmup: int, calls: int) -> dict[str, list[float]]:
+    names = list(sides)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(len(batches) // calls):
+            for n in names if i % 2 == 0 else names[::-1]:
+                spent = 0.0
+                for c in range(calls):
+                    _backward(sides[n], batches[i * calls + c])
+                    t0 = time.perf_counter()
+                    sides[n].step()
+                    spent += time.perf_counter() - t0
+                if i >= warmup:
+                    times[n].append(spent)
+    finally:
+        if gc_was:
+            gc.enable()
+    return times
+
+
+def _extra_peak(side: Side, batch: tuple) -> int:
+    _backward(side, batch)
+    counter = AllocationCounter()
+    with counter:
+        side.step()
+    return counter.peak
+
+
+def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row:
+    check = nonfinite != "ignore"
+    ratios, speedups, t_mo, t_to, t_tz, diffs = [], [], [], [], [], []
+    mem: dict[str, float] = {}
+    state: dict[str, float] = {}
+    for rep in range(args.repeats):
+        torch.manual_seed(rep)
+        base, make_batch = build_model(model_name, args.quick)
+        builders: dict[str, Callable[[nn.Module], Side]] = {
+            "modopt": modopt_side(pipe.modopt, nonfinite),
+            "torch": lambda m: pipe.torch(m, check),
+        }
+        if pipe.torchzero is not None and torchzero() is not None and check:
+            builders["torchzero"] = torchzero_side(pipe.torchzero)
+        sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
+        g = torch.Generator().manual_seed(1000 + rep)
+        batches = [make_batch(g) for _ in range((args.warmup + args.steps) * pipe.calls)]
+        times = _timed_steps(sides, batches, args.warmup, pipe.calls)
+        ratios.append(statistics.median(a / b for a, b in zip(times["modopt"], times["torch"])))
+        t_mo.append(statistics.median(times["modopt"]))
+        t_to.append(statistics.median(times["torch"]))
+        if "torchzero" in times:
+            speedups.append(statistics.median(z / a for a, z in zip(times["modopt"], times["torchzero"])))
+            t_tz.append(statistics.median(times["torchzero"]))
+        ps_mo, ps_to = sides["modopt"].params, sides["torch"].params
+        scale = max(p.abs().max().item() for p in ps_to) or 1.0
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(ps_mo, ps_to)) / scale)
+        if rep == 0:
+            pbytes = sum(p.numel() * p.element_size() for p in ps_to)
+            for n in ("modopt", "torch"):
+                peak = max(_extra_peak(sides[n], batches[c]) for c in range(pipe.calls))
+                mem[n] = 100.0 * peak / pbytes
+                state[n] = 100.0 * sides[n].state_bytes() / pbytes
+    params = list(base.parameters())
+    return Row(
+        model=model_name, pipeline=pipe.name, nonfinite=nonfinite or "skip (default)",
+        modopt_ms=1e3 * statistics.median(t_mo), torch_ms=1e3 * statistics.median(t_to),
+        ratio=statistics.median(ratios), ratios=ratios, torch_label=pipe.torch_label + ("" if check else ", no check"),
+        diff=max(diffs), extra_modopt=mem["modopt"], extra_torch=mem["torch"],
+        state_modopt=state["modopt"], state_torch=state["torch"],
+        torchzero_ms=1e3 * statistics.median(t_tz) if t_tz else None,
+        torchzero_speedup=statistics.median(speedups) if speedups else None, torchzero_speedups=speedups,
+        params=sum(p.numel() for p in params), tensors=len(params),
+    )
+
+
+def format_table(rows: list[Row]) -> str:
+    has_tz = any(r.torchzero_ms is not None for r in rows)
+    head = ["model", "pipeline", "nonfinite", "modopt ms", "torch ms", "modopt/torch", "repeats"]
+    if has_tz:
+        head += ["torchzero ms", "torchzero/modopt"]
+    head += ["extra mem modopt", "extra mem torch", "state modopt", "state torch", "diff"]
+    lines = [head]
+    for r in rows:
+        line = [r.model, r.pipeline, r.nonfinite, f"{r.modopt_ms:.2f}", f"{r.torch_ms:.2f}", f"{r.ratio:.3f}x",
+                " ".join(f"{x:.3f}" for x in r.ratios)]
+        if has_tz:
+            line += [f"{r.torchzero_ms:.2f}" if r.torchzero_ms is not None else "-",
+                     f"{r.torchzero_speedup:.2f}x" if r.torchzero_speedup is not None else "-"]
+        line += [f"{r.extra_modopt:.1f}%", f"{r.extra_torch:.1f}%", f"{r.state_modopt:.0f}%", f"{r.state_torch:.0f}%",
+                 f"{r.diff:.1e}"]
+        lines.append(line)
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    models = {r.model: f"- {r.model}: {r.params / 1e6:.2f}M parameters in {r.tensors} tensors" for r in rows}
+    notes = list(models.values())
+    notes += sorted({f"- {r.pipeline} ({r.nonfinite}): the torch side is {r.torch_label}" for r in rows})
+    if torchzero() is None:
+        notes.append("- torchzero is not importable: no torchzero column")
+    return "\n".join(out + [""] + notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="modopt bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat (a smoke run)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 30; quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="independent repeats (default 3; quick 1)")
+    ap.add_argument("--models", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
+    ap.add_argument("--only", default=None, help="only pipelines whose name contains this text")
+    ap.add_argument("--no-ignore-rows", action="store_true", help='skip the nonfinite="ignore" rows')
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = ap.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.quick else 30)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tz = torchzero()
+    print(f"modopt bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.repeats} repeat(s) of {args.steps} timed steps after {args.warmup} warm-up"
+          f"{', torchzero ' + getattr(tz, '__version__', '?') if tz else ''}{' (quick)' if args.quick else ''}",
+          flush=True)
+    rows: list[Row] = []
+    for pipe in PIPELINES:
+        if args.only and args.only not in pipe.name:
+            continue
+        variants = [None] + (["ignore"] if pipe.name in IGNORE_ROWS and not args.no_ignore_rows else [])
+        for nonfinite in variants:
+            for model in args.models:
+                rows.append(run_one(pipe, model, nonfinite, args))
+                r = rows[-1]
+                tz_part = f", torchzero/modopt {r.torchzero_speedup:.2f}x" if r.torchzero_speedup else ""
+                print(f"  {model:11s} {pipe.name} [{r.nonfinite}]: modopt/torch {r.ratio:.3f}x{tz_part}",
+                      file=sys.stderr, flush=True)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
