@@ -190,22 +190,75 @@ def test_attach_applies_a_clip_before_the_torch_optimizer():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["AdamW"])
-def test_compiled_adamw_with_scheduler_matches_torch_over_20_steps(name):
-    """The decoupled decay follows the scheduler's lr under compile (it used to keep the lr of the
-    step the graph was compiled at)."""
+# --- every optimizer transform under compile, its lr driven by a scheduler ---------------------
+
+#: (modopt transform, the torch optimizer it must follow), both built from the same keywords
+_VS_TORCH = {
+    "SGD": (lambda: mo.SGD(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)),
+    "SGD-momentum-dampening-wd": (
+        lambda: mo.SGD(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.05),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.05, foreach=False),
+    ),
+    "SGD-nesterov-wd": (
+        lambda: mo.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05, foreach=False),
+    ),
+    "Adam-wd-amsgrad": (
+        lambda: mo.Adam(lr=1e-2, weight_decay=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False),
+    ),
+    "AdamW": (
+        lambda: mo.AdamW(lr=1e-2, weight_decay=0.5),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5, foreach=False),
+    ),
+    "AdamW-amsgrad": (
+        lambda: mo.AdamW(lr=1e-2, weight_decay=0.5, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5, amsgrad=True, foreach=False),
+    ),
+    "LR": (lambda: mo.LR(0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)),
+}
+
+
+def _cyclic(step: int) -> float:
+    """A schedule whose lr changes at every step and comes back (a constant baked in at compile
+    time shows as a mismatch within four steps, a decaying lr would hide it)."""
+    return (1 + step % 4) / 4
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("name", list(_VS_TORCH))
+def test_compiled_optimizer_with_scheduler_matches_torch_over_20_steps(name):
+    """Every optimizer transform, compiled with fullgraph, follows torch's optimizer under the same
+    LR scheduler, and a changing lr does not recompile (it is read as a tensor, not a constant).
+
+    The scheduler is created after ``torch.compile(opt.step)``: it wraps ``opt.step`` in a
+    function that counts calls, and the compiled step calls the method it was given. torch then
+    warns that ``lr_scheduler.step()`` came first (it never sees the wrapped step called).
+    """
+    make, make_ref = _VS_TORCH[name]
     torch._dynamo.reset()
     a, b = _params(), _params()
-    ref = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.5, foreach=False)
-    opt = mo.Modular(b, mo.AdamW(lr=1e-2, weight_decay=0.5), nonfinite="ignore")
+    ref = make_ref(a)
+    opt = mo.Modular(_groups(b), make(), nonfinite="ignore")
+    ref.param_groups[:] = []
+    for g in _groups(a):  # the same two groups, the second one with its own lr
+        ref.add_param_group(g)
     step = torch.compile(opt.step, fullgraph=True)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s) for o in (ref, opt)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _cyclic) for o in (ref, opt)]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    lrs = set()
     for i in range(20):
         _set_grads(a, i)
         _set_grads(b, i)
         ref.step()
         step()
+        lrs.add(opt.param_groups[1]["lr"])
         for s in scheds:
             s.step()
-    for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i}: {m}")
+    assert len(lrs) == 4
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    # one graph for the first step (state is created), one for the others, whatever the lr
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
