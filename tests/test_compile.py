@@ -262,3 +262,42 @@ def test_compiled_optimizer_with_scheduler_matches_torch_over_20_steps(name):
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
     # one graph for the first step (state is created), one for the others, whatever the lr
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+# --- telemetry and the non-finite policies under compile ---------------------------------------
+
+
+def _stats(opt):
+    return {k: v.clone() for k, v in opt.stats.items()}
+
+
+def _assert_same_stats(got, want, step):
+    assert sorted(got) == sorted(want), f"step {step}"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=lambda m: f"step {step}, {k}: {m}")
+
+
+def test_compiled_step_keeps_its_stats():
+    """`opt.stats` under ``torch.compile(opt.step, fullgraph=True)`` holds what eager holds.
+
+    It used to stay empty: dynamo dropped the step's ``self.stats = ...`` (an attribute set on an
+    optimizer object); the step now stores its dict on a plain holder object.
+    """
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="ignore")
+    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="ignore")
+    step = torch.compile(compiled.step, fullgraph=True)
+    earlier = []
+    for i in range(4):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        eager.step()
+        step()
+        assert "0:ClipNorm.norm" in compiled.stats
+        _assert_same_stats(compiled.stats, eager.stats, i)
+        earlier.append((compiled.stats, _stats(compiled)))
+    # a new dict each step: one kept from an earlier step still holds that step's values
+    assert len({id(s) for s, _ in earlier}) == 4
+    for i, (kept, copy) in enumerate(earlier):
+        _assert_same_stats(kept, copy, i)
