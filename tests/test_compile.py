@@ -301,3 +301,64 @@ def test_compiled_step_keeps_its_stats():
     assert len({id(s) for s, _ in earlier}) == 4
     for i, (kept, copy) in enumerate(earlier):
         _assert_same_stats(kept, copy, i)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
+    torch._dynamo.reset()
+    params = _params()
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite=policy)
+    _set_grads(params, 0)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as err:
+        torch.compile(opt.step, fullgraph=True)()
+    text = str(err.value)
+    for words in ("decide on the host", "nonfinite='ignore'", "nonfinite='zero'", "without fullgraph=True"):
+        assert words in text, text
+
+
+def test_plain_compile_with_the_default_policy_skips_like_eager():
+    """``torch.compile(opt.step)`` with ``nonfinite="skip"``: one graph break per step (at the host
+    decision); a non-finite step, the first one included, leaves parameters and state untouched."""
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    step = torch.compile(compiled.step)
+    for i in range(5):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        if i in (0, 3):
+            a[1].grad[2] = b[1].grad[2] = float("nan")
+        before = [q.detach().clone() for q in b]
+        state_before = {k: v.clone() for s in compiled.state.values() for k, v in s.items()}
+        eager.step()
+        step()
+        _assert_same_stats(compiled.stats, eager.stats, i)
+        if i in (0, 3):
+            assert bool(compiled.stats["skipped"])
+            assert all(torch.equal(q, r) for q, r in zip(b, before))
+            state_after = {k: v for s in compiled.state.values() for k, v in s.items()}
+            assert state_after.keys() == state_before.keys()
+            assert all(torch.equal(state_after[k], state_before[k]) for k in state_before)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert int(compiled.stats["skipped_steps"]) == 2
+    assert len(compiled.state) == len(b) and len(eager.state) == len(a)
+    explained = torch._dynamo.explain(compiled.step)()
+    assert explained.graph_break_count == 1
+    assert "decide on the host" in explained.break_reasons[0].reason
+
+
+def test_plain_compile_with_raise_names_the_parameter():
+    torch._dynamo.reset()
+    params = _params()
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="raise")
+    step = torch.compile(opt.step)
+    _set_grads(params, 0)
+    step()
+    _set_grads(params, 1)
+    params[3].grad[0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(FloatingPointError, match=r"parameter\(s\) #3 \(nonfinite='raise'\)"):
+        step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
