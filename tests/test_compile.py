@@ -190,22 +190,175 @@ def test_attach_applies_a_clip_before_the_torch_optimizer():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["AdamW"])
-def test_compiled_adamw_with_scheduler_matches_torch_over_20_steps(name):
-    """The decoupled decay follows the scheduler's lr under compile (it used to keep the lr of the
-    step the graph was compiled at)."""
+# --- every optimizer transform under compile, its lr driven by a scheduler ---------------------
+
+#: (modopt transform, the torch optimizer it must follow), both built from the same keywords
+_VS_TORCH = {
+    "SGD": (lambda: mo.SGD(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)),
+    "SGD-momentum-dampening-wd": (
+        lambda: mo.SGD(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.05),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.05, foreach=False),
+    ),
+    "SGD-nesterov-wd": (
+        lambda: mo.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05, foreach=False),
+    ),
+    "Adam-wd-amsgrad": (
+        lambda: mo.Adam(lr=1e-2, weight_decay=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False),
+    ),
+    "AdamW": (
+        lambda: mo.AdamW(lr=1e-2, weight_decay=0.5),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5, foreach=False),
+    ),
+    "AdamW-amsgrad": (
+        lambda: mo.AdamW(lr=1e-2, weight_decay=0.5, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5, amsgrad=True, foreach=False),
+    ),
+    "LR": (lambda: mo.LR(0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)),
+}
+
+
+def _cyclic(step: int) -> float:
+    """A schedule whose lr changes at every step and comes back (a constant baked in at compile
+    time shows as a mismatch within four steps, a decaying lr would hide it)."""
+    return (1 + step % 4) / 4
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("name", list(_VS_TORCH))
+def test_compiled_optimizer_with_scheduler_matches_torch_over_20_steps(name):
+    """Every optimizer transform, compiled with fullgraph, follows torch's optimizer under the same
+    LR scheduler, and a changing lr does not recompile (it is read as a tensor, not a constant).
+
+    The scheduler is created after ``torch.compile(opt.step)``: it wraps ``opt.step`` in a
+    function that counts calls, and the compiled step calls the method it was given. torch then
+    warns that ``lr_scheduler.step()`` came first (it never sees the wrapped step called).
+    """
+    make, make_ref = _VS_TORCH[name]
     torch._dynamo.reset()
     a, b = _params(), _params()
-    ref = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.5, foreach=False)
-    opt = mo.Modular(b, mo.AdamW(lr=1e-2, weight_decay=0.5), nonfinite="ignore")
+    ref = make_ref(a)
+    opt = mo.Modular(_groups(b), make(), nonfinite="ignore")
+    ref.param_groups[:] = []
+    for g in _groups(a):  # the same two groups, the second one with its own lr
+        ref.add_param_group(g)
     step = torch.compile(opt.step, fullgraph=True)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s) for o in (ref, opt)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _cyclic) for o in (ref, opt)]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    lrs = set()
     for i in range(20):
         _set_grads(a, i)
         _set_grads(b, i)
         ref.step()
         step()
+        lrs.add(opt.param_groups[1]["lr"])
         for s in scheds:
             s.step()
-    for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {i}: {m}")
+    assert len(lrs) == 4
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    # one graph for the first step (state is created), one for the others, whatever the lr
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+# --- telemetry and the non-finite policies under compile ---------------------------------------
+
+
+def _stats(opt):
+    return {k: v.clone() for k, v in opt.stats.items()}
+
+
+def _assert_same_stats(got, want, step):
+    assert sorted(got) == sorted(want), f"step {step}"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=lambda m: f"step {step}, {k}: {m}")
+
+
+def test_compiled_step_keeps_its_stats():
+    """`opt.stats` under ``torch.compile(opt.step, fullgraph=True)`` holds what eager holds.
+
+    It used to stay empty: dynamo dropped the step's ``self.stats = ...`` (an attribute set on an
+    optimizer object); the step now stores its dict on a plain holder object.
+    """
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="ignore")
+    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="ignore")
+    step = torch.compile(compiled.step, fullgraph=True)
+    earlier = []
+    for i in range(4):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        eager.step()
+        step()
+        assert "0:ClipNorm.norm" in compiled.stats
+        _assert_same_stats(compiled.stats, eager.stats, i)
+        earlier.append((compiled.stats, _stats(compiled)))
+    # a new dict each step: one kept from an earlier step still holds that step's values
+    assert len({id(s) for s, _ in earlier}) == 4
+    for i, (kept, copy) in enumerate(earlier):
+        _assert_same_stats(kept, copy, i)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
+    torch._dynamo.reset()
+    params = _params()
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite=policy)
+    _set_grads(params, 0)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as err:
+        torch.compile(opt.step, fullgraph=True)()
+    text = str(err.value)
+    for words in ("decide on the host", "nonfinite='ignore'", "nonfinite='zero'", "without fullgraph=True"):
+        assert words in text, text
+
+
+def test_plain_compile_with_the_default_policy_skips_like_eager():
+    """``torch.compile(opt.step)`` with ``nonfinite="skip"``: one graph break per step (at the host
+    decision); a non-finite step, the first one included, leaves parameters and state untouched."""
+    torch._dynamo.reset()
+    a, b = _params(), _params()
+    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    step = torch.compile(compiled.step)
+    for i in range(5):
+        _set_grads(a, i)
+        _set_grads(b, i)
+        if i in (0, 3):
+            a[1].grad[2] = b[1].grad[2] = float("nan")
+        before = [q.detach().clone() for q in b]
+        state_before = {k: v.clone() for s in compiled.state.values() for k, v in s.items()}
+        eager.step()
+        step()
+        _assert_same_stats(compiled.stats, eager.stats, i)
+        if i in (0, 3):
+            assert bool(compiled.stats["skipped"])
+            assert all(torch.equal(q, r) for q, r in zip(b, before))
+            state_after = {k: v for s in compiled.state.values() for k, v in s.items()}
+            assert state_after.keys() == state_before.keys()
+            assert all(torch.equal(state_after[k], state_before[k]) for k in state_before)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert int(compiled.stats["skipped_steps"]) == 2
+    assert len(compiled.state) == len(b) and len(eager.state) == len(a)
+    explained = torch._dynamo.explain(compiled.step)()
+    assert explained.graph_break_count == 1
+    assert "decide on the host" in explained.break_reasons[0].reason
+
+
+def test_plain_compile_with_raise_names_the_parameter():
+    torch._dynamo.reset()
+    params = _params()
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="raise")
+    step = torch.compile(opt.step)
+    _set_grads(params, 0)
+    step()
+    _set_grads(params, 1)
+    params[3].grad[0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(FloatingPointError, match=r"parameter\(s\) #3 \(nonfinite='raise'\)"):
+        step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))

@@ -208,3 +208,21 @@ def test_lightning_page_runs(tmp_path, monkeypatch):
     logged = ns["logged"]
     assert {"modopt/skipped", "modopt/nonfinite"} <= set(logged), sorted(logged)
     assert float(logged["modopt/skipped"]) == 0.0
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_compile_page_runs(tmp_path, monkeypatch):
+    torch._dynamo.reset()
+    ns, out = run_page("compile.md", tmp_path, monkeypatch)
+    assert out.splitlines() == [
+        "zeroed: 1",
+        "['0:ClipNorm.clipped', '0:ClipNorm.norm', '0:ClipNorm.scale', 'nonfinite', 'skipped', 'skipped_steps', 'zeroed']",
+        "finite: True",
+        "skipped: True unchanged: True",
+    ]
+    opt, skip_opt = ns["opt"], ns["skip_opt"]
+    assert int(opt.stats["skipped_steps"]) == 0 and int(skip_opt.stats["skipped_steps"]) == 1
+    assert not skip_opt.state  # the skipped first step created no state

@@ -56,6 +56,22 @@ def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
     return sd
 
 
+class _LastStep:
+    """Holds `Modular.stats`, the telemetry of the last step.
+
+    The step stores its new dict here rather than on the optimizer. Under
+    `torch.compile`, dynamo wraps a `torch.optim.Optimizer` in a variable type
+    of its own that (torch 2.13) it does not register for side-effect
+    tracking, so an attribute assigned on the optimizer inside a compiled step
+    is silently not replayed: `self.stats = stats` was lost and `opt.stats`
+    stayed empty. An attribute assigned on this plain object is replayed like
+    any other.
+    """
+
+    def __init__(self, stats: dict[str, torch.Tensor] | None = None):
+        self.stats: dict[str, torch.Tensor] = {} if stats is None else stats
+
+
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
@@ -121,7 +137,7 @@ class Modular(torch.optim.Optimizer):
         self._store: dict[str, dict] = {}
         self._runtime: dict[str, dict] = {}
         self._skipped_steps = torch.zeros((), dtype=torch.int64)
-        self.stats: dict[str, torch.Tensor] = {}
+        self._last = _LastStep()
         self._group_defaults = dict(group_defaults)
         super().__init__(params, {**hyper, **group_defaults})
 
@@ -169,8 +185,17 @@ class Modular(torch.optim.Optimizer):
                 self._skipped_steps += 1
                 stats["skipped"] = torch.ones((), dtype=torch.bool)
         stats["skipped_steps"] = self._skipped_steps.clone()
-        self.stats = stats
+        self._last.stats = stats  # not `self.stats = stats`: see _LastStep
         return loss
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Telemetry of the last step: a new dict of 0-d tensors each step (no host sync)."""
+        return self._last.stats
+
+    @stats.setter
+    def stats(self, value: dict[str, torch.Tensor]) -> None:
+        self._last.stats = value
 
     # --- state host ------------------------------------------------------------
     def transform_store(self, key: str) -> dict:
@@ -357,6 +382,9 @@ class Modular(torch.optim.Optimizer):
         return d
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_last" not in state:  # pickled before stats moved to _LastStep
+            state = dict(state)
+            state["_last"] = _LastStep(state.pop("stats", {}))
         super().__setstate__(state)
 
     def __repr__(self) -> str:

@@ -134,7 +134,9 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     the finiteness of the 2-norms (`maybe_nonfinite`). Only when that
     says "possibly non-finite" does the exact check (`nonfinite_mask`)
     run, with a second sync, so finite-but-huge gradients are never called
-    non-finite.
+    non-finite. Under `torch.compile` that decision runs outside the graph
+    (`_settle_compiled`): plain `torch.compile` breaks the graph there, and
+    `fullgraph=True` fails with `FULLGRAPH_HINT` in dynamo's message.
     """
     if policy == "ignore" or not grads:
         return True
@@ -154,23 +156,48 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
-        bad = nonfinite_mask(grads)
-        is_bad = bool(bad)  # the one sync of the step
-    else:
-        bad = maybe_nonfinite(ctx, grads)
-        is_bad = bool(bad)  # the one sync of the step; true only for a non-finite (or overflowing) norm
-        if is_bad:  # rare: settle it exactly (a second sync)
-            bad = nonfinite_mask(grads)
-            is_bad = bool(bad)
+        bad, exact = nonfinite_mask(grads), True
+    else:  # cheap check first; true only for a non-finite (or overflowing) norm
+        bad, exact = maybe_nonfinite(ctx, grads), False
+    settle = _settle_compiled if torch.compiler.is_compiling() else _settle
+    is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names)
     ctx.stats["nonfinite"] = bad
     if not is_bad:
         return True
     if ctx.norm_memo is not None:  # the chain does not run: let the gradients go
         ctx.norm_memo.clear()
     if policy == "raise":
-        which = [ctx.names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]
         raise FloatingPointError(f"non-finite gradient in parameter(s) {', '.join(which)} (nonfinite='raise')")
     return False
+
+
+def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tensor], names: list) -> tuple:
+    """The host's decision: `(is_bad, bad, which)`.
+
+    One sync (`bool(bad)`) when the gradients are finite; when the cheap check
+    says "possibly non-finite", the exact check and a second sync. `which`
+    names the non-finite parameters for `"raise"` (empty otherwise).
+    """
+    is_bad = bool(bad)
+    if is_bad and not exact:  # rare: settle it exactly
+        bad = nonfinite_mask(grads)
+        is_bad = bool(bad)
+    which = []
+    if is_bad and policy == "raise":
+        which = [names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]
+    return is_bad, bad, which
+
+
+#: what dynamo prints when `fullgraph=True` meets the host decision (it shows a disabled function's reason)
+FULLGRAPH_HINT = (
+    "modopt: nonfinite='skip' and nonfinite='raise' decide on the host whether the step goes ahead "
+    "(bool() of an on-device check, one sync per step), which a single graph cannot hold. "
+    "For torch.compile(opt.step, fullgraph=True), build the optimizer with nonfinite='ignore' (no check) "
+    "or nonfinite='zero' (non-finite gradient elements become 0, on the device); or keep the policy and "
+    "compile without fullgraph=True (one graph break per step, at this decision)"
+)
+#: `_settle` for traced code: a graph break under plain `torch.compile`, `FULLGRAPH_HINT` under fullgraph
+_settle_compiled = torch.compiler.disable(_settle, reason=FULLGRAPH_HINT)
 
 
 def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ...], write: bool) -> list | None:
