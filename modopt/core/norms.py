@@ -21,6 +21,7 @@ Every statistic accumulates in at least float32, whatever the tensor's dtype.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Annotated, Union
 
 import torch
@@ -61,12 +62,20 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_dtype_of = operator.attrgetter("dtype")
+
+
 def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if torch.float64 in set(map(_dtype_of, tensors)) else torch.float32
 
 
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
+    dtypes = set(map(_dtype_of, tensors))
+    if len(dtypes) == 1 and not math.isinf(p):  # the common case: one kernel call, no bookkeeping
+        (dtype,) = dtypes
+        acc = acc_dtype(dtype)
+        return list(torch._foreach_norm(tensors, p, dtype=acc) if dtype != acc else torch._foreach_norm(tensors, p))
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -96,8 +105,13 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
         return norms.amax()
     # the plain combination, as torch.nn.utils.get_total_norm computes it (bit for bit in the
     # common case); where it overflows although every part is finite (e.g. 3e19 ** 3 in float32)
-    # the form scaled by the largest part is used instead, chosen on device (no host sync)
+    # a form that cannot overflow is used instead, chosen on device (no host sync)
     plain = torch.linalg.vector_norm(norms, p)
+    if norms.dtype == torch.float32 and p <= 4:
+        # float64 holds sums of 4th powers of any float32 values: the whole guard is 4 small ops,
+        # and inf/NaN parts give inf/NaN in both forms
+        wide = torch.linalg.vector_norm(norms, p, dtype=torch.float64).to(torch.float32)
+        return torch.where(torch.isfinite(plain), plain, wide)
     top = norms.amax()
     unit = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
     scaled = unit * torch.linalg.vector_norm(norms / unit, p)

@@ -23,6 +23,7 @@ the whole tensor is one slice. Slices (or segments) with fewer than
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Union
 
@@ -252,13 +253,16 @@ class NormMemo:
         if not tensors or torch.compiler.is_compiling():
             return _pnorms(tensors, p, acc)
         key = (p, acc, tuple(map(id, tensors)))
-        versions = tuple(t._version for t in tensors)
+        versions = tuple(map(_version_of, tensors))
         hit = self._entries.get(key)
         if hit is not None and hit[0] == versions:
             return hit[2]
         parts = _pnorms(tensors, p, acc)
         self._entries[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
         return parts
+
+
+_version_of = operator.attrgetter("_version")
 
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:
