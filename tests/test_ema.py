@@ -143,3 +143,24 @@ def test_mission_example_trains():
     for k in ("norm", "scale", "clipped", "ema_norm"):
         assert isinstance(opt.stats[f"0:ClipNormByEMA.{k}"], torch.Tensor)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("scope", ["global", "tensor"])
+def test_the_saved_ema_is_the_specs_ema_while_the_growth_limit_bites(dtype, scope):
+    """Spikes that the growth limit cuts, through Modular.step: the `ema` buffer is the spec's EMA at
+    every step, to the dtype's rounding (float32: within 1e-6 of its largest element)."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(5, 3, dtype=dtype)), torch.nn.Parameter(torch.zeros(4, dtype=dtype))]
+    opt = mo.Modular(params, mo.ClipNormByEMA(beta=0.9, max_ema_growth=1.2, scope=scope), mo.LR(0.0))
+    ref = spec.ClipNormByEMA([0, 0], beta=0.9, max_ema_growth=1.2, scope=scope)
+    rel = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    for step in range(30):
+        size = 100.0 if step in (5, 6, 17) else 1.0  # spikes: the EMA would grow past 1.2x
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g, dtype=torch.float64) * size).to(dtype)
+        ref.step([p.grad.clone() for p in params])  # before the step, which clips p.grad in place
+        opt.step()
+        for i, p in enumerate(params):
+            ema = opt.state[p]["0:ClipNormByEMA.ema"].double()
+            assert ((ema - ref.m[i]).abs().max() / ref.m[i].abs().max()).item() <= rel
