@@ -18,6 +18,9 @@ batches:
 
 Rows marked `nonfinite="ignore"` time modopt without the check against torch without it.
 
+Each row (pipeline, model, policy) runs in a fresh Python process, so that no row inherits the memory
+state (allocator, page cache) an earlier row left; `--in-process` runs them all in this one.
+
 Timing. Every iteration all sides run forward and backward on the same batch, then each side's
 `step` is timed alone with `time.perf_counter` (the order of the sides alternates every iteration,
 Python's garbage collector is paused). After the warm-up, a repeat reports the median step time of
@@ -44,6 +47,7 @@ import gc
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -320,6 +324,15 @@ def torchzero_side(modules: Callable[[Any], list]) -> Callable[[nn.Module], Side
     return build
 
 
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:  # pragma: no cover - imported from a checkout
+        return "?"
+
+
 # --------------------------------------------------------------------------- pipelines
 
 
@@ -337,22 +350,22 @@ class Pipeline:
 
 PIPELINES = [
     Pipeline("ClipNorm(1.0), Adam()", lambda: [mo.ClipNorm(1.0), mo.Adam()], torch_clipnorm_adam,
-             "clip_grad_norm_(foreach) + finite check + Adam(fused)",
+             "clip_grad_norm_(foreach) + Adam(fused)",
              lambda m: [m.ClipNorm(1.0, dim="global"), m.Adam(), m.LR(1e-3)]),
     Pipeline("ClipNormByEMA(), Normalize(), Adam()", lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
-             torch_mission, "foreach EMA clip and normalize + finite check + Adam(fused)",
+             torch_mission, "foreach EMA clip and normalize + Adam(fused)",
              lambda m: [m.ClipNormByEMA(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
     Pipeline("ClipValue(0.01), SGD(0.01, momentum=0.9)",
              lambda: [mo.ClipValue(0.01), mo.SGD(lr=1e-2, momentum=0.9)], torch_clipvalue_sgd,
-             "finite check + clip_grad_value_(foreach) + SGD(foreach)",
+             "clip_grad_value_(foreach) + SGD(fused)",
              lambda m: [m.ClipValue(0.01), m.HeavyBall(0.9), m.LR(1e-2)]),
     Pipeline("Centralize(), Normalize(), Adam()", lambda: [mo.Centralize(), mo.Normalize(), mo.Adam()],
-             torch_centralize_normalize_adam, "finite check + foreach centralize and normalize + Adam(fused)",
+             torch_centralize_normalize_adam, "foreach centralize and normalize + Adam(fused)",
              lambda m: [m.Centralize(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
     Pipeline("ZClip(), AdamW()", lambda: [mo.ZClip(), mo.AdamW()], torch_zclip_adamw,
-             "foreach z-score clip + finite check + AdamW(fused)"),
+             "foreach z-score clip + AdamW(fused)"),
     Pipeline("Accumulate(4), ClipNorm(1.0), Adam()", lambda: [mo.Accumulate(4), mo.ClipNorm(1.0), mo.Adam()],
-             torch_accumulate_clipnorm_adam, "finite check + foreach accumulate + clip_grad_norm_ + adam(fused)",
+             torch_accumulate_clipnorm_adam, "foreach accumulate + clip_grad_norm_ + adam(fused)",
              calls=4),
 ]
 #: pipelines that also get a `nonfinite="ignore"` row (modopt and torch without the finite check)
@@ -491,7 +504,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
     return Row(
         model=model_name, pipeline=pipe.name, nonfinite=nonfinite or "skip (default)",
         modopt_ms=1e3 * statistics.median(t_mo), torch_ms=1e3 * statistics.median(t_to),
-        ratio=statistics.median(ratios), ratios=ratios, torch_label=pipe.torch_label + ("" if check else ", no check"),
+        ratio=statistics.median(ratios), ratios=ratios, torch_label=pipe.torch_label + (", stepping only when the gradients' norm is finite" if check else ""),
         diff=max(diffs), extra_modopt=mem["modopt"], extra_torch=mem["torch"],
         state_modopt=state["modopt"], state_torch=state["torch"],
         torchzero_ms=1e3 * statistics.median(t_tz) if t_tz else None,
@@ -527,6 +540,20 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(out + [""] + notes)
 
 
+def run_isolated(index: int, model: str, nonfinite: str | None, args) -> Row:
+    """`run_one` in a fresh Python process (this script with `--row`)."""
+    cmd = [sys.executable, __file__, "--row", str(index), model, nonfinite or "default",
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    if args.quick:
+        cmd.append("--quick")
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark row {PIPELINES[index].name} / {model} failed:\n{done.stderr}")
+    return Row(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="modopt bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat (a smoke run)")
@@ -538,25 +565,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ignore-rows", action="store_true", help='skip the nonfinite="ignore" rows')
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every row in this process (default: each in a fresh one; --quick runs in process)")
+    ap.add_argument("--row", nargs=3, metavar=("INDEX", "MODEL", "NONFINITE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.row:  # one row, in a process of its own: print it as JSON
+        index, model, nonfinite = args.row
+        row = run_one(PIPELINES[int(index)], model, None if nonfinite == "default" else nonfinite, args)
+        print(json.dumps(asdict(row)))
+        return 0
+    isolate = not (args.in_process or args.quick)
     tz = torchzero()
     print(f"modopt bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.repeats} repeat(s) of {args.steps} timed steps after {args.warmup} warm-up"
-          f"{', torchzero ' + getattr(tz, '__version__', '?') if tz else ''}{' (quick)' if args.quick else ''}",
+          f"{', torchzero ' + _version('torchzero') if tz else ''}{', rows in separate processes' if isolate else ''}"
+          f"{' (quick)' if args.quick else ''}",
           flush=True)
     rows: list[Row] = []
-    for pipe in PIPELINES:
+    for index, pipe in enumerate(PIPELINES):
         if args.only and args.only not in pipe.name:
             continue
         variants = [None] + (["ignore"] if pipe.name in IGNORE_ROWS and not args.no_ignore_rows else [])
         for nonfinite in variants:
             for model in args.models:
-                rows.append(run_one(pipe, model, nonfinite, args))
+                run = run_isolated if isolate else (lambda i, m, nf, a: run_one(PIPELINES[i], m, nf, a))
+                rows.append(run(index, model, nonfinite, args))
                 r = rows[-1]
                 tz_part = f", torchzero/modopt {r.torchzero_speedup:.2f}x" if r.torchzero_speedup else ""
                 print(f"  {model:11s} {pipe.name} [{r.nonfinite}]: modopt/torch {r.ratio:.3f}x{tz_part}",

@@ -83,3 +83,14 @@ def test_allocation_counter_sees_temporaries_and_frees(bench):
     assert counter.peak == 8000
     assert counter.current == 8000
     del w, y
+
+
+def test_a_row_runs_in_a_process_of_its_own(bench):
+    """The default (non-quick) run times every row in a fresh process; the row comes back whole."""
+    import argparse
+
+    args = argparse.Namespace(quick=True, steps=2, warmup=1, repeats=1, threads=None)
+    index = next(i for i, p in enumerate(bench.PIPELINES) if p.name == "ClipNorm(1.0), Adam()")
+    row = bench.run_isolated(index, "mlp", None, args)
+    assert row.pipeline == "ClipNorm(1.0), Adam()" and row.model == "mlp" and row.nonfinite == "skip (default)"
+    assert row.modopt_ms > 0 and row.torch_ms > 0 and row.diff == 0.0
