@@ -21,6 +21,8 @@ PAGES = {
     "module-growth": "modules/growth/index.html",
     "cli": "cli/index.html",
     "contributing": "contributing/index.html",
+    "howto-compile": "howto/compile/index.html",
+    "performance": "performance/index.html",
 }
 
 
@@ -41,6 +43,7 @@ def main(argv: list[str]) -> int:
                 continue
             png = out / f"{name}.png"
             subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            "--disable-background-networking", "--disable-component-update", "--no-first-run",
                             "--window-size=1280,2400", f"--screenshot={png}", path.as_uri()],
                            check=True, capture_output=True, timeout=120)
             print(png)

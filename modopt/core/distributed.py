@@ -66,7 +66,9 @@ def any_sharded(tensors: list) -> bool:
     cls = _dtensor_cls()
     if cls is None or not tensors:
         return False
-    return any(issubclass(c, cls) for c in set(map(type, tensors)))  # the distinct types only
+    if torch.compiler.is_compiling():  # dynamo traces the generator, not set(map(...))
+        return any(isinstance(t, cls) for t in tensors)
+    return any(issubclass(c, cls) for c in set(map(type, tensors)))  # the distinct types only (C-level scan)
 
 
 def _groups_of(t: torch.Tensor, where: str = "") -> tuple:

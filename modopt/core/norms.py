@@ -65,13 +65,20 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 _dtype_of = operator.attrgetter("dtype")
 
 
+def dtypes_of(tensors: list[torch.Tensor]) -> set[torch.dtype]:
+    """The distinct dtypes of `tensors` (a C-level scan in eager mode; dynamo traces the comprehension)."""
+    if torch.compiler.is_compiling():
+        return {t.dtype for t in tensors}
+    return set(map(_dtype_of, tensors))
+
+
 def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    return torch.float64 if torch.float64 in set(map(_dtype_of, tensors)) else torch.float32
+    return torch.float64 if torch.float64 in dtypes_of(tensors) else torch.float32
 
 
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
-    dtypes = set(map(_dtype_of, tensors))
+    dtypes = dtypes_of(tensors)
     if len(dtypes) == 1 and not math.isinf(p):  # the common case: one kernel call, no bookkeeping
         (dtype,) = dtypes
         acc = acc_dtype(dtype)
