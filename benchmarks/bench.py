@@ -540,6 +540,11 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(out + [""] + notes)
 
 
+def run_here(index: int, model: str, nonfinite: str | None, args) -> Row:
+    """`run_one` in this process."""
+    return run_one(PIPELINES[index], model, nonfinite, args)
+
+
 def run_isolated(index: int, model: str, nonfinite: str | None, args) -> Row:
     """`run_one` in a fresh Python process (this script with `--row`)."""
     cmd = [sys.executable, __file__, "--row", str(index), model, nonfinite or "default",
@@ -587,13 +592,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{' (quick)' if args.quick else ''}",
           flush=True)
     rows: list[Row] = []
+    run = run_isolated if isolate else run_here
     for index, pipe in enumerate(PIPELINES):
         if args.only and args.only not in pipe.name:
             continue
         variants = [None] + (["ignore"] if pipe.name in IGNORE_ROWS and not args.no_ignore_rows else [])
         for nonfinite in variants:
             for model in args.models:
-                run = run_isolated if isolate else (lambda i, m, nf, a: run_one(PIPELINES[i], m, nf, a))
                 rows.append(run(index, model, nonfinite, args))
                 r = rows[-1]
                 tz_part = f", torchzero/modopt {r.torchzero_speedup:.2f}x" if r.torchzero_speedup else ""

@@ -28,14 +28,9 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
+from bench import build_model  # the benchmark's MLP (this script runs from benchmarks/, beside bench.py)
 
 import modopt as mo
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024), nn.GELU(),
-                         nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 512))
 
 
 def sync(device: torch.device) -> None:
@@ -48,7 +43,7 @@ def main() -> None:
     warmup = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     device = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cpu")
     torch.manual_seed(0)
-    base = mlp().to(device)
+    base = build_model("mlp", quick=False)[0].to(device)
     variants = {  # name: (policy, how step is compiled: None, "plain" or "fullgraph")
         "eager skip": ("skip", None),
         "eager ignore": ("ignore", None),
