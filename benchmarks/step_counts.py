@@ -1,0 +1,132 @@
+"""What one default step costs, in counts that do not depend on the machine: aten ops, host syncs, bytes.
+
+    python benchmarks/step_counts.py                  # the issue's pipelines on the benchmark MLP
+    python benchmarks/step_counts.py --quick --json counts.json
+
+For each pipeline, `mo.Modular(model.parameters(), *pipeline)` with its defaults takes 3 warm-up steps
+after a real backward; then one more `opt.step()` runs under a `TorchDispatchMode` that counts
+
+* **ops**: aten ops other than views (a view moves no memory);
+* **syncs**: `aten._local_scalar_dense` and `aten.is_nonzero` (`.item()`, `bool(tensor)`): each one
+  makes a GPU host wait for the device;
+* **bytes**: the bytes every op reads (its tensor inputs) and writes (its outputs, or the tensor it
+  updates in place), in units of `P`, the parameters' bytes. An estimate of memory traffic: scratch
+  memory inside a kernel is invisible, a fused kernel's reads are counted once, and torch's fused
+  optimizers do not count as writing the gradients unless they unscale them (`grad_scale`).
+
+The careful torch loop (`clip_grad_norm_`, its finite check, fused Adam) is counted the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import build_model, loss_fn  # noqa: E402  (the benchmark's MLP, one definition)
+
+import modopt as mo  # noqa: E402
+
+SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts ops, syncs and bytes of everything that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+        self.bytes = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        name = name if name.startswith("aten.") else "aten." + name
+        if name in SYNC_OPS:
+            self.syncs += 1
+        if torch.Tag.view_copy in func.tags or func.is_view:
+            return out
+        self.ops += 1
+        self.names[name] = self.names.get(name, 0) + 1
+        read = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        written: dict[int, torch.Tensor] = {}
+        for i, a in enumerate(func._schema.arguments):  # what the op updates in place
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+                if a.name == "grads" and (kwargs or {}).get("grad_scale") is None:
+                    continue  # torch's fused optimizers write the gradients only to unscale them
+                written.update((id(t), t) for t in tree_leaves(v) if isinstance(t, torch.Tensor))
+        written.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t) not in read)
+        moved = sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
+        self.bytes += moved
+        return out
+
+
+def pipelines() -> dict[str, list]:
+    return {
+        "ClipNorm(1.0), Adam()": [mo.ClipNorm(1.0), mo.Adam()],
+        "ClipNormByEMA(), Normalize(), Adam()": [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
+        "ZClip(), AdamW()": [mo.ZClip(), mo.AdamW()],
+    }
+
+
+def count(make_step, model, make_batch, g) -> StepCounter:
+    for _ in range(4):
+        model.zero_grad()
+        loss_fn(model, *make_batch(g)).backward()
+        if _ == 3:
+            with StepCounter() as c:
+                make_step()
+            return c
+        make_step()
+    raise AssertionError  # pragma: no cover
+
+
+def rows(quick: bool) -> list[dict]:
+    out = []
+    for name, transforms in pipelines().items():
+        model, make = build_model("mlp", quick)
+        pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        opt = mo.Modular(model.parameters(), *transforms)
+        c = count(opt.step, model, make, torch.Generator().manual_seed(0))
+        out.append({"pipeline": name, "side": "modopt", "ops": c.ops, "syncs": c.syncs,
+                    "bytes_P": round(c.bytes / pbytes, 2)})
+    model, make = build_model("mlp", quick)
+    pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam = torch.optim.Adam(model.parameters(), fused=True)
+
+    def careful():
+        n = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if n.isfinite():
+            adam.step()
+
+    c = count(careful, model, make, torch.Generator().manual_seed(0))
+    out.append({"pipeline": "ClipNorm(1.0), Adam()", "side": "torch (careful loop)", "ops": c.ops, "syncs": c.syncs,
+                "bytes_P": round(c.bytes / pbytes, 2)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny MLP (a smoke run)")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    got = rows(args.quick)
+    print(f"| pipeline (defaults) | side | ops | syncs | bytes |\n|---|---|---|---|---|")
+    for r in got:
+        print(f"| `{r['pipeline']}` | {r['side']} | {r['ops']} | {r['syncs']} | {r['bytes_P']}P |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(got, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
