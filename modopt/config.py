@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .core.pipeline import NonFinite
+from .core.nonfinite import NonFinite
 from .core.registry import available, builder, get_transform, trust_imports as _trust
 from .core.transform import Transform, TransformField, did_you_mean, plain_input, to_plain
 

@@ -13,27 +13,12 @@ from typing import Iterable
 import torch
 
 from .core.norms import ORD_NAMES, Ord, parse_ord
-from .core.scope import ScopeName
-from .core.state import StepContext, TransformState
+from .core.keys import split_value_key
+from .core.runner import Step, run_step
+from .core.scope import ScopeName, make_segments
 from .core.transform import Transform
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
-
-
-class _Scratch:
-    """A throwaway state host for one functional call."""
-
-    def __init__(self):
-        from collections import defaultdict
-
-        self.state = defaultdict(dict)
-        self._store: dict = {}
-
-    def transform_store(self, key):
-        return self._store.setdefault(key, {})
-
-    def runtime_store(self, key):
-        return {}
 
 
 def _with_grad(parameters: TensorOrTensors) -> list[torch.Tensor]:
@@ -48,20 +33,15 @@ def run_on_grads(transform: Transform, parameters: TensorOrTensors) -> dict[str,
     stats: dict[str, torch.Tensor] = {}
     if not params:
         return stats
-    host = _Scratch()
-    ctx = StepContext(params, [{}], [0], [(0, len(params))], [None] * len(params), host, stats)
-    st = TransformState(host, ctx, "f")
-    out = transform.apply(ctx, st, [p.grad for p in params])
+    out = run_step([transform], Step.over(params, stats=stats))
     for p, u in zip(params, out):
         if u is not p.grad:
             p.grad.copy_(u)
-    return {k.split(".", 1)[1]: v for k, v in stats.items()}
+    return {split_value_key(k)[1]: v for k, v in stats.items()}
 
 
 def grad_norm(parameters: TensorOrTensors, ord: Ord = 2.0) -> torch.Tensor:
     """The total `ord` norm of the gradients (as one concatenated vector); changes nothing."""
-    from .core.scope import make_segments
-
     params = _with_grad(parameters)
     if not params:
         return torch.zeros(())

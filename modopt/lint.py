@@ -3,13 +3,17 @@
 `cfg.lint()` (`opt.config.lint()`) returns `Finding` objects; `modopt validate`
 prints them as warnings. The rules are sound: a finding is made only when the named
 transform provably cannot change the parameters (for finite gradients whose norms do not
-overflow float32; rounding aside). Transforms the rules do not know, and subclasses of the
-ones they do, end the search: nothing is claimed across them.
+overflow float32; rounding aside). A transform that declares nothing the rules can use ends
+the search: nothing is claimed across it, and neither across a subclass that rewrites
+`apply` without declaring `positive_scale()` again.
 
 * **scale before a normalization.** `Normalize` (`eps=0`, `min_size=1`, a p-norm
   `ord` with p > 0) sets each segment's norm whatever positive factor multiplied it
-  before, so an earlier positive scale that is constant on each of its segments (a clip by
-  norm, an EMA clip, a growth clip, `LR`) of the same or a coarser scope has no effect.
+  before, so an earlier positive scale that is constant on each of its segments, of the
+  same or a coarser scope, has no effect. A transform declares that it is such a scale by
+  `Transform.positive_scale()` (a clip by norm, an EMA clip, a growth clip, `LR`); the
+  linter holds no list of types. Transforms that neither read nor write the updates
+  (`update_access = "none"`, `Identity`) are looked through.
 * **a clip that never binds.** `ClipNorm(a)` then `ClipNorm(b)` over the same
   segments with the same `ord` and `b >= a + eps` (the second's): the second never scales.
 * **a clip after a normalization of the same norm.** `Normalize(norm_value=v)` then
@@ -79,19 +83,12 @@ def _contains(outer: tuple, inner: tuple) -> bool:
 
 
 def _positive_scale(t) -> tuple | None:
-    """The segments of `t` if it multiplies each of them by a factor > 0 (and does nothing else)."""
-    from . import transforms as T
-
-    kind = type(t)
-    if kind is T.ClipNorm:
-        return _segments(t)
-    if kind in (T.ClipNormByEMA, T.NormalizeByEMA) and t.eps > 0:
-        return _segments(t)
-    if kind is T.ClipNormGrowth and t.min_value > 0:
-        return _segments(t)
-    if kind is T.LR:
-        return ("group", None, False)
-    return None
+    """`t.positive_scale()`, trusted only when it was declared with (or after) the `apply` it speaks for:
+    a subclass that rewrites `apply` without declaring again ends the search."""
+    mro = type(t).__mro__
+    applies = next(k for k in mro if "apply" in k.__dict__)
+    declares = next(k for k in mro if "positive_scale" in k.__dict__)
+    return t.positive_scale() if issubclass(declares, applies) else None
 
 
 def lint(config) -> list[Finding]:
@@ -106,7 +103,7 @@ def lint(config) -> list[Finding]:
                 continue  # non-finite gradients reach the transforms: nothing is provable
             for i in range(j - 1, -1, -1):
                 key, t = flat[i]
-                if type(t) is T.Identity:
+                if t.update_access == "none":
                     continue
                 seg = _positive_scale(t)
                 if seg is None or not _contains(seg, _segments(n)):
@@ -123,7 +120,7 @@ def lint(config) -> list[Finding]:
         if type(n) is T.ClipNorm:
             for i in range(j - 1, -1, -1):
                 key, t = flat[i]
-                if type(t) is T.Identity:
+                if t.update_access == "none":
                     continue
                 if type(t) is T.ClipNorm:
                     if (_segments(t) == _segments(n) and parse_ord(t.ord) == parse_ord(n.ord)

@@ -6,9 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from modopt.core.scope import NormMemo
-from modopt.core.state import Layout, StepContext, TransformState
-from modopt.core.transform import run_sequence
+from modopt.core.runner import Step, run_step
 
 
 class Harness:
@@ -36,7 +34,7 @@ class Harness:
         self._store: dict = {}
         self._runtime: dict = {}
         self.stats: dict = {}
-        self.layout = None
+        self.layout = None  # kept across steps, as Modular keeps its layouts
 
     def transform_store(self, key):
         return self._store.setdefault(key, {})
@@ -46,18 +44,9 @@ class Harness:
 
     def step(self, updates):
         """Run the transform through the pipeline runner, as ``Modular`` does: on a cached
-        ``Layout`` (segment tables, per-layout caches) with the step's norm memo."""
+        layout (segment tables, per-layout caches) with the step's norm memo."""
         self.stats = {}
-        ctx = StepContext(self.params, self.groups, self.gids, self.ranges, self.names, self, self.stats)
-        if self.layout is None:
-            self.layout = Layout(("harness",), self.params, self.ranges)
-            self.layout.cache["names"] = self.names
-            self.layout.cache["norm_memo"] = NormMemo()
-        ctx.layout = self.layout
-        ctx.norm_memo = self.layout.cache["norm_memo"]
-        ctx.norm_memo.clear()
-        st = TransformState(self, ctx, f"0:{type(self.t).__name__}")
-        try:
-            return run_sequence([self.t], ctx, [st], [u.clone() for u in updates], False)
-        finally:
-            ctx.norm_memo.clear()
+        step = Step.over(self.params, self, self.stats, groups=self.groups, ranges=self.ranges, group_ids=self.gids,
+                         names=self.names, layout=self.layout)
+        self.layout = step.layout
+        return run_step([self.t], step, [u.clone() for u in updates])

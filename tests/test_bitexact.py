@@ -148,25 +148,24 @@ def test_nonfinite_gradients_are_skipped_in_every_dtype(bad, dtype):
 
 
 def test_default_check_is_one_sync_and_its_norms_serve_clipnorm(monkeypatch):
-    from modopt.core import norms, pipeline
+    from modopt.core import nonfinite, norms
 
     p = torch.nn.Parameter(torch.zeros(100))
     q = torch.nn.Parameter(torch.zeros(7))
     opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
     calls = []
     real = norms.foreach_pnorm
-    monkeypatch.setattr(pipeline, "foreach_pnorm", lambda ts, p: calls.append(("pipeline", p)) or real(ts, p))
-    import modopt.core.scope as scope
-
-    monkeypatch.setattr(scope, "foreach_pnorm", lambda ts, p: calls.append(("scope", p)) or real(ts, p))
+    # the exact check calls it from modopt.core.nonfinite; every memoised norm goes through norms.pnorms
+    monkeypatch.setattr(nonfinite, "foreach_pnorm", lambda ts, p: calls.append(("exact", p)) or real(ts, p))
+    monkeypatch.setattr(norms, "foreach_pnorm", lambda ts, p: calls.append(("memo", p)) or real(ts, p))
     p.grad, q.grad = torch.randn(100), torch.randn(7)
     assert count_syncs(opt.step) == 1
-    assert calls == [("scope", 2.0)]  # one 2-norm pass over the gradients, no inf-norm, no second pass
+    assert calls == [("memo", 2.0)]  # one 2-norm pass over the gradients, no inf-norm, no second pass
     # a non-finite step: the exact check runs too (a second sync, only then)
     calls.clear()
     p.grad, q.grad = torch.randn(100), torch.full((7,), float("nan"))
     assert count_syncs(opt.step) == 2
-    assert calls == [("scope", 2.0), ("pipeline", float("inf"))]
+    assert calls == [("memo", 2.0), ("exact", float("inf"))]
 
 
 def test_zero_policy_records_what_it_zeroed():

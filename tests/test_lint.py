@@ -77,14 +77,21 @@ def test_not_flagged_when_not_provably_cancelled():
     assert ignore.lint() == []
 
 
-def test_chains_are_looked_through_and_subclasses_are_not_trusted():
+def test_chains_are_looked_through_and_undeclared_subclasses_are_not_trusted():
     f = mo.PipelineConfig(transforms=[mo.Chain(mo.ClipNorm(1.0)), mo.Normalize(), mo.Adam()]).lint()
     assert [x.key for x in f] == ["0:Chain/0:ClipNorm"]
 
-    class MyClip(mo.ClipNorm):
+    class MyClip(mo.ClipNorm):  # the same step: it inherits ClipNorm's declaration
         pass
 
-    assert mo.PipelineConfig(transforms=[MyClip(1.0), mo.Normalize(), mo.Adam()]).lint() == []
+    assert [x.key for x in mo.PipelineConfig(transforms=[MyClip(1.0), mo.Normalize(), mo.Adam()]).lint()] == [
+        "0:MyClip"]
+
+    class OtherClip(mo.ClipNorm):  # a new step that declares nothing: not trusted
+        def apply(self, ctx, st, updates):
+            return super().apply(ctx, st, updates)
+
+    assert mo.PipelineConfig(transforms=[OtherClip(1.0), mo.Normalize(), mo.Adam()]).lint() == []
 
 
 def test_the_unflagged_order_really_differs():

@@ -2,7 +2,7 @@
 
 Run the way users run it: `Modular.step()` after a real forward and backward, two
 param groups that differ in lr and weight decay, alone or after `ClipNorm(1.0)`
-(whose scale is then deferred into the optimizer's kernel), for many steps.
+(whose scale is multiplied into the gradients first, as torch's clip_grad_norm_ does), for many steps.
 
 The references, and why they are trusted:
 

@@ -1,13 +1,12 @@
 """Runtime == spec through the path users run (issue 9, item 4).
 
 Every example goes through ``Modular.step()`` with default settings after a real
-backward pass: the cached layout, the non-finite check and its norm memo, the
-deferred scale and the optimizer's fused final write all take part. The
+backward pass: the cached layout, the non-finite check and its norm memo, and the
+optimizer's fused final write all take part. The
 harness tests (``test_runtime_vs_spec.py``) check ``apply`` alone; these check
 what a training loop gets.
 
-The last transform is ``SGD(lr=1.0)`` (fused write; a global/group clip's scale is
-folded into the kernel as ``grad_scale``) for float32/float64, and ``LR(1.0)`` for
+The last transform is ``SGD(lr=1.0)`` (fused write) for float32/float64, and ``LR(1.0)`` for
 float16/bfloat16 (torch 2.13's CPU ``_fused_sgd_`` is wrong for half precision:
 another part of issue 9 replaces that kernel). Parameters start at 0, so after the
 step ``-p`` is the update the chain produced.
@@ -98,7 +97,7 @@ def test_normalize_through_step(data):
 
 @given(data=st.data())
 def test_clip_then_normalize_through_step(data):
-    """The clip's scale is deferred into Normalize's factor (when both scopes allow)."""
+    """A clip, then a normalization: each scales the updates itself."""
     ts, group_of = data.draw(tensors_and_groups())
     dtype = ts[0].dtype
     ckw = scope_kwargs(data.draw, "global")
@@ -108,7 +107,7 @@ def test_clip_then_normalize_through_step(data):
     out = step_updates(opt, params, ts)
     mid = spec.clip_norm([x.double() for x in ts], group_of, 0.5, **ckw)
     ref = spec.normalize(mid, group_of, ord=ord, **nkw)
-    # two scalings in the runtime's dtype (or one folded product): twice the tolerance
+    # two scalings in the runtime's dtype: twice the tolerance
     check(out, ref, dtype, rel=2 * TOL[dtype])
 
 
@@ -132,7 +131,7 @@ def test_norm_ema_through_step(data):
     kw = scope_kwargs(data.draw, "global")
     init = data.draw(st.sampled_from(["zeros", "update"]))
     name = data.draw(st.sampled_from(["ClipNormByEMA", "NormalizeByEMA"]))
-    then_normalize = data.draw(st.booleans())  # the mission pipeline's shape: its scale folds into Normalize
+    then_normalize = data.draw(st.booleans())  # the mission pipeline's shape
     chain = [getattr(mo, name)(beta=0.5, ema_init=init, **kw)] + ([mo.Normalize()] if then_normalize else [])
     params, opt = build(ts, group_of, *chain)
     ref_t = getattr(spec_ema, name)(group_of, beta=0.5, ema_init=init, **kw)
@@ -177,8 +176,8 @@ def run_model(transforms, steps=4, seed=0):
 
 @given(st.sampled_from(range(len(PIPELINES))), st.data())
 def test_inserting_identity_changes_nothing_bit_for_bit(which, data):
-    """Identity neither reads nor writes the updates (``update_access = "none"``): a deferred scale
-    and the norm memo pass by it, so the parameters are the same bit for bit wherever it goes."""
+    """Identity neither reads nor writes the updates (``update_access = "none"``): the norm memo
+    passes by it, so the parameters are the same bit for bit wherever it goes."""
     base = PIPELINES[which]()
     where = data.draw(st.integers(0, len(base)))
     many = data.draw(st.integers(1, 2))
@@ -188,23 +187,3 @@ def test_inserting_identity_changes_nothing_bit_for_bit(which, data):
     got, _ = run_model(with_id, seed=seed)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
-
-
-def test_a_folding_transform_that_ignores_its_scale_is_an_error():
-    """The runner checks the contract: a transform declaring folds_scale must take or apply the scale."""
-    from typing import ClassVar
-
-    class _Lazy(mo.Transform):
-        positional = None
-        folds_scale: ClassVar[bool] = True
-
-        def apply(self, ctx, st, updates):
-            return updates
-
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = mo.Modular([p], mo.ClipNorm(1.0), _Lazy(), mo.LR(1.0))
-    p.grad = torch.tensor([3.0, 4.0])
-    import pytest
-
-    with pytest.raises(RuntimeError, match="folds_scale"):
-        opt.step()

@@ -83,7 +83,7 @@ def test_norm_memo_is_kept_only_across_transforms_that_did_not_write():
     opt.step()
     a, b, c = _NormSpy.seen
     assert a.item() == 5.0 and b.item() == 5.0 and c.item() == 10.0
-    memo = next(iter(opt._runtime["__layouts__"].values())).cache["norm_memo"]
+    memo = next(iter(opt._runtime["__layouts__"].values())).memo
     assert len(memo) == 0  # emptied when the step ends (holds no tensors between steps)
 
 

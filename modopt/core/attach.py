@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .pipeline import apply_nonfinite_policy, collect, run_chain
+from .nonfinite import apply_nonfinite_policy
+from .runner import collect, run_step
 from .transform import Transform, walk
 
 
@@ -94,7 +95,7 @@ class AttachHandle:
         if ctx.params:
             grads = [p.grad for p in ctx.params]
             if apply_nonfinite_policy(self.nonfinite, ctx, grads):
-                out = run_chain(self, ctx, self.transforms, write=False)
+                out = run_step(self.transforms, ctx)
                 for p, u in zip(ctx.params, out or []):
                     if u is not p.grad:
                         p.grad = u

@@ -34,15 +34,11 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, slice_stat
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .scope import Segments, Stat
-
 
 
 def _dtensor_cls() -> type | None:
@@ -144,10 +140,10 @@ def _tensor_sums(locals_: list[torch.Tensor], keys: list[tuple], acc: torch.dtyp
     return _all_reduce(parts.to(acc), keys, dist.ReduceOp.SUM)
 
 
-def reduce(seg: "Segments", tensors: list[torch.Tensor], stat: float | str) -> "Stat":
-    """`Segments.reduce()` for lists that hold DTensors (`stat` already parsed)."""
-    if not seg.stacked:  # sharded parameters were refused when the layout was built (check_slices)
-        return [slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)]
+def reduce(seg: Any, tensors: list[torch.Tensor], stat: float | str) -> torch.Tensor:
+    """`Segments.reduce()` (`seg`) for lists that hold DTensors (`stat` already parsed)."""
+    if seg.kind == "slices":  # sharded parameters were refused when the layout was built (check_slices)
+        return seg.concat([slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)], tensors)
     acc = common_acc_dtype(tensors)
     if isinstance(stat, float):
         parts = tensor_pnorms(tensors, stat, acc)
@@ -158,8 +154,8 @@ def reduce(seg: "Segments", tensors: list[torch.Tensor], stat: float | str) -> "
     locals_ = [_local(t) for t in tensors]
     counts = torch.tensor(seg.counts, dtype=acc, device=_device(locals_))
     if stat == "mad":
-        return seg._segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.abs().sum(dtype=acc))) / counts.clamp(min=1)
-    sums = seg._segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.sum(dtype=acc)))
+        return seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.abs().sum(dtype=acc))) / counts.clamp(min=1)
+    sums = seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.sum(dtype=acc)))
     if stat == "sum":
         return sums
     mean = sums / counts.clamp(min=1)
@@ -167,7 +163,7 @@ def reduce(seg: "Segments", tensors: list[torch.Tensor], stat: float | str) -> "
         return mean
     means = iter(seg.expand(mean))
     sq = _tensor_sums(locals_, keys, acc, lambda t: (t.to(acc) - next(means)).square().sum())
-    var = torch.where(counts >= 2, seg._segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
+    var = torch.where(counts >= 2, seg.segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
     return var if stat == "var" else var.sqrt()
 
 

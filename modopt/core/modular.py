@@ -12,7 +12,8 @@ import torch
 from ..config import PipelineConfig, load_config
 from . import registry
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
-from .pipeline import apply_nonfinite_policy, collect, run_chain
+from .nonfinite import apply_nonfinite_policy
+from .runner import collect, run_step
 from .select import route_group, routes
 from .transform import Transform, plain_input, to_plain, walk
 
@@ -179,7 +180,7 @@ class Modular(torch.optim.Optimizer):
             if policy in ("skip", "raise") and grads[0].device.type == "meta":
                 policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
             if apply_nonfinite_policy(policy, ctx, grads):
-                run_chain(self, ctx, self.transforms, write=True)
+                run_step(self.transforms, ctx, write=True)
                 stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:
                 self._skipped_steps += 1

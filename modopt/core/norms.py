@@ -102,6 +102,13 @@ def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """1-D tensor of the p-norm of each tensor, in `acc`."""
+    if not tensors:
+        return torch.zeros(0, dtype=acc)
+    return torch.stack(foreach_pnorm(tensors, p)).to(acc)
+
+
 def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     """The p-norm of a concatenation, from the p-norms of its parts (1-D `norms`)."""
     if p == 0:

@@ -8,11 +8,14 @@ into *segments*:
 * `"tensor"`: one segment per tensor, or, with `dim`, one per slice of a
   tensor (reduce over `dim`; `inverse_dims=True` reduces over all other dims).
 
-A statistic over the segments is a `Stat`: a 1-D tensor with one value per
-segment (global, group, tensor), or a list holding, per tensor, a keepdim tensor
-of its slice values (slice-wise). Transforms write their math with ordinary
-torch ops on these values (`Segments.map()`) and apply it with
-`Segments.mul_()` / `Segments.sub_()`.
+A statistic over the segments is always one 1-D tensor with one value per
+segment: global, group and tensor scopes have one segment per statistic, and
+slice-wise scopes concatenate every tensor's slices in parameter order
+(`Segments.offsets` says where each tensor's slices start). Transforms write
+their math with plain torch ops on these vectors and apply it with
+`Segments.mul_()` / `Segments.sub_()`; `Segments.expand()` gives each tensor
+its values in a shape that broadcasts against it, and `Segments.slots()` says
+where a saved per-segment value lives.
 
 Dims: negative dims count from the end; dims outside a tensor's range are
 ignored; if none of `dim` applies to a tensor (and `inverse_dims` is False)
@@ -23,25 +26,21 @@ the whole tensor is one slice. Slices (or segments) with fewer than
 from __future__ import annotations
 
 import math
-import operator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Union
+from dataclasses import dataclass, field
+from typing import Literal, Union
 
 import torch
 from pydantic import Field, model_validator
 
 from . import distributed
 from .distributed import any_sharded
-from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, slice_stat
+from .keys import group_key, value_key
+from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, pnorms, slice_stat
+from .runner import NormMemo
 from .transform import Transform
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .state import StepContext, TransformState
 
 ScopeName = Literal["global", "group", "tensor"]
 Dims = Union[int, tuple[int, ...], None]
-#: per-segment values: a 1-D tensor (one value per segment) or, slice-wise, one keepdim tensor per tensor
-Stat = Union[torch.Tensor, list]
 
 
 class Scoped(Transform, abstract=True):
@@ -58,42 +57,18 @@ class Scoped(Transform, abstract=True):
             raise ValueError(f"dim/inverse_dims apply only with scope='tensor' (got scope={self.scope!r})")
         return self
 
-    def segments(self, ctx: "StepContext", st: "TransformState") -> "Segments":
+    def segments(self, ctx, st=None) -> "Segments":
+        """How this transform's scope splits the step (shared by every transform with the same scope,
+        cached on the step's layout)."""
         layout = ctx.layout
-        if layout is not None:  # shared by every transform with the same scope, cached across steps
-            k = ("segments", self.scope, self.dim, self.inverse_dims, self.min_size)
-            seg = layout.cache.get(k)
-            if seg is None:
-                seg = layout.cache[k] = make_segments(
-                    ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
-                )
-                seg.memo = layout.cache.get("norm_memo")
-            return seg
-        key = ctx.token
-        cache = st.runtime
-        if cache.get("_seg_key") != key:
-            cache["_seg_key"] = key
-            cache["_seg"] = make_segments(
+        k = ("segments", self.scope, self.dim, self.inverse_dims, self.min_size)
+        seg = layout.cache.get(k)
+        if seg is None:
+            seg = layout.cache[k] = make_segments(
                 ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
             )
-        return cache["_seg"]
-
-
-    def scale_(self, ctx: "StepContext", seg: "Segments", updates: list[torch.Tensor], scale: "Stat") -> None:
-        """`updates *= scale` per segment, or defer it to the next transform when the runner allows.
-
-        Deferring (global and group scopes, every segment active) hands the
-        multiplication to the next transform that declares `folds_scale`
-        (see `modopt.core.state.DeferredScale`): a fused optimizer folds it
-        into its kernel, a normalization into its factor, so the updates are
-        read and written once fewer. A transform that ends with this call and
-        writes the updates nowhere else declares `update_access = "scale"`.
-        """
-        if seg.kind in ("global", "group") and seg.all_active and updates and ctx._may_defer:
-            dev = updates[0].device
-            if ctx.defer_scale(seg.ranges, [v.to(dev) for v in scale.unbind(0)]):
-                return
-        seg.mul_(updates, scale)
+            seg.memo = layout.memo
+        return seg
 
 
 def _reduce_dims(ndim: int, dim: Dims, inverse: bool) -> tuple[int, ...]:
@@ -106,33 +81,38 @@ def _reduce_dims(ndim: int, dim: Dims, inverse: bool) -> tuple[int, ...]:
 
 @dataclass
 class Segments:
+    """How a scope splits the step's tensors, and the operations on per-segment vectors."""
+
     kind: str  # "global" | "group" | "tensor" | "slices"
-    ranges: list[tuple[int, int]]  # stacked kinds: tensor index range of each segment
-    counts: list[int]  # elements per segment (stacked) or per slice (slices: one per tensor)
+    ranges: list[tuple[int, int]]  # global/group/tensor: the tensor index range of each segment
+    counts: list[int]  # elements per segment (slices: per slice, one entry per tensor)
     active: list[bool]  # per tensor: its segment/slice has at least min_size elements
-    dims: list[tuple[int, ...]] | None = None  # slices: reduce dims per tensor
-    #: the step's per-tensor norm memo (set for segments cached on a layout; see `NormMemo`)
-    memo: "NormMemo | None" = None
+    dims: list[tuple[int, ...]] | None = None  # slices: the reduced dims of each tensor
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # slices: each tensor's keepdim stat shape
+    #: the step's norm memo (set for segments cached on a layout; see `modopt.core.runner.NormMemo`)
+    memo: NormMemo | None = None
 
     def __post_init__(self) -> None:
         self.all_active = all(self.active)
+        #: slices: how many slices each tensor has, and where they start in a statistic
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
 
     @property
     def n(self) -> int:
-        return len(self.ranges)
-
-    @property
-    def stacked(self) -> bool:
-        return self.kind != "slices"
+        """The length of a statistic: the number of segments."""
+        return self.offsets[-1] if self.kind == "slices" else len(self.ranges)
 
     # --- statistics -------------------------------------------------------
-    def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> Stat:
-        """The `ord` statistic (or `"mean"`) of each segment, accumulated in >= float32."""
+    def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> torch.Tensor:
+        """The `ord` statistic (or `"mean"`) of each segment, a 1-D tensor accumulated in >= float32."""
         stat = ord if ord == "mean" else parse_ord(ord)
         if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (modopt.core.distributed)
             return distributed.reduce(self, tensors, stat)
-        if not self.stacked:
-            return [slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)]
+        if self.kind == "slices":
+            return self.concat([slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)], tensors)
         acc = common_acc_dtype(tensors)
         if isinstance(stat, float):
             parts = self.tensor_pnorms(tensors, stat, acc)
@@ -142,8 +122,8 @@ class Segments:
         counts = torch.tensor(self.counts, dtype=acc, device=_device(tensors))
         if stat == "mad":
             parts = torch.stack(foreach_pnorm(tensors, 1.0)).to(acc)
-            return self._segment_sums(parts) / counts.clamp(min=1)
-        sums = self._segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors]))
+            return self.segment_sums(parts) / counts.clamp(min=1)
+        sums = self.segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors]))
         if stat == "sum":
             return sums
         mean = sums / counts.clamp(min=1)
@@ -151,38 +131,64 @@ class Segments:
             return mean
         means = self.expand(mean)
         sq = torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])
-        var = torch.where(counts >= 2, self._segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
+        var = torch.where(counts >= 2, self.segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
         return var if stat == "var" else var.sqrt()
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
         """1-D tensor of the p-norm of each tensor (in `acc`), through the step's `NormMemo`."""
         if self.memo is not None:
             return self.memo.pnorms(tensors, p, acc)
-        return _pnorms(tensors, p, acc)
+        return pnorms(tensors, p, acc)
 
-    def _segment_sums(self, parts: torch.Tensor) -> torch.Tensor:
+    def segment_sums(self, parts: torch.Tensor) -> torch.Tensor:
+        """Per-tensor values summed over each segment (global, group, tensor scopes)."""
         if self.kind == "tensor":
             return parts
         return torch.stack([parts[a:b].sum() for a, b in self.ranges])
 
-    def map(self, fn: Callable[..., torch.Tensor], *stats: Stat) -> Stat:
-        """Apply elementwise math to per-segment values."""
-        if self.stacked:
-            return fn(*stats)
-        return [fn(*xs) for xs in zip(*stats)]
+    def concat(self, per_tensor: list[torch.Tensor], like: list[torch.Tensor]) -> torch.Tensor:
+        """Slices: one statistic from each tensor's keepdim values (in parameter order)."""
+        if not per_tensor:
+            return torch.zeros(0, dtype=torch.float32, device=_device(like))
+        return torch.cat([v.reshape(-1) for v in per_tensor])
 
-    def expand(self, stat: Stat) -> list[torch.Tensor]:
-        """Per tensor, a value that broadcasts against it."""
-        if not self.stacked:
-            return list(stat)
+    def split(self, stat: torch.Tensor) -> list[torch.Tensor]:
+        """Per tensor (tensor scope: 0-d; slices: the keepdim shape) or per segment, views of `stat`."""
+        if self.kind != "slices":
+            return list(stat.unbind(0))
+        return [v.view(s) for v, s in zip(stat.split(self.sizes), self.shapes)]
+
+    def expand(self, stat: torch.Tensor) -> list[torch.Tensor]:
+        """Per tensor, its value(s) of `stat` in a shape that broadcasts against it."""
+        if self.kind == "slices":
+            return self.split(stat)
         vals = stat.unbind(0)
         out: list[torch.Tensor] = []
         for s, (a, b) in enumerate(self.ranges):
             out.extend([vals[s]] * (b - a))
         return out
 
+    # --- saved per-segment values ----------------------------------------------
+    def slots(self, st, name: str) -> list[tuple[dict, str, tuple[int, ...], torch.device]]:
+        """Where the saved value `name` of each segment lives: `(mapping, key, shape, device)`.
+
+        Global: the transform's store under `name`; group: the store under
+        `keys.group_key(name, i)`; tensor and slices: `opt.state[p]` under
+        `keys.value_key(transform key, name)`, 0-d or the keepdim slice shape.
+        """
+        step = st.step
+        if self.kind in ("global", "group"):
+            store = st.store
+            dev = step.params[0].device if step.params else torch.device("cpu")
+            if self.kind == "global":
+                return [(store, name, (), dev)]
+            return [(store, group_key(name, gid), (), dev) for gid in step.group_ids]
+        k = value_key(st.key, name)
+        shapes = self.shapes or [()] * len(step.params)
+        return [(s, k, shape, p.device) for s, p, shape in zip(step.param_states(), step.params, shapes)]
+
     # --- application --------------------------------------------------------
-    def mul_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
+    def mul_(self, tensors: list[torch.Tensor], stat: torch.Tensor) -> None:
         """`tensors[i] *= value of its segment` for active tensors, in place."""
         if self.kind in ("global", "group"):
             vals = stat.unbind(0)
@@ -199,7 +205,7 @@ class Segments:
             vals = self.expand(stat)
             torch._foreach_mul_([tensors[i] for i in idx], [vals[i] for i in idx])
 
-    def sub_(self, tensors: list[torch.Tensor], stat: Stat) -> None:
+    def sub_(self, tensors: list[torch.Tensor], stat: torch.Tensor) -> None:
         """`tensors[i] -= value of its segment` for active tensors, in place."""
         if self.all_active and self.kind == "tensor":
             if tensors:
@@ -209,60 +215,6 @@ class Segments:
         idx = [i for i, on in enumerate(self.active) if on]
         if idx:
             torch._foreach_sub_([tensors[i] for i in idx], [vals[i] for i in idx])
-
-    def per_tensor(self, stat: Stat) -> list[torch.Tensor]:
-        """Alias of `expand()` for readability in transforms."""
-        return self.expand(stat)
-
-
-def _pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0, dtype=acc)
-    return torch.stack(foreach_pnorm(tensors, p)).to(acc)
-
-
-class NormMemo:
-    """Per-tensor p-norms of the step's update lists, shared by the transforms of one step.
-
-    Owned by the pipeline runner, which makes it correct by construction: it
-    is emptied when a step starts and ends, and after every transform that may
-    have written the updates (see `Transform.update_access`); it survives
-    only transforms that provably did not write them (`Identity`, or a
-    clip whose scale was deferred to the next transform). So the non-finite
-    check's 2-norms serve a following global `ClipNorm`, and a global clip's
-    per-tensor norms a per-tensor normalization, without reading memory again;
-    a write through `.data` (which no version counter sees) cannot make a
-    later transform read a stale norm. Entries also check the tensors' version
-    counters, as a second guard against in-place writes inside a transform.
-    """
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: dict = {}
-
-    def clear(self) -> None:
-        if self._entries:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-        """1-D tensor of the p-norm of each tensor (in `acc`), computed once per step and list."""
-        if not tensors or torch.compiler.is_compiling():
-            return _pnorms(tensors, p, acc)
-        key = (p, acc, tuple(map(id, tensors)))
-        versions = tuple(map(_version_of, tensors))
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] == versions:
-            return hit[2]
-        parts = _pnorms(tensors, p, acc)
-        self._entries[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
-        return parts
-
-
-_version_of = operator.attrgetter("_version")
 
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:
@@ -291,4 +243,6 @@ def make_segments(
     if any_sharded(tensors):
         distributed.check_slices(tensors, dims, names or [])
     sizes = [math.prod(t.shape[d] for d in ds) for t, ds in zip(tensors, dims)]
-    return Segments("slices", [], sizes, [s >= min_size for s in sizes], dims)
+    shapes = [tuple(1 if d in ds else n for d, n in enumerate(t.shape)) if ds else tuple(t.shape)
+              for t, ds in zip(tensors, dims)]
+    return Segments("slices", [], sizes, [s >= min_size for s in sizes], dims, shapes)

@@ -25,14 +25,12 @@ parameter has no name is an error.
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from .state import StepContext
+from .keys import transform_key
 
 
 def _schema_shorthands(schema: dict) -> None:
@@ -155,11 +153,11 @@ class Select(BaseModel):
                 raise ValueError(self._unnamed_message(unnamed, owner))
         return [self.matches(n, p, gi, g) for p, n, gi, g in zip(params, names, group_indices, groups)]
 
-    def mask(self, ctx: "StepContext", owner: str | None = None) -> list[bool]:
-        """Per parameter of the step: selected or not; computed once per layout (`ctx.layout.cache`)."""
-        cache = ctx.layout.cache if ctx.layout is not None else None
+    def mask(self, ctx: Any, owner: str | None = None) -> list[bool]:
+        """Per parameter of the step: selected or not; computed once per layout (`ctx.layout.cache`; `ctx`: a `modopt.core.runner.Step`)."""
+        cache = ctx.layout.cache
         key = self.cache_key()
-        if cache is not None and key in cache:
+        if key in cache:
             return cache[key]
         gidx: list[int] = []
         groups: list[dict] = []
@@ -167,9 +165,7 @@ class Select(BaseModel):
             gidx.extend([gi] * (b - a))
             groups.extend([g] * (b - a))
         names = step_names(ctx) if self.by_name else [None] * len(ctx.params)
-        out = self.mask_of(ctx.params, names, gidx, groups, owner)
-        if cache is not None:
-            cache[key] = out
+        out = cache[key] = self.mask_of(ctx.params, names, gidx, groups, owner)
         return out
 
 
@@ -179,7 +175,7 @@ def group_names(group: dict) -> list | None:
     return list(names) if names else None
 
 
-def step_names(ctx: "StepContext") -> list:
+def step_names(ctx: Any) -> list:
     """The name of each parameter of the step: `ctx.names`, else the group's `"names"` list."""
     names = list(ctx.names)
     if all(n is not None for n in names):
@@ -203,12 +199,12 @@ def _optimizer_paths(transforms, prefix: str = "", selects: tuple = ()) -> list[
     """
     out = []
     for i, t in enumerate(transforms):
-        key = f"{prefix}{i}:{type(t).__name__}"
+        key = transform_key(i, type(t).__name__, prefix)
         if t.is_optimizer:
             out.append((key, t, selects))
         where = getattr(t, "where", None)
         inner = selects + (where,) if isinstance(where, Select) else selects
-        out.extend(_optimizer_paths(t.children(), key + "/", inner))
+        out.extend(_optimizer_paths(t.children(), key, inner))
     return out
 
 

@@ -1,28 +1,28 @@
 """`Transform`, the base class of every module, and `Chain`.
 
 A transform is a frozen pydantic model: its fields are its hyperparameters and
-nothing else. It never holds state; per-step it receives the list of updates of
-the parameters that have a gradient, a `StepContext`
-and a `TransformState` (its slice of the optimizer's
-state), and returns the new list of updates (`None` stops the chain for this
-step: nothing after it runs and the parameters do not move).
+nothing else. It never holds state; per step it receives the step
+(`modopt.core.runner.Step`: the parameters that have a gradient, their groups),
+a `modopt.core.state.TransformState` (its slice of the optimizer's state) and the
+list of updates, and returns the new list of updates (`None` stops the chain for
+this step: nothing after it runs and the parameters do not move).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+import torch
+
 from . import registry
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from .state import StepContext, TransformState
+from .keys import transform_key
+from .runner import Step, run
+from .state import TransformState
 
 
 def to_plain(value: Any) -> Any:
@@ -146,18 +146,10 @@ class Transform(BaseModel):
     is_optimizer: ClassVar[bool] = False
     #: False for transforms that cannot run in front of another optimizer (`mo.attach`)
     attachable: ClassVar[bool] = True
-    #: what `apply` does to the updates, for the runner's deferred scale and norm memo:
-    #: `"rewrite"` (default: anything), `"scale"` (only multiplies them, through
-    #: `Scoped.scale_`), `"read"` (reads, never writes), `"none"` (neither reads nor
-    #: writes them: a deferred scale passes by it to the next transform)
-    update_access: ClassVar[Literal["rewrite", "scale", "read", "none"]] = "rewrite"
-    #: whether it folds a per-segment scale deferred by the transform before it (see
-    #: `modopt.core.state.DeferredScale`): False (default: the runner multiplies the scale
-    #: into the updates before this transform runs), True (`apply` receives it as
-    #: `ctx.incoming_scale`), or `"final"` (only `apply_final` does, as the last
-    #: transform; if `apply_final` declines, the runner multiplies it in and calls `apply`).
-    #: A transform that receives a scale must `take()` or `apply()` it, or the step raises.
-    folds_scale: ClassVar[bool | Literal["final"]] = False
+    #: what `apply` does to the updates: `"write"` (default: anything), `"read"` (reads them,
+    #: never writes them) or `"none"` (neither: `Identity`). The runner keeps the raw gradients'
+    #: norms (its norm memo) only until the first transform that writes them.
+    update_access: ClassVar[Literal["write", "read", "none"]] = "write"
     #: the values this transform saves (name -> kind or `modopt.Buffer`); checked on load,
     #: see `modopt.core.state.Buffer`. A saved value not declared here cannot be loaded.
     state_buffers: ClassVar[dict[str, Any]] = {}
@@ -269,15 +261,23 @@ class Transform(BaseModel):
         return repr(self)
 
     # --- the step -------------------------------------------------------
-    def apply(
-        self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]
-    ) -> list["torch.Tensor"] | None:
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Return the new updates (may modify `updates` in place), or None to stop this step."""
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
-    def apply_final(self, ctx: "StepContext", st: "TransformState", updates: list["torch.Tensor"]) -> bool:
+    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
+
+    # --- what the linter may rely on -------------------------------------------
+    def positive_scale(self) -> tuple[str, Any, bool] | None:
+        """`(scope, dim, inverse_dims)` when this transform only multiplies each segment of that
+        scope by a factor > 0 (for finite gradients) and does nothing else; None otherwise.
+
+        `modopt.lint` reads it: such a scale before a `Normalize` of the same or a finer
+        scope has no effect. Declare it on a scaling transform whose factor is provably positive.
+        """
+        return None
 
     # --- structure --------------------------------------------------------
     def children(self) -> tuple["Transform", ...]:
@@ -357,127 +357,20 @@ class Chain(Transform):
         return tuple(self.transforms)
 
     def apply(self, ctx, st, updates):
-        return run_sequence(self.transforms, ctx, [st.child(i, t) for i, t in enumerate(self.transforms)], updates, False)
+        return run(self.transforms, ctx, updates, parent=st.key)
 
     def apply_final(self, ctx, st, updates):
         if not self.transforms:
             return False
-        run_sequence(self.transforms, ctx, [st.child(i, t) for i, t in enumerate(self.transforms)], updates, True)
+        run(self.transforms, ctx, updates, parent=st.key, final=True)
         return True
 
 
-def _scale_mode(t: Transform, final: bool) -> str:
-    """How the runner treats a deferred scale at `t`: `"fold"`, `"pass"` (by it) or `"apply"` (first)."""
-    if t.update_access == "none":
-        return "pass"
-    f = t.folds_scale
-    return "fold" if f is True or (f == "final" and final) else "apply"
-
-
-def run_sequence(transforms, ctx: "StepContext", states: list, updates: list, final: bool) -> list | None:
-    """Run `transforms` in order; with `final` the last one writes the parameters.
-
-    Returns the updates (not `final`), or None when a transform stopped the
-    step or the parameters were written.
-
-    This runner owns two things no transform handles by hand:
-
-    * the deferred scale: a transform may defer its closing multiplication
-      (`Scoped.scale_`) only when the next transform that touches the updates
-      declares `folds_scale`; that one receives it (`ctx.incoming_scale`)
-      and must take or apply it; for every other transform the runner
-      multiplies it in first; transforms with `update_access="none"` let it
-      pass by;
-    * the step's norm memo (`ctx.norm_memo`): emptied after every transform
-      that may have written the updates, kept only across transforms that
-      provably did not (`update_access` `"read"`/`"none"`, or `"scale"`
-      whose scale was deferred).
-    """
-    n = len(transforms)
-    # with ``final``, the writer is the last transform that touches the updates: trailing ones
-    # that neither read nor write them (Identity) do not take the fused write away from it
-    end = n - 1
-    if final:
-        while end > 0 and transforms[end].update_access == "none":
-            end -= 1
-    modes = [_scale_mode(t, final and i == end) for i, t in enumerate(transforms)]
-    for i, t in enumerate(transforms):
-        last = i == end
-        mode = modes[i]
-        if mode == "apply":
-            ctx._apply_pending(updates)
-        if mode == "fold":
-            ctx._incoming, ctx._pending = ctx._pending, None
-        # t may defer only to the next transform that touches the updates, and only if that one folds
-        ctx._may_defer = mode != "pass" and next((m for m in modes[i + 1 :] if m != "pass"), None) == "fold"
-        incoming = ctx._incoming
-        try:
-            if final and last:
-                _final(t, ctx, states[i], updates, mode)
-                for j in range(i + 1, n):  # they touch no update: run them for their own sake
-                    transforms[j].apply(ctx, states[j], updates)
-                return None
-            updates = t.apply(ctx, states[i], updates)
-        finally:
-            ctx._may_defer = False
-            ctx._incoming = None
-        _check_taken(t, incoming, "apply")
-        if updates is None:
-            ctx._pending = None
-            return None
-        _after(t, ctx, incoming)
-    ctx._apply_pending(updates)  # a scale that passed by the last transforms
-    return updates
-
-
-def _check_taken(t: Transform, incoming, where: str) -> None:
-    if incoming is not None and incoming.state == "pending":
-        raise RuntimeError(
-            f"{type(t).__name__} declares folds_scale but its {where} neither took nor applied the incoming "
-            "scale (ctx.incoming_scale.take() / .apply(updates))"
-        )
-
-
-def _after(t: Transform, ctx: "StepContext", incoming) -> None:
-    """Empty the norm memo unless `t` provably left the updates as they were."""
-    memo = ctx.norm_memo
-    if memo is None or not len(memo):
-        return
-    access = t.update_access
-    kept = access in ("read", "none") or (
-        access == "scale" and ctx._pending is not None and (incoming is None or incoming.state == "taken")
-    )
-    if not kept:
-        memo.clear()
-
-
-def _final(t: Transform, ctx: "StepContext", st: "TransformState", updates: list, mode: str) -> None:
-    """Run `t` as the last transform; write `p -= update` unless it fused the write."""
-    incoming = ctx._incoming
-    if t.apply_final(ctx, st, updates):
-        _check_taken(t, incoming, "apply_final")
-        return
-    if incoming is not None and incoming.state != "pending":
-        raise RuntimeError(f"{type(t).__name__}.apply_final took the incoming scale, then declined the step")
-    if incoming is not None and t.folds_scale == "final":  # declined: the scale is the runner's again
-        ctx._incoming = None
-        incoming.apply(updates)
-        incoming = None
-        if ctx.norm_memo is not None:
-            ctx.norm_memo.clear()
-    out = t.apply(ctx, st, updates)
-    _check_taken(t, incoming, "apply")
-    if out is not None:
-        ctx.write_updates(out)
-    else:
-        ctx._pending = None
-
-
 def walk(transforms: list[Transform] | tuple[Transform, ...], prefix: str = "") -> list[tuple[str, Transform]]:
-    """Every transform (nested ones included) with its stable key, in chain order."""
+    """Every transform (nested ones included) with its stable key, in chain order (`prefix`: the parent's key)."""
     out: list[tuple[str, Transform]] = []
     for i, t in enumerate(transforms):
-        key = f"{prefix}{i}:{type(t).__name__}"
+        key = transform_key(i, type(t).__name__, prefix)
         out.append((key, t))
-        out.extend(walk(t.children(), key + "/"))
+        out.extend(walk(t.children(), key))
     return out

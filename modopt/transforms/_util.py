@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-
-from ..core.scope import Segments, Stat
 
 
 def below_one(ratio: torch.Tensor) -> torch.Tensor:
@@ -19,18 +15,8 @@ def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torc
     return below_one(limit / (norm + eps))
 
 
-def map_many(seg: Segments, fn: Callable[..., tuple], *stats: Stat) -> tuple:
-    """Like `Segments.map()` for a `fn` returning a tuple: a tuple of Stats."""
-    if seg.stacked:
-        return tuple(fn(*stats))
-    outs = [fn(*xs) for xs in zip(*stats)]
-    return tuple(list(col) for col in zip(*outs))
-
-
-def record_clip(st, seg: Segments, norm: Stat, scale: Stat, **extra: Stat) -> None:
-    """Telemetry of a norm clipper: pre-clip `norm`, `scale`, `clipped` (stacked scopes only)."""
-    if not seg.stacked:
-        return
+def record_clip(st, norm: torch.Tensor, scale: torch.Tensor, **extra: torch.Tensor) -> None:
+    """Telemetry of a norm clipper, one value per segment: pre-clip `norm`, `scale`, `clipped`, and `extra`."""
     st.record("norm", norm)
     st.record("scale", scale)
     st.record("clipped", scale < 1)

@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 from pydantic import PositiveInt
 
+from ..core.keys import value_key
 from ..core.norms import acc_dtype
 from ..core.transform import Transform
 
@@ -70,7 +71,7 @@ class Accumulate(Transform):
 
     def _end_cycle(self, ctx, st) -> None:
         """Clear every sum of the cycle, also of parameters without a gradient on this final call."""
-        k = f"{st.key}.sum"
+        k = value_key(st.key, "sum")
         stale = [s[k] for s in ctx.host.state.values() if k in s]
         if stale:
             torch._foreach_zero_(stale)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
-from ._util import below_one, clip_to, map_many, record_clip
+from ._util import below_one, clip_to, record_clip
 
 Rule = Literal["max", "mean", "reciprocal"]
 
@@ -114,10 +114,6 @@ class ZStatCriterion(BaseModel):
 Criterion = Annotated[Union[EMACriterion, ZStatCriterion], Field(discriminator="kind")]
 
 
-def _stat_dtype(stat) -> torch.dtype:
-    return stat.dtype if isinstance(stat, torch.Tensor) else (stat[0].dtype if stat else torch.float32)
-
-
 def _welford(n, mean, m2, g, ok):
     """One warm-up observation: count, running mean and sum of squared deviations (`g` only where `ok`)."""
     n1 = n + ok.to(n.dtype)
@@ -127,13 +123,13 @@ def _welford(n, mean, m2, g, ok):
     return n1, mean1, m21
 
 
-def _finish(t, ctx, st, seg, updates, g, scale, saved: dict, **telemetry):
-    """The end of a history clipper's step: scale (folded into the next transform when it
-    can), save the per-segment statistics, record telemetry (the statistics included)."""
-    t.scale_(ctx, seg, updates, scale)
+def _finish(st, seg, updates, g, scale, saved: dict, **telemetry):
+    """The end of a history clipper's step: scale, save the per-segment statistics,
+    record telemetry (the statistics included)."""
+    seg.mul_(updates, scale)
     for name, value in saved.items():
         st.seg_set(seg, name, value)
-    record_clip(st, seg, g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
+    record_clip(st, g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
     return updates
 
 
@@ -184,12 +180,10 @@ class HistClip(Scoped):
         data["criterion"] = self.criterion.model_dump()
         return data
 
-    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
-
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
-        dt = _stat_dtype(g)
+        g = seg.reduce(updates, self.ord).abs()
+        dt = g.dtype
         W = self.warmup_steps
         n = st.seg_get(seg, "count", 0.0, dtype=dt)
         mu = st.seg_get(seg, "mu", 0.0, dtype=dt)
@@ -220,8 +214,8 @@ class HistClip(Scoped):
                 ~warm & trig,
             )
 
-        scale, n, mu, v, trig = map_many(seg, rule, g, n, mu, v)
-        return _finish(self, ctx, st, seg, updates, g, scale, {"count": n, "mu": mu, "v": v}, triggered=trig)
+        scale, n, mu, v, trig = rule(g, n, mu, v)
+        return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "v": v}, triggered=trig)
 
 
 class ZClip(Scoped):
@@ -274,12 +268,10 @@ class ZClip(Scoped):
     ord: Ord = 2.0
     state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "var": "segment"}
 
-    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
-
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
-        dt = _stat_dtype(g)
+        g = seg.reduce(updates, self.ord).abs()
+        dt = g.dtype
         W = self.warmup_steps
         n = st.seg_get(seg, "count", 0.0, dtype=dt)
         mu = st.seg_get(seg, "mu", 0.0, dtype=dt)
@@ -322,8 +314,8 @@ class ZClip(Scoped):
                 ~warm & spike,
             )
 
-        scale, n, mu, var, spike = map_many(seg, rule, g, n, mu, var)
-        return _finish(self, ctx, st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
+        scale, n, mu, var, spike = rule(g, n, mu, var)
+        return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 
 
 class AutoClip(Scoped):
@@ -367,22 +359,12 @@ class AutoClip(Scoped):
             raise ValueError("AutoClip keeps a history per segment; dim/inverse_dims are not supported")
         return self
 
-    def _history_slots(self, ctx, st, seg) -> list[tuple[dict, str]]:
-        """Where each segment's history is saved: (mapping, key)."""
-        if seg.kind == "global":
-            return [(st.store, "history")]
-        if seg.kind == "group":
-            return [(st.store, f"history@group{gid}") for gid in ctx.group_ids]
-        return [(st.host.state[p], f"{st.key}.history") for p in ctx.params]
-
-    update_access: ClassVar[str] = "scale"  # its only write is scale_ (deferred when it can be)
-
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        g = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        g = seg.reduce(updates, self.ord).abs()
         q = self.percentile / 100.0
         thresholds = []
-        for (where, key), gs in zip(self._history_slots(ctx, st, seg), g.unbind(0)):
+        for (where, key, _, _), gs in zip(seg.slots(st, "history"), g.unbind(0)):
             old = where.get(key)
             if old is None:
                 old = torch.zeros(0, dtype=gs.dtype, device=gs.device)
@@ -394,8 +376,8 @@ class AutoClip(Scoped):
             thresholds.append(_percentile(hist, q).to(gs.dtype))
         c = torch.stack(thresholds)
         scale = clip_to(g, c, self.eps)
-        self.scale_(ctx, seg, updates, scale)  # folded into the next transform when it can
-        record_clip(st, seg, g, scale, threshold=c)
+        seg.mul_(updates, scale)
+        record_clip(st, g, scale, threshold=c)
         return updates
 
 
@@ -442,7 +424,7 @@ class ZScoreNormalize(Scoped):
         mean = seg.reduce(updates, "mean")
         std = seg.reduce(updates, "std")
         eps = self.eps
-        scale = seg.map(lambda s: torch.where(s + eps > 0, 1.0 / (s + eps), torch.ones_like(s)), std)
+        scale = torch.where(std + eps > 0, 1.0 / (std + eps), torch.ones_like(std))
         seg.sub_(updates, mean)
         seg.mul_(updates, scale)
         return updates

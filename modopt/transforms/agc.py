@@ -59,17 +59,14 @@ class AGC(Transform):
 
     def _included(self, ctx, st) -> list[bool]:
         """Per parameter of the step: not excluded. Cached per layout (the names do not change)."""
-        cache = ctx.layout.cache if ctx.layout is not None else None
+        cache = ctx.layout.cache
         key = ("AGC.included", tuple(self.exclude or ()))
-        if cache is not None:
-            mask = cache.get(key)
-            if mask is not None:
-                return mask
-        if not self.exclude:
-            mask = [True] * len(ctx.params)
-        else:  # the shorthand of Masked(AGC(...), where=Select(exclude=...)), by the same matcher
-            mask = Select(exclude=self.exclude).mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
-        if cache is not None:
+        mask = cache.get(key)
+        if mask is None:
+            if not self.exclude:
+                mask = [True] * len(ctx.params)
+            else:  # the shorthand of Masked(AGC(...), where=Select(exclude=...)), by the same matcher
+                mask = Select(exclude=self.exclude).mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
             cache[key] = mask
         return mask
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
@@ -55,12 +53,10 @@ _BIG = 1 << 16
 
 def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`updates` split into large tensors and the rest (the split is cached per layout)."""
-    cache = ctx.layout.cache if ctx.layout is not None and len(ctx.layout.params) == len(updates) else None
-    idx = cache.get("big_tensors") if cache is not None else None
+    cache = ctx.layout.cache
+    idx = cache.get("big_tensors")
     if idx is None:
-        idx = [i for i, u in enumerate(updates) if u.numel() >= _BIG]
-        if cache is not None:
-            cache["big_tensors"] = idx
+        idx = cache["big_tensors"] = [i for i, u in enumerate(updates) if u.numel() >= _BIG]
     if not idx:
         return [], updates
     if len(idx) == len(updates):
@@ -97,15 +93,16 @@ class ClipNorm(Scoped):
     max_norm: PositiveFloat
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
-    update_access: ClassVar[str] = "scale"
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         norm = seg.reduce(updates, self.ord)
-        scale = seg.map(lambda n: clip_scale(n, self.max_norm, self.eps), norm)
-        self.scale_(ctx, seg, updates, scale)  # may be folded into the next transform (fused optimizer)
-        if seg.stacked:
-            st.record("norm", norm)
-            st.record("scale", scale)
-            st.record("clipped", scale < 1)
+        scale = clip_scale(norm, self.max_norm, self.eps)
+        seg.mul_(updates, scale)
+        st.record("norm", norm)
+        st.record("scale", scale)
+        st.record("clipped", scale < 1)
         return updates
+
+    def positive_scale(self):
+        return (self.scope, self.dim, self.inverse_dims)  # max_norm > 0: the scale is in (0, 1]

@@ -32,16 +32,14 @@ class _NormEMA(Scoped, abstract=True):
     max_ema_growth: Optional[PositiveFloat] = 1.5
     ema_init: EmaInit = "zeros"
     state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": "segment"}
-
     normalize: ClassVar[bool] = False
-    update_access: ClassVar[str] = "scale"  # m is its own buffer; the updates only get scale_
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
+        nu = seg.reduce(updates, self.ord).abs()
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync)
-        ok = seg.map(torch.isfinite, nu)
+        ok = torch.isfinite(nu)
         ok_t = seg.expand(ok)
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
@@ -50,37 +48,29 @@ class _NormEMA(Scoped, abstract=True):
         # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
-        if seg.stacked:
-            per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
-            weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
-        else:
-            weights = [oi.to(mi.dtype) * w for oi, mi in zip(ok_t, m)]
+        per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
+        weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
         torch._foreach_lerp_(m, updates, weights)
-        nm = seg.map(torch.abs, seg.reduce(m, self.ord))
+        nm = seg.reduce(m, self.ord).abs()
         if self.max_ema_growth is not None:
-            prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=_dtype(nm))
-            growth = self.max_ema_growth
-
-            def limit(n, pv):
-                allowed = pv.to(n.dtype) * growth
-                return torch.where((pv > 0) & (n > allowed), allowed / n, torch.ones_like(n))
-
-            factor = seg.map(limit, nm, prev)
+            prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype).to(nm.dtype)
+            allowed = prev * self.max_ema_growth
+            factor = torch.where((prev > 0) & (nm > allowed), allowed / nm, torch.ones_like(nm))
             seg.mul_(m, factor)
-            nm = seg.map(torch.mul, nm, factor)
-            st.seg_set(seg, "prev_ema_norm", seg.map(lambda o, n, pv: torch.where(o, n, pv.to(n.dtype)), ok, nm, prev))
-        eps = self.eps
+            nm = nm * factor
+            st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev))
+        floor = torch.clamp(nm, min=self.eps)
         if self.normalize:
-            scale = seg.map(lambda a, b: torch.where(a > 0, torch.clamp(b, min=eps) / a, torch.ones_like(a)), nu, nm)
+            scale = torch.where(nu > 0, floor / nu, torch.ones_like(nu))
         else:
-            scale = seg.map(lambda a, b: below_one(torch.clamp(b, min=eps) / a), nu, nm)
-        self.scale_(ctx, seg, updates, scale)
-        record_clip(st, seg, nu, scale, ema_norm=nm)
+            scale = below_one(floor / nu)
+        seg.mul_(updates, scale)
+        record_clip(st, nu, scale, ema_norm=nm)
         return updates
 
-
-def _dtype(stat) -> torch.dtype:
-    return stat.dtype if isinstance(stat, torch.Tensor) else (stat[0].dtype if stat else torch.float32)
+    def positive_scale(self):
+        # eps > 0 keeps the EMA's norm, and so the factor, away from 0
+        return (self.scope, self.dim, self.inverse_dims) if self.eps > 0 else None
 
 
 class ClipNormByEMA(_NormEMA):

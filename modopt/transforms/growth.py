@@ -21,7 +21,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 from ..core.norms import Ord, acc_dtype
 from ..core.scope import Scoped
 from ..core.transform import Transform
-from ._util import below_one, map_many, record_clip
+from ._util import below_one, record_clip
 
 
 class _Growth(Transform, abstract=True):
@@ -84,26 +84,23 @@ class ClipNormGrowth(Scoped, _Growth):
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        nu = seg.map(torch.abs, seg.reduce(updates, self.ord))
-        dt = nu.dtype if isinstance(nu, torch.Tensor) else (nu[0].dtype if nu else torch.float32)
-        r = st.seg_get(seg, "prev_norm", 0.0, dtype=dt)
-        started = st.seg_get(seg, "started", 0.0, dtype=dt)
-
-        def rule(n, r, s):
-            r = r.to(n.dtype)
-            on = s > 0
-            allowed = self._allowed(r)
-            scale = torch.where(on, below_one(allowed / n), torch.ones_like(n))
-            new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
-            ok = torch.isfinite(n)
-            return scale, torch.where(ok, new_r, r), torch.where(ok, torch.ones_like(s), s), allowed
-
-        scale, new_r, new_s, allowed = map_many(seg, rule, nu, r, started)
+        n = seg.reduce(updates, self.ord).abs()
+        r = st.seg_get(seg, "prev_norm", 0.0, dtype=n.dtype).to(n.dtype)
+        started = st.seg_get(seg, "started", 0.0, dtype=n.dtype)
+        on = started > 0
+        allowed = self._allowed(r)
+        scale = torch.where(on, below_one(allowed / n), torch.ones_like(n))
+        new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
+        ok = torch.isfinite(n)
         seg.mul_(updates, scale)
-        st.seg_set(seg, "prev_norm", new_r)
-        st.seg_set(seg, "started", new_s)
-        record_clip(st, seg, nu, scale, allowed=allowed)
+        st.seg_set(seg, "prev_norm", torch.where(ok, new_r, r))
+        st.seg_set(seg, "started", torch.where(ok, torch.ones_like(started), started))
+        record_clip(st, n, scale, allowed=allowed)
         return updates
+
+    def positive_scale(self):
+        # the remembered norm never falls below min_value > 0, so the allowed norm and the scale stay > 0
+        return (self.scope, self.dim, self.inverse_dims) if self.min_value > 0 else None
 
 
 class ClipValueGrowth(_Growth):

@@ -12,8 +12,8 @@ from ..core.transform import Transform
 class Identity(Transform):
     """Pass the update through unchanged (drytorch's `NoOp`).
 
-    It neither reads nor writes the updates, so a scale deferred across it and
-    the step's norm memo pass by: inserting it anywhere changes nothing, bit for bit.
+    It neither reads nor writes the updates, so the step's norm memo passes by it:
+    inserting it anywhere changes nothing, bit for bit.
     """
 
     update_access: ClassVar[str] = "none"

@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from ..core.runner import run
 from ..core.select import Select
-from ..core.state import Layout, StepContext, TransformState
-from ..core.transform import Transform, TransformField, run_sequence, variadic_transforms, walk
+from ..core.transform import Transform, TransformField, variadic_transforms, walk
 
 
 class Masked(Transform):
@@ -89,62 +89,28 @@ class Masked(Transform):
         return f"Masked({', '.join(inner + [f'where={self.where!r}'])})"
 
     # --- the step -------------------------------------------------------------
-    def sub_context(self, ctx: StepContext, st: TransformState) -> tuple[list[int], StepContext | None]:
-        """The indices of the selected parameters and a step context over them (None if nothing is selected).
-
-        The selection and the sub-layout are computed once per layout of the
-        parent step (cached in its `layout.cache`); the sub-context gets its
-        own `Layout`, so per-layout caches (scope
-        segments, optimizer kernel plans) work inside the mask.
-        """
-        cache = ctx.layout.cache if ctx.layout is not None else None
+    def selection(self, ctx, st) -> list[int]:
+        """The indices of the step's parameters that `where` selects (once per layout; an empty
+        selection is reported then, with a `UserWarning` naming the selector)."""
         key = ("modopt.Masked", self.where.cache_key())
-        entry = cache.get(key) if cache is not None else None
-        if entry is None:
+        idx = ctx.layout.cache.get(key)
+        if idx is None:
             mask = self.where.mask(ctx, owner=f"{st.key} (where={self.where.describe()})")
-            idx = [i for i, m in enumerate(mask) if m]
-            params = [ctx.params[i] for i in idx]
-            groups, group_ids, ranges = [], [], []
-            for g, gid, (a, b) in zip(ctx.groups, ctx.group_ids, ctx.ranges):
-                start = sum(1 for i in idx if i < a)
-                n = sum(1 for i in idx if a <= i < b)
-                if n:
-                    groups.append(g)
-                    group_ids.append(gid)
-                    ranges.append((start, start + n))
-            names = [ctx.names[i] for i in idx]
-            layout = None
-            if ctx.layout is not None:
-                layout = Layout((ctx.layout.key, key), params, ranges)
-                layout.cache["names"] = names
-                # the parent step's norm memo (owned and emptied by the runner)
-                layout.cache["norm_memo"] = ctx.layout.cache.get("norm_memo")
+            idx = ctx.layout.cache[key] = [i for i, m in enumerate(mask) if m]
             if not idx:
                 warnings.warn(
                     f"{st.key}: Masked(where={self.where.describe()}) selects none of the {len(ctx.params)} "
                     "parameter(s) with a gradient; its transforms do not run",
                     UserWarning, stacklevel=2,
                 )
-            entry = (idx, params, groups, group_ids, ranges, names, layout)
-            if cache is not None:
-                cache[key] = entry
-        idx, params, groups, group_ids, ranges, names, layout = entry
-        if not idx:
-            return idx, None
-        sub = StepContext(params, groups, group_ids, ranges, names, ctx.host, ctx.stats)
-        sub.layout = layout
-        sub.norm_memo = ctx.norm_memo
-        return idx, sub
+        return idx
 
     def apply(self, ctx, st, updates):
-        # A deferred scale never crosses a mask: Masked does not declare folds_scale, so the runner
-        # multiplies any incoming scale in before it runs, and the inner chain's own deferrals stay
-        # inside the sub-context (run_sequence settles them there).
-        idx, sub = self.sub_context(ctx, st)
-        if sub is None or not self.transforms:
+        idx = self.selection(ctx, st)
+        if not idx or not self.transforms:
             return updates
-        states = [TransformState(ctx.host, sub, f"{st.key}/{i}:{type(t).__name__}") for i, t in enumerate(self.transforms)]
-        out = run_sequence(self.transforms, sub, states, [updates[i] for i in idx], False)
+        sub = ctx.sub(idx, ("modopt.Masked.step", self.where.cache_key()))
+        out = run(self.transforms, sub, [updates[i] for i in idx], parent=st.key)
         if out is None:
             return None
         updates = list(updates)
@@ -157,18 +123,13 @@ class Masked(Transform):
         selected parameters itself (torch's fused kernels), and `p -= update` writes the others."""
         if not self.transforms or not self.transforms[-1].is_optimizer:
             return False
-        idx, sub = self.sub_context(ctx, st)
-        if sub is not None:
-            states = [TransformState(ctx.host, sub, f"{st.key}/{i}:{type(t).__name__}")
-                      for i, t in enumerate(self.transforms)]
-            sel = [updates[i] for i in idx]
-            sel = run_sequence(self.transforms[:-1], sub, states[:-1], sel, False)
-            if sel is None:  # an inner transform stopped the step: nothing moves
-                return True
-            run_sequence(self.transforms[-1:], sub, states[-1:], sel, True)
+        idx = self.selection(ctx, st)
+        if idx:
+            sub = ctx.sub(idx, ("modopt.Masked.step", self.where.cache_key()))
+            if run(self.transforms, sub, [updates[i] for i in idx], parent=st.key, final=True) is None:
+                return True  # an inner transform stopped the step: nothing moves
         chosen = set(idx)
         rest = [i for i in range(len(ctx.params)) if i not in chosen]
         if rest:
             torch._foreach_sub_([ctx.params[i] for i in rest], [updates[i] for i in rest])
         return True
-

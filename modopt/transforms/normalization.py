@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from ..core.norms import Ord, parse_ord
+from ..core.norms import Ord
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
@@ -45,45 +43,14 @@ class Normalize(Scoped):
     scope: ScopeName = "tensor"
     eps: NonNegativeFloat = 0.0
 
-    folds_scale: ClassVar[bool] = True  # a scale deferred to it rides along in its own factor
-    update_access: ClassVar[str] = "scale"
-
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        prior = self._prior_scale(ctx, seg, updates)
         norm = seg.reduce(updates, self.ord)
-        if prior is None:
-            scale = seg.map(lambda n: normalize_scale(n, self.norm_value, self.eps), norm)
-        else:  # u = prior * raw: n(u) = |prior| n(raw); one multiplication applies both factors
-            norm = seg.map(lambda n, s: n * s.abs(), norm, prior)
-            scale = seg.map(lambda n, s: s * normalize_scale(n, self.norm_value, self.eps), norm, prior)
-        self.scale_(ctx, seg, updates, scale)
-        if seg.stacked:
-            st.record("norm", norm)
-            st.record("scale", scale)
+        scale = normalize_scale(norm, self.norm_value, self.eps)
+        seg.mul_(updates, scale)
+        st.record("norm", norm)
+        st.record("scale", scale)
         return updates
-
-
-    def _prior_scale(self, ctx, seg, updates):
-        """A scale deferred to this transform, per segment of `seg` (None: nothing incoming, or applied now)."""
-        incoming = ctx.incoming_scale
-        if incoming is None:
-            return None
-        ord = parse_ord(self.ord)
-        # an inactive segment (min_size) is not multiplied here, so the prior scale could not ride along
-        homogeneous = seg.all_active and ((isinstance(ord, float) and ord > 0) or ord in ("mad", "std"))
-        if homogeneous and seg.kind == "tensor":
-            vals = incoming.per_tensor(len(updates))
-            if vals is not None:
-                incoming.take()
-                return torch.stack(vals)
-        elif homogeneous and seg.kind in ("global", "group"):
-            vals = [incoming.for_range(a, b) for a, b in seg.ranges]
-            if all(v is not None for v in vals):
-                incoming.take()
-                return torch.stack(vals)
-        incoming.apply(updates)
-        return None
 
 
 class Centralize(Scoped):

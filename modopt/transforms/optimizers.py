@@ -19,6 +19,7 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from ..core import kernels
 from ..core.distributed import is_sharded
+from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.transform import Transform
 
@@ -36,7 +37,7 @@ def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool
     Each entry: the indices into `[a:b]` (None: all of them), whether torch's
     fused `kernel` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
     """
-    cache = ctx.layout.cache if ctx.layout is not None else {}
+    cache = ctx.layout.cache
     key = ("optimizer_plan", a, b, kernel)
     plan = cache.get(key)
     if plan is None:
@@ -84,7 +85,7 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
         return
     flat = torch.stack(steps)
     views = list(flat.unbind(0))
-    k = f"{st.key}.step"
+    k = value_key(st.key, "step")
     for s, view in zip(param_states, views):
         s[k] = view
     steps[:] = views
@@ -109,14 +110,17 @@ class LR(Transform):
             torch._foreach_mul_(updates[a:b], _lr_value(g["lr"], updates[a]))
         return updates
 
+    def positive_scale(self):
+        return ("group", None, False)  # one factor per param group (lr = 0 alone would stop the step)
+
 
 class _FusedOptimizer(Transform, abstract=True):
     """An optimizer transform that, as the last one, writes the parameters with torch's fused kernels.
 
-    It does not fold a clip scale deferred to it into the kernels' `grad_scale`: the kernels divide
+    It never folds a preceding clip's scale into the kernels' `grad_scale`: the kernels divide
     by `1/scale` where torch's `clip_grad_norm_` multiplies by `scale`, which rounds differently
-    and moves a long run away from torch's (7e-4 after 55 Adam steps of a transformer). The runner
-    multiplies the scale in first, exactly as `clip_grad_norm_` does: bit for bit torch's
+    and moves a long run away from torch's (7e-4 after 55 Adam steps of a transformer). The clip
+    multiplies the gradients itself, exactly as `clip_grad_norm_` does: bit for bit torch's
     trajectory, at the cost of one pass over the gradients.
     """
 
@@ -154,12 +158,12 @@ class SGD(_FusedOptimizer):
         return self
 
     def _buffers(self, st, a, b):
-        k = f"{st.key}.momentum_buffer"
-        return [s.get(k) for s in st.ctx.param_states()[a:b]]
+        k = value_key(st.key, "momentum_buffer")
+        return [s.get(k) for s in st.step.param_states()[a:b]]
 
     def _save_buffers(self, st, a, b, bufs):
-        k = f"{st.key}.momentum_buffer"
-        for s, buf in zip(st.ctx.param_states()[a:b], bufs):
+        k = value_key(st.key, "momentum_buffer")
+        for s, buf in zip(st.step.param_states()[a:b], bufs):
             if buf is not None:
                 s[k] = buf
 
@@ -448,7 +452,7 @@ class TorchOptimizer(Transform):
         groups = ctx.host.param_groups
         if inner is None:
             inner = self._cls([{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in groups])
-            inner.state = _NamespacedState(ctx.host.state, f"{st.key}.inner")
+            inner.state = _NamespacedState(ctx.host.state, value_key(st.key, "inner"))
             st.runtime["inner"] = inner
         for ig, g in zip(inner.param_groups, groups):
             for k in keys:

@@ -1,4 +1,4 @@
-"""Running a chain of transforms over one step: shared by `Modular` and `attach`."""
+"""The non-finite policy of a step: shared by `Modular` and `attach`."""
 
 from __future__ import annotations
 
@@ -9,89 +9,9 @@ import torch
 
 from .distributed import any_nonfinite, any_sharded
 from .norms import common_acc_dtype, foreach_pnorm
-from .scope import NormMemo
-from .state import Layout, StateHost, StepContext, TransformState
-from .transform import Transform, run_sequence
+from .runner import Step
 
 NonFinite = Literal["skip", "raise", "zero", "ignore"]
-
-
-def collect(host: StateHost, param_groups: list[dict], stats: dict) -> StepContext:
-    """The parameters with a gradient, by group (params whose `.grad` is None are skipped).
-
-    The per-step work is one pass over the parameters; everything derived from
-    which parameters have a gradient is cached in a `Layout` (checks of
-    the parameters themselves run when the layout is first seen).
-    """
-    params: list[torch.Tensor] = []
-    group_ids: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    masks: list = []
-    for gi, group in enumerate(param_groups):
-        ps = group["params"]
-        keep = [p.grad is not None for p in ps]
-        if not all(keep):
-            if not any(keep):
-                continue
-            start = len(params)
-            params.extend([p for p, k in zip(ps, keep) if k])
-            masks.append(tuple(keep))
-        else:
-            if not ps:
-                continue
-            start = len(params)
-            params.extend(ps)
-            masks.append(None)
-        group_ids.append(gi)
-        ranges.append((start, len(params)))
-    groups = [param_groups[gi] for gi in group_ids]
-    key = (tuple(map(id, params)), tuple(group_ids), tuple(masks), tuple(map(id, groups)))
-    layouts = host.runtime_store("__layouts__")
-    layout = layouts.get(key)
-    if layout is None:
-        names = _names(param_groups, group_ids, masks)
-        _check_params(params, names, param_groups, group_ids, ranges)
-        if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small
-            layouts.clear()
-        layout = layouts[key] = Layout(key, params, ranges)
-        layout.cache["names"] = names
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
-    ctx = StepContext(layout.params, groups, group_ids, layout.ranges, layout.cache["names"], host, stats)
-    ctx.layout = layout
-    memo = layout.cache.get("norm_memo")
-    if memo is None:
-        memo = layout.cache["norm_memo"] = NormMemo()
-    memo.clear()  # the runner owns it: nothing from an earlier step survives
-    ctx.norm_memo = memo
-    return ctx
-
-
-def _names(param_groups, group_ids, masks) -> list:
-    names: list = []
-    for gi, mask in zip(group_ids, masks):
-        group = param_groups[gi]
-        gnames = group.get("param_names")
-        n = len(group["params"])
-        idx = range(n) if mask is None else [j for j in range(n) if mask[j]]
-        names.extend(gnames[j] if gnames else None for j in idx)
-    return names
-
-
-def _check_params(params, names, param_groups, group_ids, ranges) -> None:
-    for (a, b), gi in zip(ranges, group_ids):
-        for i in range(a, b):
-            if params[i].is_complex():
-                raise RuntimeError(
-                    f"modopt does not support complex parameters (parameter {names[i] or i - a} of group {gi}); "
-                    "use torch.view_as_real on the parameter"
-                )
-
-
-def _where(layout: Layout, p: torch.Tensor) -> str:
-    i = next(i for i, q in enumerate(layout.params) if q is p)
-    return str(layout.cache["names"][i] or i)
 
 
 def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -107,7 +27,7 @@ def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
 
 
-def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor:
+def maybe_nonfinite(ctx: Step, grads: list[torch.Tensor]) -> torch.Tensor:
     """0-d bool tensor, cheap: False proves every gradient finite; True means "possibly not".
 
     It is the finiteness of the per-tensor 2-norms: an inf or NaN element makes
@@ -116,18 +36,14 @@ def maybe_nonfinite(ctx: StepContext, grads: list[torch.Tensor]) -> torch.Tensor
     (float32 values near 1e19 and above), which `nonfinite_mask` then
     settles. The norms are the ones a global or per-tensor 2-norm of the
     chain needs anyway: they go into the step's norm memo
-    (`modopt.core.scope.NormMemo.pnorms`), so a following
+    (`modopt.core.runner.NormMemo`), so a following
     `ClipNorm` reads them instead of the gradients.
     """
-    memo = ctx.norm_memo
-    if memo is not None:
-        parts = memo.pnorms(grads, 2.0, common_acc_dtype(grads))
-    else:
-        parts = torch.stack(foreach_pnorm(grads, 2.0)).float()
+    parts = ctx.memo.pnorms(grads, 2.0, common_acc_dtype(grads))
     return ~torch.isfinite(parts).all()
 
 
-def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tensor]) -> bool:
+def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor]) -> bool:
     """Apply the policy; return False when the step must be skipped.
 
     One host sync per step when the gradients are finite (the common case):
@@ -164,8 +80,7 @@ def apply_nonfinite_policy(policy: str, ctx: StepContext, grads: list[torch.Tens
     ctx.stats["nonfinite"] = bad
     if not is_bad:
         return True
-    if ctx.norm_memo is not None:  # the chain does not run: let the gradients go
-        ctx.norm_memo.clear()
+    ctx.memo.close()  # the chain does not run: let the gradients go
     if policy == "raise":
         raise FloatingPointError(f"non-finite gradient in parameter(s) {', '.join(which)} (nonfinite='raise')")
     return False
@@ -198,26 +113,3 @@ FULLGRAPH_HINT = (
 )
 #: `_settle` for traced code: a graph break under plain `torch.compile`, `FULLGRAPH_HINT` under fullgraph
 _settle_compiled = torch.compiler.disable(_settle, reason=FULLGRAPH_HINT)
-
-
-def run_chain(host: StateHost, ctx: StepContext, transforms: tuple[Transform, ...], write: bool) -> list | None:
-    """Run `transforms` on the gradients of `ctx`.
-
-    With `write=True` the parameters move (the last transform may fuse that
-    write); otherwise the final updates are returned (None if a transform
-    stopped the step).
-    """
-    updates = [p.grad for p in ctx.params]
-    states = [TransformState(host, ctx, f"{i}:{type(t).__name__}") for i, t in enumerate(transforms)]
-    try:
-        if write and transforms:
-            run_sequence(transforms, ctx, states, updates, True)
-            return None
-        updates = run_sequence(transforms, ctx, states, updates, False)
-        if write and updates is not None:
-            ctx.write_updates(updates)
-            return None
-        return updates
-    finally:
-        if ctx.norm_memo is not None:  # holds the step's tensors: let them go
-            ctx.norm_memo.clear()

@@ -1,0 +1,304 @@
+"""The step and the runner: which parameters a step holds, and how a chain of transforms runs over it.
+
+One runner (`run`) serves every caller: `Modular.step`, `attach` handles, `Chain`,
+`Masked` (on a sub-step of the selected parameters), the functional layer and the tests.
+A `Step` always has a `Layout`, the facts about its parameters that are cached across
+steps; `Step.over()` makes one for a bare list of tensors.
+
+Each transform computes and writes its own result. The runner owns one shared
+mechanism, the step's `NormMemo`: the per-tensor norms of the raw gradients, valid
+until the first transform that writes the updates (`Transform.update_access`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .keys import transform_key
+from .norms import pnorms
+from .state import TransformState
+
+
+class NormMemo:
+    """Per-tensor p-norms of the raw gradients, shared by the transforms of one step.
+
+    The runner opens it when a step starts (`open`) and closes it for the rest of
+    the step after the first transform that may write the updates (`close`), so a
+    transform never reads a stale norm, whatever it wrote through (a `.data` write
+    included). While it is open, the non-finite check's 2-norms serve a following
+    global `ClipNorm` and a global clip's per-tensor norms a per-tensor statistic
+    over the same list, without reading the gradients again. Entries also check the
+    tensors' version counters, a second guard against in-place writes.
+    """
+
+    __slots__ = ("_entries", "_open")
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+        self._open = False
+
+    def open(self) -> None:
+        self._entries.clear()
+        self._open = True
+
+    def close(self) -> None:
+        """Forget every norm and compute from now on (until `open`): the updates are no longer the gradients."""
+        if self._entries:
+            self._entries.clear()
+        self._open = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+        """1-D tensor of the p-norm of each tensor (in `acc`), computed once per list while open."""
+        if not self._open or not tensors or torch.compiler.is_compiling():
+            return pnorms(tensors, p, acc)
+        key = (p, acc, tuple(map(id, tensors)))
+        versions = tuple(map(_version_of, tensors))
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == versions:
+            return hit[2]
+        parts = pnorms(tensors, p, acc)
+        self._entries[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
+        return parts
+
+
+_version_of = operator.attrgetter("_version")
+
+
+class Layout:
+    """Facts about one set of parameters with gradients, cached across steps.
+
+    `params` are ordered by param group: `groups[g]` is the param-group dict of
+    `params[a:b]` with `(a, b) = ranges[g]`, `group_ids[g]` its index in
+    `optimizer.param_groups`; `names[i]` names `params[i]` (or None). `collect`
+    returns the same `Layout` for every step whose parameters with a gradient
+    (and their groups) are the same objects, so per-layout work (segment tables,
+    kernel plans) runs once. `cache` is free for transforms; keys name their owner.
+    """
+
+    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "memo")
+
+    def __init__(self, key: Any, params: list[torch.Tensor], groups: list[dict], group_ids: list[int],
+                 ranges: list[tuple[int, int]], names: list, memo: NormMemo | None = None):
+        self.key, self.params, self.groups, self.group_ids = key, params, groups, group_ids
+        self.ranges, self.names = ranges, names
+        self.cache: dict = {}
+        self.memo = memo if memo is not None else NormMemo()
+
+
+class Step:
+    """What every transform sees of one step: the layout's parameters, the state host and the telemetry.
+
+    `params`, `groups`, `group_ids`, `ranges`, `names` are the layout's (see `Layout`);
+    `host` holds the state (`host.state[p]`, `host.transform_store(key)`,
+    `host.runtime_store(key)`); `stats` is the step's telemetry dict.
+    """
+
+    __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "_states")
+
+    def __init__(self, layout: Layout, host: Any, stats: dict):
+        self.layout, self.host, self.stats = layout, host, stats
+        self.params, self.groups, self.group_ids = layout.params, layout.groups, layout.group_ids
+        self.ranges, self.names = layout.ranges, layout.names
+        self._states: list[dict] | None = None
+
+    @classmethod
+    def over(cls, params: list[torch.Tensor], host: Any = None, stats: dict | None = None,
+             groups: list[dict] | None = None, ranges: list[tuple[int, int]] | None = None,
+             group_ids: list[int] | None = None, names: list | None = None, layout: Layout | None = None) -> "Step":
+        """A step over `params` outside an optimizer (the functional layer, tests): one group by default,
+        a scratch state host unless `host` is given, and a new layout unless `layout` (from an earlier
+        `Step.over`) is passed to keep per-layout caches across calls."""
+        if layout is None:
+            ranges = ranges if ranges is not None else [(0, len(params))]
+            groups = groups if groups is not None else [{} for _ in ranges]
+            group_ids = group_ids if group_ids is not None else list(range(len(ranges)))
+            names = names if names is not None else [None] * len(params)
+            layout = Layout(("over", id(params)), list(params), groups, group_ids, ranges, names)
+        layout.memo.open()  # a step starts
+        return cls(layout, host if host is not None else ScratchHost(), stats if stats is not None else {})
+
+    @property
+    def memo(self) -> NormMemo:
+        return self.layout.memo
+
+    def param_states(self) -> list[dict]:
+        """`host.state[p]` for every parameter of the step (looked up once per step)."""
+        if self._states is None:
+            state = self.host.state
+            self._states = [state[p] for p in self.params]
+        return self._states
+
+    def per_group(self):
+        """`(group, a, b)` for each param group of the step."""
+        for g, (a, b) in zip(self.groups, self.ranges):
+            yield g, a, b
+
+    def write_updates(self, updates: list[torch.Tensor]) -> None:
+        """`p -= update` for every parameter of the step."""
+        if self.params:
+            torch._foreach_sub_(self.params, updates)
+
+    def sub(self, idx: list[int], cache_key: Any) -> "Step":
+        """The step over `params[i] for i in idx` (a `Masked` selection), its layout cached under `cache_key`."""
+        layout = self.layout.cache.get(cache_key)
+        if layout is None:
+            groups, group_ids, ranges = [], [], []
+            for g, gid, (a, b) in zip(self.groups, self.group_ids, self.ranges):
+                start = sum(1 for i in idx if i < a)
+                n = sum(1 for i in idx if a <= i < b)
+                if n:
+                    groups.append(g)
+                    group_ids.append(gid)
+                    ranges.append((start, start + n))
+            layout = Layout((self.layout.key, cache_key), [self.params[i] for i in idx], groups, group_ids, ranges,
+                            [self.names[i] for i in idx], memo=self.layout.memo)  # the parent step's memo
+            self.layout.cache[cache_key] = layout
+        return Step(layout, self.host, self.stats)
+
+
+class ScratchHost:
+    """A throwaway state host (one functional call, a test)."""
+
+    def __init__(self) -> None:
+        self.state: dict = defaultdict(dict)
+        self._store: dict = {}
+        self._runtime: dict = {}
+
+    def transform_store(self, key: str) -> dict:
+        return self._store.setdefault(key, {})
+
+    def runtime_store(self, key: str) -> dict:
+        return self._runtime.setdefault(key, {})
+
+
+def run(transforms, step: Step, updates: list[torch.Tensor], parent: str = "", final: bool = False):
+    """Run `transforms` in order on `updates`; with `final` the last one writes the parameters.
+
+    Returns the updates (not `final`) or True (`final`: the parameters were written),
+    or None when a transform stopped the step (returned None). `parent` is the key of the chain
+    holding the transforms (`""` at the top): each transform's state key is
+    `keys.transform_key(i, type, parent)`. The step's norm memo closes after the
+    first transform that writes the updates.
+    """
+    n = len(transforms)
+    states = [TransformState(step, transform_key(i, type(t).__name__, parent)) for i, t in enumerate(transforms)]
+    end = n - 1
+    if final:  # the writer is the last transform that touches the updates (trailing Identity runs after it)
+        while end > 0 and transforms[end].update_access == "none":
+            end -= 1
+    for i, t in enumerate(transforms):
+        if final and i == end:
+            if not t.apply_final(step, states[i], updates):
+                out = t.apply(step, states[i], updates)
+                if out is not None:
+                    step.write_updates(out)
+            for j in range(i + 1, n):  # they touch no update: run them for their own sake
+                transforms[j].apply(step, states[j], updates)
+            return True
+        updates = t.apply(step, states[i], updates)
+        if updates is None:
+            return None
+        if t.update_access == "write":
+            step.memo.close()
+    return updates
+
+
+def run_step(transforms, step: Step, updates: list[torch.Tensor] | None = None, write: bool = False):
+    """A whole step of `transforms` over `step`, starting from the gradients (or `updates`).
+
+    The step's norm memo was opened when the step was made (`collect`, `Step.over`) and
+    is closed when this returns. With `write=True` the parameters move (the last transform may fuse that write);
+    otherwise the final updates are returned (None if a transform stopped the step).
+    """
+    if updates is None:
+        updates = [p.grad for p in step.params]
+    try:
+        if write and transforms:
+            run(transforms, step, updates, final=True)
+            return None
+        out = run(transforms, step, updates)
+        if write and out is not None:
+            step.write_updates(out)
+            return None
+        return out
+    finally:
+        step.memo.close()  # it holds the step's tensors: let them go
+
+
+def collect(host: Any, param_groups: list[dict], stats: dict) -> Step:
+    """The step over the parameters with a gradient, by group (params whose `.grad` is None are skipped).
+
+    The per-step work is one pass over the parameters; everything derived from which
+    parameters have a gradient is cached in a `Layout` (checks of the parameters
+    themselves run when the layout is first seen).
+    """
+    params: list[torch.Tensor] = []
+    group_ids: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    masks: list = []
+    for gi, group in enumerate(param_groups):
+        ps = group["params"]
+        keep = [p.grad is not None for p in ps]
+        if not all(keep):
+            if not any(keep):
+                continue
+            start = len(params)
+            params.extend([p for p, k in zip(ps, keep) if k])
+            masks.append(tuple(keep))
+        else:
+            if not ps:
+                continue
+            start = len(params)
+            params.extend(ps)
+            masks.append(None)
+        group_ids.append(gi)
+        ranges.append((start, len(params)))
+    groups = [param_groups[gi] for gi in group_ids]
+    key = (tuple(map(id, params)), tuple(group_ids), tuple(masks), tuple(map(id, groups)))
+    layouts = host.runtime_store("__layouts__")
+    layout = layouts.get(key)
+    if layout is None:
+        names = _names(param_groups, group_ids, masks)
+        _check_params(params, names, group_ids, ranges)
+        if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small
+            layouts.clear()
+        layout = layouts[key] = Layout(key, params, groups, group_ids, ranges, names)
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
+    layout.memo.open()  # a step starts: the non-finite check and the transforms share the gradients' norms
+    return Step(layout, host, stats)
+
+
+def _names(param_groups, group_ids, masks) -> list:
+    names: list = []
+    for gi, mask in zip(group_ids, masks):
+        group = param_groups[gi]
+        gnames = group.get("param_names")
+        n = len(group["params"])
+        idx = range(n) if mask is None else [j for j in range(n) if mask[j]]
+        names.extend(gnames[j] if gnames else None for j in idx)
+    return names
+
+
+def _check_params(params, names, group_ids, ranges) -> None:
+    for (a, b), gi in zip(ranges, group_ids):
+        for i in range(a, b):
+            if params[i].is_complex():
+                raise RuntimeError(
+                    f"modopt does not support complex parameters (parameter {names[i] or i - a} of group {gi}); "
+                    "use torch.view_as_real on the parameter"
+                )
+
+
+def _where(layout: Layout, p: torch.Tensor) -> str:
+    i = next(i for i, q in enumerate(layout.params) if q is p)
+    return str(layout.names[i] or i)
+
