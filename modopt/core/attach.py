@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .modular import PipelineConfig
 from .nonfinite import apply_nonfinite_policy
 from .runner import collect, run_step
 from .transform import Transform, walk
@@ -221,7 +222,6 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     Checkpoints: attach first, then `optimizer.load_state_dict(sd)` restores
     the transforms' state along with the optimizer's.
     """
-    from ..config import PipelineConfig
 
     PipelineConfig(transforms=list(transforms), nonfinite=nonfinite)  # validate
     if isinstance(optimizer, torch.optim.LBFGS):

@@ -1,21 +1,144 @@
-"""`Modular`: a real `torch.optim.Optimizer` that runs a chain of transforms."""
+"""`Modular`, a real `torch.optim.Optimizer` that runs a chain of transforms, and `PipelineConfig`,
+the pipeline as data that rebuilds it (both here: each one makes the other).
+
+A config lists the transforms by `type` with their fields:
+
+```yaml
+nonfinite: skip
+defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
+transforms:
+  - {type: ClipNorm, max_norm: 1.0}
+  - {type: Adam, lr: 0.001}
+```
+
+YAML is read with a safe loader; a config can never run code. `TorchOptimizer`
+resolves import paths only for `torch.optim.*` and classes registered with
+`modopt.register_optimizer()`, unless the caller passes `trust_imports=True`.
+TOML has no null: in TOML files the string `"null"` stands for None.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import PipelineConfig, load_config
-from . import registry
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
-from .nonfinite import apply_nonfinite_policy
+from .configfile import ConfigError, _format_of, _toml_dumps, format_validation_error, read_file
+from .nonfinite import NonFinite, apply_nonfinite_policy
+from .registry import trust_imports as _trust
 from .runner import collect, run_step
 from .select import route_group, routes
-from .transform import Transform, plain_input, to_plain, walk
+from .transform import Transform, TransformField, plain_input, to_plain, walk
+
+class PipelineConfig(BaseModel):
+    """A whole pipeline: its transforms, the non-finite policy and param-group defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transforms: list[TransformField] = Field(default_factory=list)
+    nonfinite: NonFinite = "skip"
+    defaults: dict[str, Any] = Field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """`PipelineConfig(ClipNorm(max_norm=1.0), Adam())`: the transforms, then non-default options."""
+        parts = [repr(t) for t in self.transforms]
+        if self.nonfinite != "skip":
+            parts.append(f"nonfinite={self.nonfinite!r}")
+        if self.defaults:
+            parts.append(f"defaults={self.defaults!r}")
+        return f"PipelineConfig({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    # --- serialisation ----------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transforms": [t.to_dict() for t in self.transforms],
+            "nonfinite": self.nonfinite,
+            "defaults": to_plain(self.defaults),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_toml(self) -> str:
+        return _toml_dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        fmt = _format_of(path)
+        text = {"yaml": self.to_yaml, "json": self.to_json, "toml": self.to_toml}[fmt]()
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, trust_imports: bool = False) -> "PipelineConfig":
+        with _trust(trust_imports):
+            return cls.model_validate(data)
+
+    def lint(self) -> list:
+        """Transforms whose effect is provably cancelled or overridden by a later one (`modopt.lint`).
+
+        ```pycon
+        >>> import modopt as mo
+        >>> [f.key for f in mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()]).lint()]
+        ['0:ClipNormByEMA']
+
+        ```
+        """
+        from ..lint import lint
+
+        return lint(self)
+
+    # --- building -----------------------------------------------------------
+    def build(self, params: Any) -> "Modular":
+        """A fresh `Modular` over `params` running this pipeline."""
+        return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
+
+
+def load_config(path: Any, trust_imports: bool = False) -> PipelineConfig:
+    """Read a pipeline config: a YAML, JSON or TOML file, or the same data in memory.
+
+    `path` may be a file path, a dict (or any mapping), an OmegaConf `DictConfig`
+    (interpolations such as `${train.lr}` are resolved) or a `PipelineConfig`
+    (returned as is). An experiment config with an `optimizer` entry and no
+    `transforms` gives its `optimizer` pipeline.
+
+    Errors raise `ConfigError` naming the file (or `<dict>`) and the line
+    (syntax) or the field path (validation, e.g. `transforms.0.max_norm`).
+    """
+    if isinstance(path, PipelineConfig):
+        return path
+    if isinstance(path, (str, Path)):
+        data, source = read_file(path), str(path)
+    else:
+        data, source = plain_input(path), f"<{type(path).__name__}>"
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"load_config: expected a file path, a mapping (dict, DictConfig) or a PipelineConfig; "
+                f"got {type(path).__name__}"
+            )
+    if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
+        data = plain_input(data["optimizer"])  # an experiment config: take its pipeline
+    try:
+        return PipelineConfig.from_dict(data, trust_imports=trust_imports)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source, data, PipelineConfig)) from e
+    except ValueError as e:  # a transform's own check (pydantic wraps most; this catches the rest)
+        raise ConfigError(f"{source}: invalid config: {e}") from e
+
 
 #: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
 FORMAT_VERSION = 2
@@ -473,5 +596,3 @@ def _check_inventory(state: Any, meta: dict) -> None:
             "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
         )
 
-
-registry.register_builder(Modular)  # what PipelineConfig.build makes (config.py never imports this module)

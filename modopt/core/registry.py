@@ -11,22 +11,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .transform import Transform
-
-_TRANSFORMS: dict[str, type["Transform"]] = {}
+#: transform classes by name (`modopt.Transform` subclasses register themselves when defined)
+_TRANSFORMS: dict[str, type] = {}
 _OPTIMIZERS: dict[str, type] = {}
-#: the optimizer class that `PipelineConfig.build` makes: `modopt.Modular` registers itself here
-#: when it is defined, so the config layer (below) never imports the optimizer layer (above)
-_BUILDER: list[type] = []
 _TRUST_IMPORTS: contextvars.ContextVar[bool] = contextvars.ContextVar("modopt_trust_imports", default=False)
 #: a class object handed to `TorchOptimizer` in code, usable by that one instance only (never allow-listed)
 _GIVEN_IN_CODE: contextvars.ContextVar[type | None] = contextvars.ContextVar("modopt_given_in_code", default=None)
 
 
-def register_transform(cls: type["Transform"]) -> None:
+def register_transform(cls: type) -> None:
     name = cls.__name__
     old = _TRANSFORMS.get(name)
     if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -37,7 +32,7 @@ def register_transform(cls: type["Transform"]) -> None:
     _TRANSFORMS[name] = cls
 
 
-def get_transform(name: str) -> type["Transform"]:
+def get_transform(name: str) -> type:
     try:
         return _TRANSFORMS[name]
     except KeyError:
@@ -122,16 +117,3 @@ def resolve_optimizer(path: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
         raise ValueError(f"{path!r} is not a torch.optim.Optimizer subclass")
     return obj
-
-
-def register_builder(cls: type) -> type:
-    """Make `cls` the optimizer class configs build (`modopt.Modular` calls this once)."""
-    _BUILDER[:] = [cls]
-    return cls
-
-
-def builder() -> type:
-    """The optimizer class `PipelineConfig.build` makes."""
-    if not _BUILDER:  # pragma: no cover - `import modopt` defines Modular
-        raise RuntimeError("no optimizer class is registered to build pipelines: import modopt")
-    return _BUILDER[0]

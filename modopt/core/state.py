@@ -1,4 +1,6 @@
-"""Where transform state lives: the optimizer (or an `attach` handle), never the transform.
+"""What a transform saves, declared: `Buffer` and the kinds a load checks.
+
+State lives in the optimizer (or an `attach` handle), never the transform.
 
 Per-parameter buffers go in `opt.state[p]` under `keys.value_key(key, name)`, the key
 being the transform's stable position in the chain (`"1:ClipNormByEMA"`,
@@ -6,94 +8,13 @@ being the transform's stable position in the chain (`"1:ClipNormByEMA"`,
 parameter (a global EMA of a norm, a step counter) go in the host's transform
 store under the same key. Both are saved by `state_dict`. The runtime store is
 a cache that is never saved (segment layouts, wrapped torch optimizers).
-`modopt.core.keys` writes and reads every one of these names.
+`modopt.core.keys` writes and reads every one of these names, and a transform
+reaches its state through `modopt.core.runner.TransformState`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
-
-from .keys import value_key
-
-
-class TransformState:
-    """One transform's view of the host's state for one step (`step`: the `modopt.core.runner.Step`)."""
-
-    __slots__ = ("step", "host", "key")
-
-    def __init__(self, step: Any, key: str):
-        self.step, self.host, self.key = step, step.host, key
-
-    @property
-    def store(self) -> dict:
-        """Saved per-transform values (tensors, numbers)."""
-        return self.host.transform_store(self.key)
-
-    @property
-    def runtime(self) -> dict:
-        """Unsaved per-transform cache."""
-        return self.host.runtime_store(self.key)
-
-    def record(self, name: str, value: torch.Tensor) -> None:
-        """Telemetry for `opt.stats`: a tensor (never a list, never synchronised)."""
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{self.key}: telemetry {name!r} must be a tensor (got {type(value).__name__}); "
-                "a per-segment statistic is one 1-D tensor (see modopt.core.scope.Segments)"
-            )
-        self.step.stats[value_key(self.key, name)] = value
-
-    # --- per-parameter buffers --------------------------------------------
-    def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-        """The buffer `name` of each parameter of the step, created by `init(i, p)` when missing."""
-        k = value_key(self.key, name)
-        states = self.step.param_states()
-        try:
-            return [s[k] for s in states]
-        except KeyError:
-            pass
-        out = []
-        for i, (p, s) in enumerate(zip(self.step.params, states)):
-            v = s.get(k)
-            if v is None:
-                v = s[k] = init(i, p)
-            out.append(v)
-        return out
-
-    def has_buffers(self, name: str) -> list[bool]:
-        k = value_key(self.key, name)
-        return [k in s for s in self.step.param_states()]
-
-    # --- per-segment values (scope-aware) ---------------------------------
-    def seg_get(self, seg: Any, name: str, init: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A saved per-segment value as a 1-D tensor, one entry per segment of `seg` (`init` where new).
-
-        Where each segment's value lives is `seg.slots(self, name)`.
-        """
-        vals = []
-        for where, k, shape, device in seg.slots(self, name):
-            v = where.get(k)
-            if v is None:
-                v = where[k] = torch.full(shape, init, dtype=dtype, device=device)
-            vals.append(v)
-        if seg.kind == "slices":  # per-parameter buffers are copied into: return a new tensor
-            return torch.cat([v.reshape(-1) for v in vals])
-        if len(vals) == 1 and seg.kind == "global":  # the store's tensor is replaced by seg_set, never written
-            return vals[0].reshape(1)
-        return torch.stack(vals)
-
-    def seg_set(self, seg: Any, name: str, value: torch.Tensor) -> None:
-        """Save per-segment values read by `seg_get()` (a 1-D tensor, one entry per segment)."""
-        slots = seg.slots(self, name)
-        if seg.kind in ("global", "group"):  # transform-wide values: the store holds the new tensors
-            for (where, k, _, _), v in zip(slots, value.unbind(0)):
-                where[k] = v
-            return
-        dst = [where[k] for where, k, _, _ in slots]
-        if dst:
-            torch._foreach_copy_(dst, seg.split(value))
+from typing import Any
 
 
 # --- buffer declarations (what a transform saves, checked when a checkpoint loads) ---------------

@@ -3,7 +3,7 @@
 A transform is a frozen pydantic model: its fields are its hyperparameters and
 nothing else. It never holds state; per step it receives the step
 (`modopt.core.runner.Step`: the parameters that have a gradient, their groups),
-a `modopt.core.state.TransformState` (its slice of the optimizer's state) and the
+a `modopt.core.runner.TransformState` (its slice of the optimizer's state) and the
 list of updates, and returns the new list of updates (`None` stops the chain for
 this step: nothing after it runs and the parameters do not move).
 """
@@ -21,8 +21,7 @@ import torch
 
 from . import registry
 from .keys import transform_key
-from .runner import Step, run
-from .state import TransformState
+from .runner import Step, TransformState, run
 
 
 def to_plain(value: Any) -> Any:
