@@ -37,3 +37,39 @@ def test_value_clippers_record_clipped(t):
     quiet = run(t, [1e-4, 1e-4])
     spike = run(t, [1e-4, 1e-4, 50.0])
     assert not bool(quiet["clipped"]) and bool(spike["clipped"])
+
+
+SLICE_CLIPPERS = [mo.ClipNorm(0.5, scope="tensor", dim=0), mo.ClipNormByEMA(scope="tensor", dim=0),
+                  mo.ClipNormGrowth(scope="tensor", dim=0), mo.HistClip(warmup_steps=1, scope="tensor", dim=0),
+                  mo.ZClip(warmup_steps=1, scope="tensor", dim=0), mo.Normalize(scope="tensor", dim=0)]
+
+
+@pytest.mark.parametrize("t", SLICE_CLIPPERS, ids=lambda t: type(t).__name__)
+def test_slice_scopes_record_one_value_per_slice(t):
+    """Slice-wise statistics are one 1-D tensor (every tensor's slices in parameter order), so they
+    reach opt.stats like any other scope (issue 17: before, slice scopes recorded nothing)."""
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    b = torch.nn.Parameter(torch.zeros(4))
+    opt = mo.Modular([w, b], t, mo.LR(1.0))
+    gw, gb = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]]), torch.tensor([1.0, -1.0, 2.0, 0.0])
+    w.grad, b.grad = gw.clone(), gb.clone()
+    opt.step()
+    norm = opt.stats[f"0:{type(t).__name__}.norm"]
+    # dim=0 reduces over the rows: w has 2 slices (its columns), b has 1 (itself)
+    want = torch.cat([torch.linalg.vector_norm(gw, dim=0), torch.linalg.vector_norm(gb).reshape(1)])
+    assert norm.shape == (3,)
+    torch.testing.assert_close(norm, want)
+
+
+def test_record_refuses_anything_but_a_tensor():
+    class ListStats(mo.Transform):
+        positional = None
+
+        def apply(self, ctx, st, updates):
+            st.record("norm", [torch.zeros(())])
+            return updates
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(TypeError, match=r"0:ListStats: telemetry 'norm' must be a tensor"):
+        mo.Modular([p], ListStats(), mo.LR(1.0)).step()
