@@ -1,6 +1,6 @@
-"""Writing a transform, from an empty file to a registered, serialisable, checkpointed, tested one.
+"""A stateful transform written outside the package: registered, serialisable, checkpointed, tested.
 
-The walk-through is docs/contributing.md; this file is its code, run by the tests.
+docs/contributing.md (section 5, State) points here; the tests run this file.
 `ClipToRunningAbs` clips every element of the update to `factor` times an EMA
 of that element's magnitude: a per-element spike guard.
 

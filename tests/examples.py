@@ -1,15 +1,25 @@
-"""For every registered transform: instances with every field set away from its default.
+"""For every registered transform: instances with every field set away from its default,
+and how it is checked against its float64 spec.
 
-The conformance suite checks that every registered transform appears here, so
-a new transform gets the shared checks (config round trip of every field,
-checkpoint round trip, zero/None/non-finite grads, half precision, groups).
+The conformance suite checks that every registered transform appears in
+``NON_DEFAULT``, so a new transform gets the shared checks (config round trip of
+every field, checkpoint round trip, zero/None/non-finite grads, half precision,
+groups); ``tests/test_spec_coverage.py`` checks that it appears in ``SPECS`` or
+``NO_SPEC``, and runs every ``Spec`` entry against its spec.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 import modopt as mo
+from modopt.spec import adaptive as spec_adaptive
+from modopt.spec import core as spec_core
+from modopt.spec import guards as spec_guards
+from modopt.spec import percentile as spec_percentile
 
 # name -> an instance, or a list of instances, that together set every field away from its default
 # (fields that exclude each other, like SGD's nesterov and dampening, need two instances)
@@ -53,6 +63,7 @@ NON_DEFAULT = {
         clip_factor=0.8, skip_update_on_spike=True, ord=3.0, scope="tensor", dim=0, inverse_dims=True, min_size=2,
     ),
     "AutoClip": mo.AutoClip(percentile=25.0, window=5, ord="l1", eps=0.0, scope="group", min_size=2),
+    "ClipNormByRMS": mo.ClipNormByRMS(0.5, dim=0, inverse_dims=True, min_size=2),
     "ZScoreNormalize": mo.ZScoreNormalize(scope="tensor", dim=-1, inverse_dims=True, eps=1e-6, min_size=3),
     "ClipValueByPercentile": mo.ClipValueByPercentile(90, scope="tensor", dim=0, inverse_dims=True, min_size=2),
     # exclude=[] (not None): test_config builds from unnamed parameters, where a non-empty exclude is an error
@@ -64,6 +75,63 @@ NON_DEFAULT = {
         mo.ClipNorm(0.5), mo.Masked(mo.Normalize(0.5), where=mo.Select(max_ndim=1)),
         where=mo.Select(names=["*"], exclude=["0.weight"], min_ndim=1, max_ndim=2, groups=[0, 1]),
     ),
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A one-step, stateless transform checked against its float64 spec by the generic test of
+    ``tests/test_spec_coverage.py``: ``fn(updates, group_of, **fields)`` (or ``fn(updates, **fields)``
+    when it takes no ``group_of``) returns the updates the transform makes, every field passed by name."""
+
+    fn: Callable
+    #: the rule subtracts a mean: rounding errors are relative to the inputs' magnitude, not the output's
+    cancels: bool = False
+
+
+# name -> how the transform is checked against its float64 spec (modopt/spec/): a ``Spec`` for the
+# generic one-step test, or the test (``"tests/<file>.py::<test>"``) that checks a stateful one step by step
+SPECS = {
+    "Identity": Spec(spec_core.identity),
+    "LR": Spec(spec_core.lr),
+    "ClipValue": Spec(spec_core.clip_value),
+    "ClipNorm": Spec(spec_core.clip_norm),
+    "ClipNormByRMS": Spec(spec_core.clip_norm_by_rms),
+    "Normalize": Spec(spec_core.normalize),
+    "Centralize": Spec(spec_core.centralize, cancels=True),
+    "GradientCentralization": Spec(spec_core.centralize, cancels=True),  # Centralize with other defaults
+    "ZScoreNormalize": Spec(spec_adaptive.z_score_normalize),
+    "ClipValueByPercentile": Spec(spec_percentile.clip_value_by_percentile),
+    "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards_accumulate.py
+    "ClipNormByEMA": "tests/test_ema.py::test_clip_norm_by_ema_matches_spec",
+    "NormalizeByEMA": "tests/test_ema.py::test_normalize_by_ema_matches_spec",
+    "ClipValueByEMA": "tests/test_ema.py::test_clip_value_by_ema_matches_spec",
+    "ClipNormGrowth": "tests/test_growth.py::test_clip_norm_growth_matches_spec",
+    "ClipValueGrowth": "tests/test_growth.py::test_clip_value_growth_matches_spec",
+    "HistClip": "tests/test_statistical.py::test_histclip_matches_spec",
+    "ZClip": "tests/test_statistical.py::test_zclip_matches_spec",
+    "AutoClip": "tests/test_statistical.py::test_autoclip_matches_spec",
+    "AGC": "tests/test_agc.py::test_matches_formula_per_unit",  # its spec also reads the parameters
+    "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
+}
+
+# name -> why the transform has no float64 spec, and what checks it instead
+NO_SPEC = {
+    "SGD": "torch's optimizer is the oracle: tests/test_torch_equivalence.py::test_optimizer_trajectory_matches_torch "
+           "and, in every dtype, tests/test_optimizer_dtypes.py::test_optimizer_matches_torch_reference",
+    "Adam": "torch's optimizer is the oracle: tests/test_torch_equivalence.py::test_optimizer_trajectory_matches_torch "
+            "and, in every dtype, tests/test_optimizer_dtypes.py::test_optimizer_matches_torch_reference",
+    "AdamW": "torch's optimizer is the oracle: tests/test_torch_equivalence.py::test_optimizer_trajectory_matches_torch "
+             "and, in every dtype, tests/test_optimizer_dtypes.py::test_optimizer_matches_torch_reference",
+    "TorchOptimizer": "it runs the wrapped torch optimizer, which is its own oracle: bit for bit in "
+                      "tests/test_torch_equivalence.py::test_torch_optimizer_transform_matches_torch",
+    "Chain": "a composition with no rule of its own: it runs its transforms in order, each paired with its own "
+             "spec here; a Chain equals its transforms listed flat, bit for bit "
+             "(tests/test_masked.py::test_nesting_and_chain_inside_compose_as_intersection_and_sequence)",
+    "Masked": "a composition with no rule of its own: the masked transform equals the transform run on the "
+              "selection alone (tests/test_masked.py::test_masked_transform_equals_the_transform_on_the_selection_alone), "
+              "a masked global clip equals torch's over the selection "
+              "(tests/test_masked.py::test_masked_global_clip_equals_torch_clip_grad_norm_over_the_selection)",
 }
 
 #: what the generated ``Masked[...]`` examples select: the example models' later layers (and a 0-d

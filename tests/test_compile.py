@@ -361,3 +361,22 @@ def test_plain_compile_with_raise_names_the_parameter():
     with pytest.raises(FloatingPointError, match=r"parameter\(s\) #3 \(nonfinite='raise'\)"):
         step()
     assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
+def test_slice_scopes_compile_with_fullgraph():
+    """A slice-wise scope (`dim`) builds its layout inside the compiled step: no generator may reach
+    dynamo there (`math.prod` of one failed to trace before issue 17), and the result equals eager."""
+    make = lambda: [mo.ClipNormByEMA(beta=0.5, scope="tensor", dim=0), mo.ClipNorm(0.5, scope="tensor", dim=-1),
+                    mo.Adam(lr=1e-2)]
+    eager_p, comp_p = _params(), _params()
+    eager = mo.Modular(_groups(eager_p), *make(), nonfinite="ignore")
+    comp = mo.Modular(_groups(comp_p), *make(), nonfinite="ignore")
+    step = torch.compile(comp.step, fullgraph=True)
+    for i in range(4):
+        _set_grads(eager_p, i)
+        _set_grads(comp_p, i)
+        eager.step()
+        step()
+        for p, q in zip(eager_p, comp_p):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert comp.stats["0:ClipNormByEMA.norm"].shape == eager.stats["0:ClipNormByEMA.norm"].shape

@@ -144,7 +144,7 @@ def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> tor
         if stat in ("sum", "mean"):
             return x
         return torch.zeros_like(x)  # var / std of one element
-    size = math.prod(t.shape[d] for d in dims)
+    size = math.prod([t.shape[d] for d in dims])  # a list: dynamo cannot pass a generator to math.prod
     if size == 0 and stat == math.inf:  # max over no elements: 0 (torch has no identity for it)
         return t.new_zeros([1 if d in dims else s for d, s in enumerate(t.shape)], dtype=acc)
     if isinstance(stat, float):

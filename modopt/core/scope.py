@@ -94,6 +94,7 @@ class Segments:
 
     def __post_init__(self) -> None:
         self.all_active = all(self.active)
+        self._count_vectors: dict = {}
         #: slices: how many slices each tensor has, and where they start in a statistic
         self.sizes = [math.prod(s) for s in self.shapes]
         self.offsets = [0]
@@ -133,6 +134,16 @@ class Segments:
         sq = torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])
         var = torch.where(counts >= 2, self.segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
         return var if stat == "var" else var.sqrt()
+
+    def element_counts(self, like: torch.Tensor) -> torch.Tensor:
+        """The number of elements of each segment (slices: of each slice), a 1-D tensor in `like`'s dtype
+        and device, made once per layout (e.g. to turn a 2-norm into a root mean square)."""
+        key = (like.dtype, like.device)
+        out = self._count_vectors.get(key)
+        if out is None:
+            counts = self.counts if self.kind != "slices" else [c for c, k in zip(self.counts, self.sizes) for _ in range(k)]
+            out = self._count_vectors[key] = torch.tensor(counts, dtype=torch.float64).to(like.dtype).to(like.device)
+        return out
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
         """1-D tensor of the p-norm of each tensor (in `acc`), through the step's `NormMemo`."""
@@ -242,7 +253,8 @@ def make_segments(
     dims = [_reduce_dims(t.dim(), dim, inverse_dims) for t in tensors]
     if any_sharded(tensors):
         distributed.check_slices(tensors, dims, names or [])
-    sizes = [math.prod(t.shape[d] for d in ds) for t, ds in zip(tensors, dims)]
-    shapes = [tuple(1 if d in ds else n for d, n in enumerate(t.shape)) if ds else tuple(t.shape)
+    # (list comprehensions, not generators: dynamo traces this when a compiled step builds its layout)
+    sizes = [math.prod([t.shape[d] for d in ds]) for t, ds in zip(tensors, dims)]
+    shapes = [tuple([1 if d in ds else n for d, n in enumerate(t.shape)]) if ds else tuple(t.shape)
               for t, ds in zip(tensors, dims)]
     return Segments("slices", [], sizes, [s >= min_size for s in sizes], dims, shapes)

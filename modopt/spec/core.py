@@ -24,6 +24,15 @@ def clip_norm(updates, group_of, max_norm, ord=2.0, scope="global", dim=None, in
     return map_segments(updates, group_of, scope, dim, inverse_dims, min_size, rule)
 
 
+def clip_norm_by_rms(updates, group_of, threshold, scope="tensor", dim=None, inverse_dims=False, min_size=1):
+    """optax's `clip_by_block_rms`, per segment: `u / max(1, rms(u) / threshold)`, `rms(u) = sqrt(mean(u**2))`."""
+    def rule(_, x):
+        rms = float(x.square().mean().sqrt())
+        return x / max(1.0, rms / threshold)
+
+    return map_segments(updates, group_of, scope, dim, inverse_dims, min_size, rule)
+
+
 def normalize(updates, group_of, norm_value=1.0, ord=2.0, scope="tensor", dim=None, inverse_dims=False, min_size=1, eps=0.0):
     def rule(_, x):
         n = stat(x, ord).abs()

@@ -11,6 +11,8 @@ from ..core.keys import value_key
 from ..core.norms import acc_dtype
 from ..core.transform import Transform
 
+__all__ = ["Accumulate"]
+
 
 class Accumulate(Transform):
     r"""Average the updates of `steps` calls; only every `steps`-th call goes on.

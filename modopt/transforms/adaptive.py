@@ -24,6 +24,8 @@ from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
 from ._util import below_one, clip_to, record_clip
 
+__all__ = ["HistClip", "EMACriterion", "ZStatCriterion", "ZClip", "AutoClip", "ZScoreNormalize"]
+
 Rule = Literal["max", "mean", "reciprocal"]
 
 #: the clip scale's epsilon of drytorch / zclip / torch's clip_grad_norm_

@@ -11,6 +11,8 @@ from ..core.norms import acc_dtype
 from ..core.select import Select
 from ..core.transform import Transform
 
+__all__ = ["AGC"]
+
 
 def unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
     """The dims one unit spans: all but the first for tensors with 2+ dims, else the whole tensor (None)."""

@@ -1,4 +1,4 @@
-"""Clipping by value and by norm (torchzero's family; torch's `clip_grad_norm_`)."""
+"""Clipping by value, by norm and by RMS (torchzero's family; torch's `clip_grad_norm_`; optax's `clip_by_block_rms`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
 from ..core.norms import Ord
-from ..core.scope import Scoped
+from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
+
+__all__ = ["ClipNorm", "ClipValue", "ClipNormByRMS"]
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float, eps: float) -> torch.Tensor:
@@ -106,3 +108,52 @@ class ClipNorm(Scoped):
 
     def positive_scale(self):
         return (self.scope, self.dim, self.inverse_dims)  # max_norm > 0: the scale is in (0, 1]
+
+
+class ClipNormByRMS(Scoped):
+    r"""Scale the update down so that its root mean square over each segment is at most `threshold`.
+
+    $$
+    \operatorname{rms}(u) = \sqrt{\tfrac{1}{n} \textstyle\sum_i u_i^2} = \frac{\lVert u \rVert_2}{\sqrt{n}},
+    \qquad
+    u \leftarrow \frac{u}{\max\big(1,\ \operatorname{rms}(u) / \text{threshold}\big)}
+    $$
+
+    with `n` the number of elements of the segment. Unlike a norm, the RMS does
+    not grow with the size of the tensor, so one threshold suits large and small
+    parameters alike. Defaults: `scope="tensor"` (one segment per parameter
+    tensor); every scope works (the RMS of a segment is its 2-norm over the square
+    root of its element count). There is no `eps`: a zero update has RMS 0 and
+    stays zero. Reproduces optax's `clip_by_block_rms(threshold)`, whose blocks
+    are the leaves of the parameter tree (`scope="tensor"` here).
+
+    Telemetry: `norm` (the pre-clip RMS), `scale` and `clipped` per segment.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> a = torch.nn.Parameter(torch.zeros(4)); a.grad = torch.tensor([2.0, -2.0, 2.0, -2.0])  # rms 2
+    >>> b = torch.nn.Parameter(torch.zeros(2)); b.grad = torch.tensor([0.5, -0.5])  # rms 0.5
+    >>> opt = mo.Modular([a, b], mo.ClipNormByRMS(1.0), mo.LR(1.0)); opt.step(); a.data, b.data
+    (tensor([-1.,  1., -1.,  1.]), tensor([-0.5000,  0.5000]))
+
+    ```
+    """
+
+    positional = "threshold"
+
+    threshold: PositiveFloat
+    scope: ScopeName = "tensor"
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        norm = seg.reduce(updates, 2.0)
+        rms = norm / seg.element_counts(norm).clamp(min=1).sqrt()
+        scale = 1 / torch.clamp(rms / self.threshold, min=1.0)
+        seg.mul_(updates, scale)
+        st.record("norm", rms)
+        st.record("scale", scale)
+        st.record("clipped", scale < 1)
+        return updates
+
+    def positive_scale(self):
+        return (self.scope, self.dim, self.inverse_dims)  # threshold > 0: the scale is in (0, 1]

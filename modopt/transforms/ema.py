@@ -22,6 +22,8 @@ from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 from ._util import below_one, record_clip
 
+__all__ = ["ClipNormByEMA", "NormalizeByEMA", "ClipValueByEMA"]
+
 EmaInit = Literal["zeros", "update"]
 
 

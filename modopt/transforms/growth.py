@@ -23,6 +23,8 @@ from ..core.scope import Scoped
 from ..core.transform import Transform
 from ._util import below_one, record_clip
 
+__all__ = ["ClipNormGrowth", "ClipValueGrowth"]
+
 
 class _Growth(Transform, abstract=True):
     """The shared rule; subclasses declare the fields (add, mul, min_value, max_decay)."""

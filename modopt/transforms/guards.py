@@ -8,6 +8,8 @@ import torch
 
 from ..core.transform import Transform
 
+__all__ = ["Identity", "ZeroNonFinite"]
+
 
 class Identity(Transform):
     """Pass the update through unchanged (drytorch's `NoOp`).

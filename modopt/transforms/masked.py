@@ -13,6 +13,8 @@ from ..core.runner import run
 from ..core.select import Select
 from ..core.transform import Transform, TransformField, variadic_transforms, walk
 
+__all__ = ["Masked"]
+
 
 class Masked(Transform):
     r"""Run `transforms` on the parameters that `where` selects; the others pass through untouched.

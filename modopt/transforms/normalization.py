@@ -9,6 +9,8 @@ from ..core.norms import Ord
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
+__all__ = ["Normalize", "Centralize", "GradientCentralization"]
+
 
 def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float) -> torch.Tensor:
     """`norm_value / (|norm| + eps)` where the norm is positive, else 1 (zeros stay zero)."""

@@ -23,6 +23,8 @@ from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.transform import Transform
 
+__all__ = ["LR", "SGD", "Adam", "AdamW", "TorchOptimizer"]
+
 #: a finite number >= 0: an infinite or NaN learning rate, eps, momentum or decay can only produce NaN parameters
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

@@ -9,6 +9,8 @@ from pydantic import Field
 
 from ..core.scope import Scoped, ScopeName
 
+__all__ = ["ClipValueByPercentile"]
+
 
 def order_index(pct: int, n: int) -> int:
     """0-based index of the lower order statistic: `(pct * (n - 1)) // 100` (integer arithmetic)."""
