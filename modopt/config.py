@@ -1,19 +1,6 @@
-"""Pipeline configs: a whole optimizer pipeline as plain data (YAML, JSON, TOML).
-
-A config lists the transforms by `type` with their fields:
-
-```yaml
-nonfinite: skip
-defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
-transforms:
-  - {type: ClipNorm, max_norm: 1.0}
-  - {type: Adam, lr: 0.001}
-```
-
-YAML is read with a safe loader; a config can never run code. `TorchOptimizer`
-resolves import paths only for `torch.optim.*` and classes registered with
-`modopt.register_optimizer()`, unless the caller passes `trust_imports=True`.
-TOML has no null: in TOML files the string `"null"` stands for None.
+"""Pipeline configs as plain data (YAML, JSON, TOML): the public face of `modopt.core.modular`'s
+`PipelineConfig` and `load_config` (where the format is described), `modopt.core.configfile`'s
+readers and errors, and the JSON schema of a pipeline (`config_schema`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pydantic import NonNegativeFloat, PositiveFloat
 from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
+from ._util import record_clip
 
 __all__ = ["ClipNorm", "ClipValue", "ClipNormByRMS"]
 
@@ -101,9 +102,7 @@ class ClipNorm(Scoped):
         norm = seg.reduce(updates, self.ord)
         scale = clip_scale(norm, self.max_norm, self.eps)
         seg.mul_(updates, scale)
-        st.record("norm", norm)
-        st.record("scale", scale)
-        st.record("clipped", scale < 1)
+        record_clip(st, norm, scale)
         return updates
 
     def positive_scale(self):
@@ -150,9 +149,7 @@ class ClipNormByRMS(Scoped):
         rms = norm / seg.element_counts(norm).clamp(min=1).sqrt()
         scale = 1 / torch.clamp(rms / self.threshold, min=1.0)
         seg.mul_(updates, scale)
-        st.record("norm", rms)
-        st.record("scale", scale)
-        st.record("clipped", scale < 1)
+        record_clip(st, rms, scale)
         return updates
 
     def positive_scale(self):
