@@ -1,19 +1,20 @@
-"""What compiling ``opt.step`` buys, and what the default non-finite check costs under compile.
+"""What compiling ``opt.step`` buys, with the default non-finite check and without it.
 
 usage: python benchmarks/compile_step.py [steps=30] [warmup=5] [device=cpu]
 
 One ~5M-parameter MLP, ``Modular(ps, ClipNorm(1.0), Adam())``, timed as ``opt.step()`` after a
-real backward, in six ways (each with its own copy of the model, all starting equal):
+real backward, in seven ways (each with its own copy of the model, all starting equal):
 
-* ``eager skip``: the defaults in eager mode (``nonfinite="skip"``: one host sync per step);
-* ``eager ignore``: eager, no check (what the sync itself costs, by difference);
+* ``eager skip``: the defaults in eager mode (``nonfinite="skip"``, decided on the device: no
+  host sync; the fused Adam kernel takes the decision as ``found_inf``);
+* ``eager ignore``: eager, no check (what the check costs, by difference);
 * ``eager zero``: eager, ``nonfinite="zero"`` (for the compiled ``zero`` row);
-* ``compile skip``: ``torch.compile(opt.step)`` with the default policy (a graph break at the
-  host decision: two graphs per step and the sync between them);
+* ``compile skip``: ``torch.compile(opt.step)`` with the defaults (one graph);
+* ``fullgraph skip``: ``torch.compile(opt.step, fullgraph=True)`` with the defaults;
 * ``fullgraph ignore``: ``torch.compile(opt.step, fullgraph=True)``, ``nonfinite="ignore"``;
 * ``fullgraph zero``: the same with ``nonfinite="zero"`` (non-finite elements set to 0 on the device).
 
-Every iteration runs all six on the same batch, in an order that rotates, and each step time is
+Every iteration runs all seven on the same batch, in an order that rotates, and each step time is
 divided by the ``eager skip`` time of the same iteration; the table gives the median step time and
 the median of those per-iteration ratios. The first calls (compilation, state creation) are
 excluded by the warm-up; "first call" is the first step's time, compilation included (much less
@@ -49,6 +50,7 @@ def main() -> None:
         "eager ignore": ("ignore", None),
         "eager zero": ("zero", None),
         "compile skip": ("skip", "plain"),
+        "fullgraph skip": ("skip", "fullgraph"),
         "fullgraph ignore": ("ignore", "fullgraph"),
         "fullgraph zero": ("zero", "fullgraph"),
     }

@@ -70,15 +70,20 @@ def test_step_has_no_host_sync(name):
     assert counter.syncs == 0
 
 
-def test_other_nonfinite_policies_sync_once_per_step():
+@pytest.mark.parametrize("policy,make,syncs", [
+    ("skip", lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 0),  # decided on the device
+    ("skip", lambda: [mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9)], 4),  # SGD's momentum: on the host
+    ("raise", lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 4),  # it must raise: one sync a step
+])
+def test_host_syncs_per_step_by_policy(policy, make, syncs):
     params = _params()
-    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite="skip")
+    opt = mo.Modular(params, *make(), nonfinite=policy)
     counter = SyncCounter()
     for step in range(4):
         _set_grads(params, step)
         with counter:
             opt.step()
-    assert counter.syncs == 4
+    assert counter.syncs == syncs
 
 
 @pytest.mark.parametrize("name", ["ClipNorm+Adam", "ClipValue+SGD"])
@@ -306,22 +311,25 @@ def test_compiled_step_keeps_its_stats():
 def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
     torch._dynamo.reset()
     params = _params()
-    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2), nonfinite=policy)
+    # SGD with momentum keeps its buffers only with the host's decision; raise always decides on the host
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9), nonfinite=policy)
     _set_grads(params, 0)
     with pytest.raises(torch._dynamo.exc.Unsupported) as err:
         torch.compile(opt.step, fullgraph=True)()
     text = str(err.value)
-    for words in ("decide on the host", "nonfinite='ignore'", "nonfinite='zero'", "without fullgraph=True"):
+    for words in ("decides on the host", "skips_on_device", "nonfinite='ignore'", "nonfinite='zero'",
+                  "without fullgraph=True"):
         assert words in text, text
 
 
-def test_plain_compile_with_the_default_policy_skips_like_eager():
-    """``torch.compile(opt.step)`` with ``nonfinite="skip"``: one graph break per step (at the host
-    decision); a non-finite step, the first one included, leaves parameters and state untouched."""
+def test_plain_compile_with_a_host_decision_skips_like_eager():
+    """``torch.compile(opt.step)`` with ``nonfinite="skip"`` and a pipeline that needs the host's
+    decision (SGD's momentum): one graph break per step, at that decision; a non-finite step, the
+    first one included, leaves parameters and state untouched."""
     torch._dynamo.reset()
     a, b = _params(), _params()
-    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
-    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9))
+    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9))
     step = torch.compile(compiled.step)
     for i in range(5):
         _set_grads(a, i)
@@ -345,7 +353,7 @@ def test_plain_compile_with_the_default_policy_skips_like_eager():
     assert len(compiled.state) == len(b) and len(eager.state) == len(a)
     explained = torch._dynamo.explain(compiled.step)()
     assert explained.graph_break_count == 1
-    assert "decide on the host" in explained.break_reasons[0].reason
+    assert "decides on the host" in explained.break_reasons[0].reason
 
 
 def test_plain_compile_with_raise_names_the_parameter():

@@ -225,4 +225,5 @@ def test_compile_page_runs(tmp_path, monkeypatch):
     ]
     opt, skip_opt = ns["opt"], ns["skip_opt"]
     assert int(opt.stats["skipped_steps"]) == 0 and int(skip_opt.stats["skipped_steps"]) == 1
-    assert not skip_opt.state  # the skipped first step created no state
+    # decided on the device, the skipped first step left the state at its initial values (zeros, step 0)
+    assert all(not bool(v.any()) for st in skip_opt.state.values() for v in st.values())

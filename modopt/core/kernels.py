@@ -58,13 +58,16 @@ def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, ne
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
-                weight_decay, eps, amsgrad, grad_scale):
+                weight_decay, eps, amsgrad, grad_scale, found_inf=None):
     """`torch._fused_adamw_` (decoupled decay) or `torch._fused_adam_`; the step tensors must
-    already be incremented (the kernels read them, torch.optim bumps them first)."""
+    already be incremented (the kernels read them, torch.optim bumps them first). With `found_inf`
+    (a 0-d float32 tensor on the parameters' device) the kernel leaves everything as it is where
+    it is nonzero, as under `GradScaler`: the step is skipped on the device."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False, grad_scale=grad_scale, found_inf=None,
+        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False, grad_scale=grad_scale,
+        found_inf=found_inf,
     )
 
 

@@ -263,6 +263,8 @@ class Modular(torch.optim.Optimizer):
         self._skipped_steps = torch.zeros((), dtype=torch.int64)
         self._last = _LastStep()
         self._group_defaults = dict(group_defaults)
+        #: nonfinite="skip" decides on the device when every transform keeps its state on a skipped step
+        self._skip_on_device = all(t.skips_on_device() for t in self.transforms)
         super().__init__(params, {**hyper, **group_defaults})
 
     # --- torch.optim.Optimizer contract -------------------------------------
@@ -302,9 +304,15 @@ class Modular(torch.optim.Optimizer):
             policy = self._pipeline.nonfinite
             if policy in ("skip", "raise") and grads[0].device.type == "meta":
                 policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
-            if apply_nonfinite_policy(policy, ctx, grads):
+            if apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device):
                 run_step(self.transforms, ctx, write=True)
-                stats["skipped"] = torch.zeros((), dtype=torch.bool)
+                if ctx.skip is not None:  # decided on the device: count it there
+                    if self._skipped_steps.device != ctx.skip.device:
+                        self._skipped_steps = self._skipped_steps.to(ctx.skip.device)
+                    self._skipped_steps += ctx.skip
+                    stats["skipped"] = ctx.skip
+                else:
+                    stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:
                 self._skipped_steps += 1
                 stats["skipped"] = torch.ones((), dtype=torch.bool)
@@ -510,6 +518,8 @@ class Modular(torch.optim.Optimizer):
             state = dict(state)
             state["_last"] = _LastStep(state.pop("stats", {}))
         super().__setstate__(state)
+        if "_skip_on_device" not in state:  # pickled before the device-side skip
+            self._skip_on_device = all(t.skips_on_device() for t in self.transforms)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)

@@ -43,8 +43,16 @@ def maybe_nonfinite(ctx: Step, grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.isfinite(parts).all()
 
 
-def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor]) -> bool:
+def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False) -> bool:
     """Apply the policy; return False when the step must be skipped.
+
+    With `on_device` (only for `"skip"`, when every transform of the pipeline
+    `skips_on_device()`), the decision stays on the device: `ctx.skip` is set to
+    the 0-d bool "some 2-norm is not finite" (all-reduced under FSDP2) and the
+    chain runs, keeping every state on a skipped step; no host sync at all. A
+    gradient whose 2-norm overflows the accumulator (finite float32 elements
+    beyond about 1.8e19) then counts as non-finite, as in the careful torch loop
+    (`if clip_grad_norm_(...).isfinite(): opt.step()`).
 
     One host sync per step when the gradients are finite (the common case):
     the finiteness of the 2-norms (`maybe_nonfinite`). Only when that
@@ -70,6 +78,11 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor]) ->
         zeroed = torch.stack(counts).sum()
         ctx.stats["zeroed"] = zeroed  # the number of elements set to 0 this step (no sync)
         ctx.stats["nonfinite"] = zeroed > 0
+        return True
+    if on_device and policy == "skip" and not any_sharded(grads):  # (FSDP2 decides on the host, for now)
+        bad = maybe_nonfinite(ctx, grads)
+        ctx.skip = bad
+        ctx.stats["nonfinite"] = bad
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
         bad, exact = nonfinite_mask(grads), True
@@ -105,11 +118,14 @@ def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tenso
 
 #: what dynamo prints when `fullgraph=True` meets the host decision (it shows a disabled function's reason)
 FULLGRAPH_HINT = (
-    "modopt: nonfinite='skip' and nonfinite='raise' decide on the host whether the step goes ahead "
-    "(bool() of an on-device check, one sync per step), which a single graph cannot hold. "
-    "For torch.compile(opt.step, fullgraph=True), build the optimizer with nonfinite='ignore' (no check) "
-    "or nonfinite='zero' (non-finite gradient elements become 0, on the device); or keep the policy and "
-    "compile without fullgraph=True (one graph break per step, at this decision)"
+    "modopt: this step decides on the host whether it goes ahead (bool() of an on-device check, one sync "
+    "per step), which a single graph cannot hold. That happens with nonfinite='raise', and with the default "
+    "nonfinite='skip' when a transform of the pipeline keeps its state only with the host's decision "
+    "(Transform.skips_on_device() is False: SGD, Accumulate, AutoClip, ClipValueGrowth, TorchOptimizer, an "
+    "EMA with ema_init='update'). For torch.compile(opt.step, fullgraph=True), use transforms that skip on "
+    "the device, or build the optimizer with nonfinite='ignore' (no check) or nonfinite='zero' (non-finite "
+    "gradient elements become 0, on the device); or keep the policy and compile without fullgraph=True "
+    "(one graph break per step, at this decision)"
 )
 #: `_settle` for traced code: a graph break under plain `torch.compile`, `FULLGRAPH_HINT` under fullgraph
 _settle_compiled = torch.compiler.disable(_settle, reason=FULLGRAPH_HINT)

@@ -55,8 +55,17 @@ class NormMemo:
 
     def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
         """1-D tensor of the p-norm of each tensor (in `acc`), computed once per list while open."""
-        if not self._open or not tensors or torch.compiler.is_compiling():
+        if not self._open or not tensors:
             return pnorms(tensors, p, acc)
+        if torch.compiler.is_compiling():
+            # traced: no id() (dynamo would guard on each tensor object, and recompile every step) and
+            # no version counters; the same tensor objects, while the memo is open, are the same values
+            for q, a, ts, parts in self._entries.get("traced", ()):
+                if q == p and a == acc and len(ts) == len(tensors) and all(x is y for x, y in zip(ts, tensors)):
+                    return parts
+            parts = pnorms(tensors, p, acc)
+            self._entries.setdefault("traced", []).append((p, acc, list(tensors), parts))
+            return parts
         key = (p, acc, tuple(map(id, tensors)))
         versions = tuple(map(_version_of, tensors))
         hit = self._entries.get(key)
@@ -81,14 +90,13 @@ class Layout:
     kernel plans) runs once. `cache` is free for transforms; keys name their owner.
     """
 
-    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "memo")
+    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache")
 
     def __init__(self, key: Any, params: list[torch.Tensor], groups: list[dict], group_ids: list[int],
-                 ranges: list[tuple[int, int]], names: list, memo: NormMemo | None = None):
+                 ranges: list[tuple[int, int]], names: list):
         self.key, self.params, self.groups, self.group_ids = key, params, groups, group_ids
         self.ranges, self.names = ranges, names
         self.cache: dict = {}
-        self.memo = memo if memo is not None else NormMemo()
 
 
 class Step:
@@ -99,10 +107,21 @@ class Step:
     `host.runtime_store(key)`); `stats` is the step's telemetry dict.
     """
 
-    __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "_states")
+    __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "memo",
+                 "_states")
 
-    def __init__(self, layout: Layout, host: Any, stats: dict):
+    def __init__(self, layout: Layout, host: Any, stats: dict, skip: torch.Tensor | None = None,
+                 memo: NormMemo | None = None):
         self.layout, self.host, self.stats = layout, host, stats
+        #: the step's norm memo: a new one, open, for a step (its sub-steps share it). It lives on the
+        #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards)
+        if memo is None:
+            memo = NormMemo()
+            memo.open()
+        self.memo = memo
+        #: a 0-d bool tensor when the device decides whether this step is skipped (`nonfinite="skip"`):
+        #: true means the parameters and every state must stay as they are; None: no such decision
+        self.skip = skip
         self.params, self.groups, self.group_ids = layout.params, layout.groups, layout.group_ids
         self.ranges, self.names = layout.ranges, layout.names
         self._states: list[dict] | None = None
@@ -120,12 +139,7 @@ class Step:
             group_ids = group_ids if group_ids is not None else list(range(len(ranges)))
             names = names if names is not None else [None] * len(params)
             layout = Layout(("over", id(params)), list(params), groups, group_ids, ranges, names)
-        layout.memo.open()  # a step starts
         return cls(layout, host if host is not None else ScratchHost(), stats if stats is not None else {})
-
-    @property
-    def memo(self) -> NormMemo:
-        return self.layout.memo
 
     def param_states(self) -> list[dict]:
         """`host.state[p]` for every parameter of the step (looked up once per step)."""
@@ -139,10 +153,28 @@ class Step:
         for g, (a, b) in zip(self.groups, self.ranges):
             yield g, a, b
 
-    def write_updates(self, updates: list[torch.Tensor]) -> None:
-        """`p -= update` for every parameter of the step."""
-        if self.params:
-            torch._foreach_sub_(self.params, updates)
+    def write_updates(self, updates: list[torch.Tensor], params: list[torch.Tensor] | None = None) -> None:
+        """`p -= update` for every parameter of the step, or for `params` (nothing moves on a skipped step)."""
+        params = self.params if params is None else params
+        if not params:
+            return
+        if self.skip is not None and torch.compiler.is_compiling():  # a where fuses into the write
+            updates = [torch.where(self.skip, 0.0, u) for u in updates]
+        else:
+            self.clean_(updates)  # a non-finite update must not reach the parameters, even times 0
+        torch._foreach_sub_(params, updates)
+
+    def clean_(self, updates: list[torch.Tensor]) -> None:
+        """Zero `updates` in place on a skipped step, so that a state update can weigh them by 0
+        (`m + 0 * (u - m)` is `m` only for finite `u`). One pass over the updates: only transforms
+        that keep full-size buffers call it, and only when the device decides the skip."""
+        if self.skip is not None:
+            for u in updates:
+                u.masked_fill_(self.skip, 0)
+
+    def keep(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """`new`, or `old` on a skipped step (no host sync)."""
+        return new if self.skip is None else torch.where(self.skip, old, new)
 
     def sub(self, idx: list[int], cache_key: Any) -> "Step":
         """The step over `params[i] for i in idx` (a `Masked` selection), its layout cached under `cache_key`."""
@@ -157,9 +189,9 @@ class Step:
                     group_ids.append(gid)
                     ranges.append((start, start + n))
             layout = Layout((self.layout.key, cache_key), [self.params[i] for i in idx], groups, group_ids, ranges,
-                            [self.names[i] for i in idx], memo=self.layout.memo)  # the parent step's memo
+                            [self.names[i] for i in idx])
             self.layout.cache[cache_key] = layout
-        return Step(layout, self.host, self.stats)
+        return Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
 
 
 class ScratchHost:
@@ -246,6 +278,8 @@ class TransformState:
     def seg_set(self, seg: Any, name: str, value: torch.Tensor) -> None:
         """Save per-segment values read by `seg_get()` (a 1-D tensor, one entry per segment)."""
         slots = seg.slots(self, name)
+        if self.step.skip is not None:  # a skipped step keeps every saved value
+            value = self.step.keep(value, self.seg_get(seg, name, 0.0, value.dtype).to(value.dtype))
         if seg.kind in ("global", "group"):  # transform-wide values: the store holds the new tensors
             for (where, k, _, _), v in zip(slots, value.unbind(0)):
                 where[k] = v
@@ -351,8 +385,7 @@ def collect(host: Any, param_groups: list[dict], stats: dict) -> Step:
     for p in params:
         if p.grad.is_sparse:
             raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
-    layout.memo.open()  # a step starts: the non-finite check and the transforms share the gradients' norms
-    return Step(layout, host, stats)
+    return Step(layout, host, stats)  # a new, open memo: the non-finite check and the transforms share norms
 
 
 def _names(param_groups, group_ids, masks) -> list:

@@ -67,7 +67,7 @@ class Scoped(Transform, abstract=True):
             seg = layout.cache[k] = make_segments(
                 ctx.params, ctx.ranges, self.scope, self.dim, self.inverse_dims, self.min_size, ctx.names
             )
-            seg.memo = layout.memo
+        seg.memo = ctx.memo  # this step's
         return seg
 
 
@@ -89,7 +89,8 @@ class Segments:
     active: list[bool]  # per tensor: its segment/slice has at least min_size elements
     dims: list[tuple[int, ...]] | None = None  # slices: the reduced dims of each tensor
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # slices: each tensor's keepdim stat shape
-    #: the step's norm memo (set for segments cached on a layout; see `modopt.core.runner.NormMemo`)
+    #: the norm memo of the step that asked for these segments last (`Scoped.segments` sets it; see
+    #: `modopt.core.runner.NormMemo`); None for segments made outside a step
     memo: NormMemo | None = None
 
     def __post_init__(self) -> None:

@@ -268,7 +268,22 @@ class Transform(BaseModel):
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
 
-    # --- what the linter may rely on -------------------------------------------
+    # --- what the runner and the linter may rely on ----------------------------------
+    #: True when the transform leaves its state bit-identical on a step the device decided to skip
+    #: (`ctx.skip`, a 0-d bool tensor), without a host sync: see `skips_on_device()`
+    device_skip: ClassVar[bool] = False
+
+    def skips_on_device(self) -> bool:
+        """Whether `nonfinite="skip"` may decide on the device with this transform in the pipeline.
+
+        On such a step the chain runs with `ctx.skip` set (a 0-d bool tensor, true to skip):
+        per-segment values saved with `st.seg_set` keep their old values by themselves, the
+        parameters are written only where it is false; a transform with other state must keep
+        it too (a full-size buffer must never take in the non-finite update). A pipeline with
+        a transform that does not declare it decides on the host instead (one sync per step).
+        """
+        return self.device_skip and all(c.skips_on_device() for c in self.children())
+
     def positive_scale(self) -> tuple[str, Any, bool] | None:
         """`(scope, dim, inverse_dims)` when this transform only multiplies each segment of that
         scope by a factor > 0 (for finite gradients) and does nothing else; None otherwise.
@@ -344,6 +359,7 @@ class Chain(Transform):
 
     transforms: list[TransformField] = Field(default_factory=list)
     positional = "transforms"  # variadic: mo.Chain(a, b, c)
+    device_skip = True  # when every transform inside does (skips_on_device checks the children)
 
     def __init__(self, *transforms: Any, **kwargs: Any) -> None:
         super().__init__(**variadic_transforms(type(self).__name__, transforms, kwargs))

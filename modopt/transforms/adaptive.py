@@ -168,6 +168,7 @@ class HistClip(Scoped):
     """
 
     positional = "criterion"
+    device_skip = True  # keeps its state on a step the device skips
 
     criterion: Criterion = Field(default_factory=ZStatCriterion)
     warmup_steps: NonNegativeInt = 20
@@ -257,6 +258,7 @@ class ZClip(Scoped):
     """
 
     positional = None
+    device_skip = True  # keeps its state on a step the device skips
 
     alpha: float = Field(0.97, ge=0.0, lt=1.0)
     z_thresh: PositiveFloat = 2.5
@@ -416,6 +418,7 @@ class ZScoreNormalize(Scoped):
     """
 
     positional = None
+    device_skip = True  # keeps its state on a step the device skips
 
     scope: ScopeName = "tensor"
     eps: NonNegativeFloat = 1e-8

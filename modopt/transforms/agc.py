@@ -54,6 +54,7 @@ class AGC(Transform):
     """
 
     positional = "clipping"
+    device_skip = True  # keeps its state on a step the device skips
 
     clipping: PositiveFloat = 0.01
     eps: PositiveFloat = 1e-3

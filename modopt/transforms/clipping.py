@@ -37,6 +37,7 @@ class ClipValue(Transform):
     """
 
     positional = "value"
+    device_skip = True  # keeps its state on a step the device skips
 
     value: PositiveFloat
 
@@ -92,6 +93,7 @@ class ClipNorm(Scoped):
     """
 
     positional = "max_norm"
+    device_skip = True  # keeps its state on a step the device skips
 
     max_norm: PositiveFloat
     ord: Ord = 2.0
@@ -139,6 +141,7 @@ class ClipNormByRMS(Scoped):
     """
 
     positional = "threshold"
+    device_skip = True  # keeps its state on a step the device skips
 
     threshold: PositiveFloat
     scope: ScopeName = "tensor"

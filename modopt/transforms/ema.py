@@ -36,12 +36,17 @@ class _NormEMA(Scoped, abstract=True):
     state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": "segment"}
     normalize: ClassVar[bool] = False
 
+    def skips_on_device(self):
+        # a skipped step must not create the EMA from its update: with ema_init="update" the host decides
+        return self.ema_init == "zeros"
+
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         nu = seg.reduce(updates, self.ord).abs()
+        ctx.clean_(updates)  # a step the device skips: zeros, weighed by 0 below (one pass, only then)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync)
-        ok = torch.isfinite(nu)
+        ok = torch.isfinite(nu) if ctx.skip is None else torch.isfinite(nu) & ~ctx.skip
         ok_t = seg.expand(ok)
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
@@ -57,7 +62,7 @@ class _NormEMA(Scoped, abstract=True):
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype).to(nm.dtype)
             allowed = prev * self.max_ema_growth
-            factor = torch.where((prev > 0) & (nm > allowed), allowed / nm, torch.ones_like(nm))
+            factor = torch.where((prev > 0) & (nm > allowed) & ok, allowed / nm, torch.ones_like(nm))
             seg.mul_(m, factor)
             nm = nm * factor
             st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev))
@@ -177,12 +182,20 @@ class ClipValueByEMA(Transform):
     ema_init: EmaInit = "zeros"
     state_buffers: ClassVar[dict] = {"ema": "param"}
 
+    def skips_on_device(self):
+        return self.ema_init == "zeros"  # as ClipNormByEMA
+
     def apply(self, ctx, st, updates):
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
             m = st.buffers("ema", lambda i, p: updates[i].detach().abs())
-        torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
+        if ctx.skip is None:
+            torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
+        else:  # a skipped step: zeroed updates weighed by 0 keep m bit for bit
+            ctx.clean_(updates)
+            go = {dt: (~ctx.skip).to(dt) * (1.0 - self.beta) for dt in {mi.dtype for mi in m}}
+            torch._foreach_lerp_(m, torch._foreach_abs(updates), [go[mi.dtype] for mi in m])
         clipped = []
         for mi, ui in zip(m, updates):
             clipped.append((ui.abs() > mi).any())

@@ -76,6 +76,7 @@ class ClipNormGrowth(Scoped, _Growth):
     """
 
     positional = "mul"
+    device_skip = True  # keeps its state on a step the device skips
 
     add: Optional[PositiveFloat] = None
     mul: Optional[PositiveFloat] = 1.5

@@ -21,6 +21,7 @@ class Identity(Transform):
     update_access: ClassVar[str] = "none"
 
     positional = None
+    device_skip = True  # keeps its state on a step the device skips
 
     def apply(self, ctx, st, updates):
         return updates
@@ -52,6 +53,7 @@ class ZeroNonFinite(Transform):
     """
 
     positional = None
+    device_skip = True  # keeps its state on a step the device skips
 
     def apply(self, ctx, st, updates):
         counts = []

@@ -63,6 +63,7 @@ class Masked(Transform):
     """
 
     positional = "transforms"  # variadic: mo.Masked(a, b, where=...)
+    device_skip = True  # when every transform inside does (skips_on_device checks the children)
 
     transforms: list[TransformField] = Field(default_factory=list)
     where: Select
@@ -133,5 +134,5 @@ class Masked(Transform):
         chosen = set(idx)
         rest = [i for i in range(len(ctx.params)) if i not in chosen]
         if rest:
-            torch._foreach_sub_([ctx.params[i] for i in rest], [updates[i] for i in rest])
+            ctx.write_updates([updates[i] for i in rest], [ctx.params[i] for i in rest])
         return True

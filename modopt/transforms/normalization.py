@@ -39,6 +39,7 @@ class Normalize(Scoped):
     """
 
     positional = "norm_value"
+    device_skip = True  # keeps its state on a step the device skips
 
     norm_value: PositiveFloat = 1.0
     ord: Ord = 2.0
@@ -67,6 +68,7 @@ class Centralize(Scoped):
     """
 
     positional = None
+    device_skip = True  # keeps its state on a step the device skips
 
     scope: ScopeName = "tensor"
     min_size: int = Field(2, ge=1)

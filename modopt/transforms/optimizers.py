@@ -66,8 +66,9 @@ def _pick(xs: list, idx: list[int] | None) -> list:
     return xs if idx is None else [xs[i] for i in idx]
 
 
-def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict]) -> None:
-    """`step += 1` for every step tensor of a sub-group, as one kernel.
+def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict], by=1) -> None:
+    """`step += by` (1, or a 0-d tensor: 0 on a step the device skips) for every step tensor of a
+    sub-group, as one kernel.
 
     The per-parameter `step` tensors (torch's state layout, saved per
     parameter) are made views of one packed 1-D tensor the first time a
@@ -79,11 +80,11 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     key = ("packed_steps",) + sub
     ent = rt.get(key)
     if ent is not None and len(ent[1]) == len(steps) and all(x is y for x, y in zip(ent[1], steps)):
-        ent[0].add_(1)
+        ent[0].add_(by)
         return
     s0 = steps[0]
     if any(s.dim() != 0 or s.dtype != s0.dtype or s.device != s0.device for s in steps):
-        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(steps, by)
         return
     flat = torch.stack(steps)
     views = list(flat.unbind(0))
@@ -92,7 +93,7 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
         s[k] = view
     steps[:] = views
     rt[key] = (flat, views)
-    flat.add_(1)
+    flat.add_(by)
 
 
 class LR(Transform):
@@ -102,6 +103,7 @@ class LR(Transform):
     """
 
     positional = "lr"
+    device_skip = True  # keeps its state on a step the device skips
 
     lr: NonNegativeFloat
     group_keys: ClassVar[tuple[str, ...]] = ("lr",)
@@ -242,6 +244,7 @@ class Adam(_FusedOptimizer):
     """
 
     positional = "lr"
+    device_skip = True  # keeps its state on a step the device skips
 
     lr: NonNegativeFloat = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -274,6 +277,13 @@ class Adam(_FusedOptimizer):
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+        skip = ctx.skip
+        if skip is not None and not all(fused for _, a, b in ctx.per_group()
+                                        for _, fused, _ in _plan(ctx, a, b, "adamw" if self.decoupled else "adam")):
+            return False  # torch's foreach kernel cannot skip on the device: the foreach math below can
+        found_inf = by = None
+        if skip is not None:  # the fused kernels skip on the device, as under GradScaler
+            found_inf, by = skip.to(torch.float32), ~skip
         for g, a, b in ctx.per_group():
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
@@ -289,11 +299,11 @@ class Adam(_FusedOptimizer):
                     )
                     continue
                 states = _pick(ctx.param_states()[a:b], idx)
-                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states)
+                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states, 1 if by is None else by)
                 kernels.fused_adam_(
                     params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, lr=g["lr"],
                     beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad,
-                    grad_scale=None,
+                    grad_scale=None, found_inf=found_inf,
                 )
         return True
 
@@ -307,10 +317,19 @@ class Adam(_FusedOptimizer):
             grads = updates[a:b]
             if wd != 0 and not self.decoupled:
                 grads = torch._foreach_add(grads, params, alpha=wd)
-            torch._foreach_add_(steps, 1)
-            torch._foreach_lerp_(m, grads, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+            if ctx.skip is None:
+                torch._foreach_add_(steps, 1)
+                torch._foreach_lerp_(m, grads, 1 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+            else:  # every moment and step count keeps its value on a skipped step: m moves towards itself,
+                # v is multiplied by 1 and gains 0 (scalar lerp weights: inductor fuses them, tensor ones it does not)
+                skip = ctx.skip
+                torch._foreach_add_(steps, (~skip).to(torch.float32))
+                torch._foreach_lerp_(m, [torch.where(skip, mi, gi) for mi, gi in zip(m, grads)], 1 - beta1)
+                torch._foreach_mul_(v, torch.where(skip, 1.0, beta2))
+                zeros = [torch.where(skip, 0.0, gi) for gi in grads]  # (not in place: the gradients stay the user's)
+                torch._foreach_addcmul_(v, zeros, zeros, 1 - beta2)
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)

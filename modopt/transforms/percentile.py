@@ -55,6 +55,7 @@ class ClipValueByPercentile(Scoped):
     """
 
     positional = "pct"
+    device_skip = True  # keeps its state on a step the device skips
 
     pct: int = Field(ge=0, le=100)
     scope: ScopeName = "tensor"

@@ -1,0 +1,169 @@
+"""The default `nonfinite="skip"` decided on the device (issue 18, items 1-3, first part).
+
+A pipeline whose every transform declares `skips_on_device()` runs each step with `ctx.skip`, a
+0-d bool tensor, instead of asking the host: no host sync on finite or non-finite steps, and a
+skipped step leaves the parameters and every saved value bit for bit as they were. A pipeline
+with a transform that does not declare it decides on the host, one sync per step, as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import modopt as mo
+from examples import base_examples
+
+SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+class Syncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in SYNC_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def groups(m):
+    named = list(m.named_parameters())  # names: AGC's exclude and Masked select by them
+    return [{"params": [p for _, p in named[:2]], "param_names": [n for n, _ in named[:2]]},
+            {"params": [p for _, p in named[2:]], "param_names": [n for n, _ in named[2:]], "lr": 5e-3}]
+
+
+def backward(m, k, poison=False):
+    g = torch.Generator().manual_seed(k)
+    m.zero_grad()
+    (m(torch.randn(5, 6, generator=g)).pow(2).mean() * (1 + 20 * (k % 4 == 3))).backward()
+    if poison:
+        list(m.parameters())[2].grad.view(-1)[3] = float("nan")
+
+
+def pipeline_of(t):
+    return [t] if t.is_optimizer else [t, mo.Adam(lr=1e-2)]
+
+
+def saved(opt, m):
+    """Every tensor the optimizer saves and every parameter, cloned, by name."""
+    sd = opt.state_dict()
+    out = {f"param{i}": p.detach().clone() for i, p in enumerate(m.parameters())}
+    for i, s in sd["state"].items():
+        for k, v in s.items():
+            out[f"state{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    for key, s in sd["modopt"]["transforms"].items():
+        for k, v in s.items():
+            out[f"{key}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def same(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
+        else:
+            assert x == y, k
+
+
+#: the conformance examples, and the defaults of the transforms whose examples set a field that needs the host
+EXAMPLES = base_examples() + [
+    ("ClipNormByEMA-default", mo.ClipNormByEMA()),
+    ("NormalizeByEMA-default", mo.NormalizeByEMA()),
+    ("ClipValueByEMA-default", mo.ClipValueByEMA(beta=0.9)),
+    ("ClipNormByEMA-slices", mo.ClipNormByEMA(beta=0.9, scope="tensor", dim=0, max_ema_growth=1.1)),
+    ("ZClip-group", mo.ZClip(warmup_steps=2, scope="group")),
+]
+DEVICE = [(n, t) for n, t in EXAMPLES if t.skips_on_device()]
+HOST = [(n, t) for n, t in EXAMPLES if not t.skips_on_device()]
+
+
+def test_the_benchmark_pipelines_and_most_transforms_skip_on_device():
+    for make in ([mo.ClipNorm(1.0), mo.Adam()], [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
+                 [mo.ZClip(), mo.AdamW()]):
+        assert all(t.skips_on_device() for t in make)
+    names = {n.split("-")[0] for n, _ in DEVICE}
+    assert {"ClipNorm", "Normalize", "ZClip", "HistClip", "ClipNormGrowth", "Adam", "AdamW", "LR",
+            "ClipNormByRMS", "Masked", "Chain"} <= names
+
+
+@pytest.mark.parametrize("name,t", DEVICE, ids=[n for n, _ in DEVICE])
+def test_no_host_sync_and_a_skipped_step_changes_nothing(name, t):
+    m = model()
+    opt = mo.Modular(groups(m), *pipeline_of(t))
+    syncs = Syncs()
+    for k in range(6):  # warm-ups and created state first
+        backward(m, k)
+        with syncs:
+            opt.step()
+    before = saved(opt, m)
+    backward(m, 99, poison=True)
+    with syncs:
+        opt.step()
+    assert syncs.n == 0, f"{syncs.n} host syncs in 7 default steps"
+    assert bool(opt.stats["skipped"]) and bool(opt.stats["nonfinite"])
+    same(before, saved(opt, m))
+    assert int(opt.stats["skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize("name,t", DEVICE, ids=[n for n, _ in DEVICE])
+def test_a_skipped_step_leaves_the_trajectory_as_without_it(name, t):
+    """Steps 0..9 with a NaN step inserted after step 4 end where steps 0..9 alone end, bit for bit."""
+    ends = []
+    for poison in (False, True):
+        m = model()
+        opt = mo.Modular(groups(m), *pipeline_of(t))
+        for k in range(10):
+            if poison and k == 5:
+                backward(m, 99, poison=True)
+                opt.step()
+            backward(m, k)
+            opt.step()
+        ends.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*ends):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,t", HOST, ids=[n for n, _ in HOST])
+def test_the_others_decide_on_the_host_once_a_step(name, t):
+    m = model()
+    opt = mo.Modular(groups(m), *pipeline_of(t))
+    syncs = Syncs()
+    for k in range(4):
+        backward(m, k)
+        with syncs:
+            opt.step()
+    assert syncs.n == 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)],
+    lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=1e-2)],
+    lambda: [mo.ZClip(warmup_steps=3), mo.AdamW(lr=1e-2)],
+], ids=["ClipNorm+Adam", "mission", "ZClip+AdamW"])
+def test_fullgraph_with_the_defaults_equals_eager_with_nan_steps_and_a_scheduler(make):
+    torch._dynamo.reset()
+    a, b = model(), model()
+    eager, comp = mo.Modular(groups(a), *make()), mo.Modular(groups(b), *make())
+    step = torch.compile(comp.step, fullgraph=True)
+    sa = torch.optim.lr_scheduler.StepLR(eager, step_size=3, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(comp, step_size=3, gamma=0.5)
+    for k in range(12):
+        for m in (a, b):
+            backward(m, k, poison=k in (2, 7))
+        eager.step()
+        step()
+        sa.step()
+        sb.step()
+        assert bool(comp.stats["skipped"]) == (k in (2, 7))
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert int(comp.stats["skipped_steps"]) == 2
