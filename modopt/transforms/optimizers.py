@@ -324,10 +324,11 @@ class Adam(_FusedOptimizer):
                 torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
             else:  # every moment and step count keeps its value on a skipped step: m moves towards itself,
                 # v is multiplied by 1 and gains 0 (scalar lerp weights: inductor fuses them, tensor ones it does not)
+                # (0-d tensors go in as lists: dynamo reads a lone tensor scalar of a foreach op with .item())
                 skip = ctx.skip
-                torch._foreach_add_(steps, (~skip).to(torch.float32))
+                torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
                 torch._foreach_lerp_(m, [torch.where(skip, mi, gi) for mi, gi in zip(m, grads)], 1 - beta1)
-                torch._foreach_mul_(v, torch.where(skip, 1.0, beta2))
+                torch._foreach_mul_(v, [torch.where(skip, 1.0, beta2)] * len(v))
                 zeros = [torch.where(skip, 0.0, gi) for gi in grads]  # (not in place: the gradients stay the user's)
                 torch._foreach_addcmul_(v, zeros, zeros, 1 - beta2)
             if g["amsgrad"]:

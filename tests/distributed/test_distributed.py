@@ -38,6 +38,25 @@ def free_port() -> int:
 
 
 def run_mode(mode: str, tmp: Path) -> dict:
+    """Run the 2-process job; once more, on a new port, if gloo aborted while connecting.
+
+    In a full test run a rank sometimes dies at start-up with C++'s "terminate called without an
+    active exception" and no Python output (seen twice in about ten full runs on 2026-11-24, never
+    when the distributed tests run alone). The cause is not pinned down; the likeliest is that the
+    free port handed to `init_process_group` was taken by another process before the rendezvous.
+    A real failure of the job fails the second run too.
+    """
+    try:
+        return _run_mode_once(mode, tmp)
+    except _GlooStartup:
+        return _run_mode_once(mode, tmp)
+
+
+class _GlooStartup(Exception):
+    pass
+
+
+def _run_mode_once(mode: str, tmp: Path) -> dict:
     out = tmp / f"{mode}.pt"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
@@ -51,6 +70,8 @@ def run_mode(mode: str, tmp: Path) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its 2 ranks
         log, _ = proc.communicate()
         pytest.fail(f"{mode}: the 2-process run did not finish within {TIMEOUT_S}s\n{log[-4000:]}")
+    if proc.returncode != 0 and log.lstrip().startswith("terminate called without an active exception"):
+        raise _GlooStartup(log)
     assert proc.returncode == 0, f"{mode} run failed:\n{log[-6000:]}"
     return torch.load(out, weights_only=True)
 
