@@ -35,6 +35,11 @@ op (torch's CPU allocator keeps no statistics; on CUDA `max_memory_allocated` me
 Scratch memory inside one kernel is invisible to it, on both sides alike. `state` is the persistent
 optimizer state in % of the parameter bytes.
 
+Counts. `ops/syncs/bytes` is one more untimed step per side (each call of an `Accumulate` cycle,
+summed) under a dispatch mode: aten ops other than views, host syncs (`_local_scalar_dense`,
+`is_nonzero`) and the bytes the ops read and write in units of `P`, the parameters' bytes. They do not
+depend on the machine: they are what a GPU pays for (`benchmarks/step_counts.py` prints them alone).
+
 `diff` is the largest difference between the modopt and torch parameters after a repeat, relative
 to the largest parameter: 0 means bit for bit.
 """
@@ -428,6 +433,9 @@ class Row:
     torchzero_speedups: list[float] = field(default_factory=list)
     params: int = 0
     tensors: int = 0
+    #: one untimed step counted per side (summed over the calls of an Accumulate cycle): aten ops
+    #: (views excluded), host syncs, and bytes read and written in units of the parameters' bytes
+    counts: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _backward(side: Side, batch: tuple) -> None:
@@ -459,6 +467,45 @@ def _timed_steps(sides: dict[str, Side], batches: list[tuple], warmup: int, call
     return times
 
 
+SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts what runs under it: aten ops other than views, host syncs (`_local_scalar_dense`,
+    `is_nonzero`) and the bytes the ops read and write (torch's fused optimizers count as writing the
+    gradients only when they unscale them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+        self.bytes = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        name = name if name.startswith("aten.") else "aten." + name
+        if name in SYNC_OPS:
+            self.syncs += 1
+        if torch.Tag.view_copy in func.tags or func.is_view:
+            return out
+        self.ops += 1
+        self.names[name] = self.names.get(name, 0) + 1
+        read = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        written: dict[int, torch.Tensor] = {}
+        for i, a in enumerate(func._schema.arguments):  # what the op updates in place
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+                if a.name == "grads" and (kwargs or {}).get("grad_scale") is None:
+                    continue  # torch's fused optimizers write the gradients only to unscale them
+                written.update((id(t), t) for t in tree_leaves(v) if isinstance(t, torch.Tensor))
+        written.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t) not in read)
+        moved = sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
+        self.bytes += moved
+        return out
+
+
 def _extra_peak(side: Side, batch: tuple) -> int:
     _backward(side, batch)
     counter = AllocationCounter()
@@ -467,11 +514,20 @@ def _extra_peak(side: Side, batch: tuple) -> int:
     return counter.peak
 
 
+def _counted(side: Side, batch: tuple) -> StepCounter:
+    _backward(side, batch)
+    counter = StepCounter()
+    with counter:
+        side.step()
+    return counter
+
+
 def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row:
     check = nonfinite != "ignore"
     ratios, speedups, t_mo, t_to, t_tz, diffs = [], [], [], [], [], []
     mem: dict[str, float] = {}
     state: dict[str, float] = {}
+    counts: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         base, make_batch = build_model(model_name, args.quick)
@@ -500,6 +556,8 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
                 peak = max(_extra_peak(sides[n], batches[c]) for c in range(pipe.calls))
                 mem[n] = 100.0 * peak / pbytes
                 state[n] = 100.0 * sides[n].state_bytes() / pbytes
+                got = [_counted(sides[n], batches[c]) for c in range(pipe.calls)]
+                counts[n] = [sum(c.ops for c in got), sum(c.syncs for c in got), sum(c.bytes for c in got) / pbytes]
     params = list(base.parameters())
     return Row(
         model=model_name, pipeline=pipe.name, nonfinite=nonfinite or "skip (default)",
@@ -509,7 +567,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
         state_modopt=state["modopt"], state_torch=state["torch"],
         torchzero_ms=1e3 * statistics.median(t_tz) if t_tz else None,
         torchzero_speedup=statistics.median(speedups) if speedups else None, torchzero_speedups=speedups,
-        params=sum(p.numel() for p in params), tensors=len(params),
+        params=sum(p.numel() for p in params), tensors=len(params), counts=counts,
     )
 
 
@@ -518,6 +576,7 @@ def format_table(rows: list[Row]) -> str:
     head = ["model", "pipeline", "nonfinite", "modopt ms", "torch ms", "modopt/torch", "repeats"]
     if has_tz:
         head += ["torchzero ms", "torchzero/modopt"]
+    head += ["ops/syncs/bytes modopt", "ops/syncs/bytes torch"]
     head += ["extra mem modopt", "extra mem torch", "state modopt", "state torch", "diff"]
     lines = [head]
     for r in rows:
@@ -526,6 +585,7 @@ def format_table(rows: list[Row]) -> str:
         if has_tz:
             line += [f"{r.torchzero_ms:.2f}" if r.torchzero_ms is not None else "-",
                      f"{r.torchzero_speedup:.2f}x" if r.torchzero_speedup is not None else "-"]
+        line += [_counts(r.counts.get("modopt")), _counts(r.counts.get("torch"))]
         line += [f"{r.extra_modopt:.1f}%", f"{r.extra_torch:.1f}%", f"{r.state_modopt:.0f}%", f"{r.state_torch:.0f}%",
                  f"{r.diff:.1e}"]
         lines.append(line)
@@ -538,6 +598,10 @@ def format_table(rows: list[Row]) -> str:
     if torchzero() is None:
         notes.append("- torchzero is not importable: no torchzero column")
     return "\n".join(out + [""] + notes)
+
+
+def _counts(c: list[float] | None) -> str:
+    return "-" if not c else f"{int(c[0])} / {int(c[1])} / {c[2]:.1f}P"
 
 
 def run_here(index: int, model: str, nonfinite: str | None, args) -> Row:

@@ -25,50 +25,11 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import build_model, loss_fn  # noqa: E402  (the benchmark's MLP, one definition)
+from bench import StepCounter, build_model, loss_fn  # noqa: E402  (the benchmark's MLP and counter)
 
 import modopt as mo  # noqa: E402
-
-SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
-
-
-class StepCounter(TorchDispatchMode):
-    """Counts ops, syncs and bytes of everything that runs under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.syncs = 0
-        self.bytes = 0
-        self.names: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket)
-        name = name if name.startswith("aten.") else "aten." + name
-        if name in SYNC_OPS:
-            self.syncs += 1
-        if torch.Tag.view_copy in func.tags or func.is_view:
-            return out
-        self.ops += 1
-        self.names[name] = self.names.get(name, 0) + 1
-        read = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        written: dict[int, torch.Tensor] = {}
-        for i, a in enumerate(func._schema.arguments):  # what the op updates in place
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = args[i] if i < len(args) else (kwargs or {}).get(a.name)
-                if a.name == "grads" and (kwargs or {}).get("grad_scale") is None:
-                    continue  # torch's fused optimizers write the gradients only to unscale them
-                written.update((id(t), t) for t in tree_leaves(v) if isinstance(t, torch.Tensor))
-        written.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t) not in read)
-        moved = sum(t.numel() * t.element_size() for t in [*read.values(), *written.values()])
-        self.bytes += moved
-        return out
-
 
 def pipelines() -> dict[str, list]:
     return {
