@@ -81,17 +81,79 @@ EXAMPLES = base_examples() + [
     ("ClipValueByEMA-default", mo.ClipValueByEMA(beta=0.9)),
     ("ClipNormByEMA-slices", mo.ClipNormByEMA(beta=0.9, scope="tensor", dim=0, max_ema_growth=1.1)),
     ("ZClip-group", mo.ZClip(warmup_steps=2, scope="group")),
+    ("SGD-momentum", mo.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)),
 ]
+
+
+HOST_IDENTITY = [mo.ClipValueByEMA(beta=0.0, ema_init="update"), mo.ClipValue(1e30)]  # changes nothing, needs the host
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("make", [
+    lambda: [mo.Adam(lr=1e-2, weight_decay=1e-3), mo.ClipValue(1e30)],  # not last: the multi-tensor formulas
+    lambda: [mo.AdamW(lr=1e-2, amsgrad=True), mo.ClipValue(1e30)],
+    lambda: [mo.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3), mo.ClipValue(1e30)],
+    lambda: [mo.SGD(lr=0.05, momentum=0.9, nesterov=True), mo.ClipValue(1e30)],
+    lambda: [mo.Adam(lr=1e-2, amsgrad=True)],  # last: torch's fused kernels with found_inf
+    lambda: [mo.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)],
+], ids=["Adam", "AdamW-amsgrad", "SGD-momentum", "SGD-nesterov", "Adam-fused", "SGD-fused"])
+def test_the_device_path_equals_the_host_path_bit_for_bit(make, dtype):
+    """The optimizers' skip-aware formulas round as the plain ones in every dtype: a run decided on the
+    device ends where the same run decided on the host ends, NaN steps included."""
+    ends = []
+    for on_device in (True, False):
+        m = model().to(dtype)
+        ps = list(m.parameters())
+        opt = mo.Modular(ps, *(make() if on_device else HOST_IDENTITY + make()))
+        assert opt._skip_on_device == on_device
+        for k in range(7):
+            g = torch.Generator().manual_seed(k)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            if k in (0, 4):
+                ps[1].grad[0] = float("nan")
+            opt.step()
+        ends.append([p.detach().clone() for p in ps])
+    for a, b in zip(*ends):
+        assert torch.equal(a, b)
+
+
+def test_sgd_in_half_precision_skips_on_the_device_too():
+    """bfloat16 SGD on the CPU runs torch's foreach formulas (the fused kernel is wrong there): the
+    device path keeps them op for op, so a step that goes ahead is bit for bit the host path's."""
+    ends = []
+    for on_device in (True, False):
+        m = model().to(torch.bfloat16)
+        ps = list(m.parameters())
+        pipe = [mo.SGD(lr=0.05, momentum=0.9)]
+        if not on_device:  # the same step with the host deciding: an identity that needs the host in front
+            pipe = HOST_IDENTITY + pipe
+        opt = mo.Modular(ps, *pipe)
+        assert opt._skip_on_device == on_device
+        for k in range(6):
+            g = torch.Generator().manual_seed(k)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            if k == 3:
+                ps[1].grad[0] = float("nan")
+            opt.step()
+        ends.append([p.detach().clone() for p in ps])
+    for a, b in zip(*ends):
+        assert torch.equal(a, b)
 DEVICE = [(n, t) for n, t in EXAMPLES if t.skips_on_device()]
 HOST = [(n, t) for n, t in EXAMPLES if not t.skips_on_device()]
 
 
 def test_the_benchmark_pipelines_and_most_transforms_skip_on_device():
     for make in ([mo.ClipNorm(1.0), mo.Adam()], [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
-                 [mo.ZClip(), mo.AdamW()]):
+                 [mo.ZClip(), mo.AdamW()], [mo.ClipValue(0.01), mo.SGD(0.01, momentum=0.9)]):
         assert all(t.skips_on_device() for t in make)
+    # dampening, in the transform or in a param group, needs the host (a zero buffer is not torch's first one)
+    assert not mo.SGD(momentum=0.9, dampening=0.1).skips_on_device()
+    assert not mo.SGD(momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.1}])
+    assert mo.SGD(momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.0}])
     names = {n.split("-")[0] for n, _ in DEVICE}
-    assert {"ClipNorm", "Normalize", "ZClip", "HistClip", "ClipNormGrowth", "Adam", "AdamW", "LR",
+    assert {"ClipNorm", "Normalize", "ZClip", "HistClip", "ClipNormGrowth", "Adam", "AdamW", "LR", "SGD",
             "ClipNormByRMS", "Masked", "Chain"} <= names
 
 

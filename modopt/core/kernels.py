@@ -23,7 +23,7 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from torch.optim.sgd import sgd as _torch_sgd
 
-__all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_adam_"]
+__all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_adam_"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,11 +49,13 @@ def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: boo
     return (kernel, device.type, dtype) not in KNOWN_BAD
 
 
-def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale):
-    """`torch._fused_sgd_` (in place on `params` and `bufs`; divides the gradients by `grad_scale`)."""
+def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale,
+               found_inf=None):
+    """`torch._fused_sgd_` (in place on `params` and `bufs`; divides the gradients by `grad_scale`;
+    with `found_inf` nonzero, a 0-d float32 tensor, it leaves everything as it is)."""
     torch._fused_sgd_(
         params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-        nesterov=nesterov, maximize=False, is_first_step=is_first_step, grad_scale=grad_scale,
+        nesterov=nesterov, maximize=False, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
     )
 
 
@@ -77,6 +79,27 @@ def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, 
         params, grads, bufs, foreach=True, fused=False, weight_decay=weight_decay, momentum=momentum, lr=lr,
         dampening=dampening, nesterov=nesterov, maximize=False,
     )
+
+
+def foreach_sgd_skip_(params, grads, bufs, skip, *, lr, weight_decay, momentum, dampening, nesterov):
+    """torch.optim.SGD's foreach formulas op for op (so bit for bit with `foreach_sgd_` on a step that
+    goes ahead), on a step whose skip the device decides (`skip`, a 0-d bool tensor): on a skipped
+    step the parameters and the momentum buffers keep their values. `bufs` entries that are None are
+    filled: a zero buffer, which the step fills exactly as torch's first step (`momentum * 0 + g`),
+    so `dampening` must be 0 there. The new buffers are computed out of place and chosen with a
+    `where`, so rounding is torch's: two more passes over the buffers than `foreach_sgd_`."""
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if momentum != 0:
+        for i, b in enumerate(bufs):
+            if b is None:
+                bufs[i] = torch.zeros_like(grads[i])
+        new = [b.clone() for b in bufs]  # in place on copies: the out-of-place foreach mul rounds bf16 otherwise
+        torch._foreach_mul_(new, momentum)
+        torch._foreach_add_(new, grads, alpha=1 - dampening)
+        torch._foreach_copy_(bufs, [torch.where(skip, b, n) for b, n in zip(bufs, new)])
+        grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+    torch._foreach_add_(params, [torch.where(skip, 0.0, u) for u in grads], alpha=-lr)
 
 
 def foreach_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,

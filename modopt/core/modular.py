@@ -263,8 +263,6 @@ class Modular(torch.optim.Optimizer):
         self._skipped_steps = torch.zeros((), dtype=torch.int64)
         self._last = _LastStep()
         self._group_defaults = dict(group_defaults)
-        #: nonfinite="skip" decides on the device when every transform keeps its state on a skipped step
-        self._skip_on_device = all(t.skips_on_device() for t in self.transforms)
         super().__init__(params, {**hyper, **group_defaults})
 
     # --- torch.optim.Optimizer contract -------------------------------------
@@ -304,7 +302,7 @@ class Modular(torch.optim.Optimizer):
             policy = self._pipeline.nonfinite
             if policy in ("skip", "raise") and grads[0].device.type == "meta":
                 policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
-            if apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device):
+            if apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device):  # (asked every step: groups change)
                 run_step(self.transforms, ctx, write=True)
                 if ctx.skip is not None:  # decided on the device: count it there
                     if self._skipped_steps.device != ctx.skip.device:
@@ -319,6 +317,12 @@ class Modular(torch.optim.Optimizer):
         stats["skipped_steps"] = self._skipped_steps.clone()
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep
         return loss
+
+    @property
+    def _skip_on_device(self) -> bool:
+        """`nonfinite="skip"` decides on the device: every transform keeps its state on a skipped step,
+        with the param groups as they are now (SGD: only without dampening)."""
+        return all(t.skips_on_device(self.param_groups) for t in self.transforms)
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
@@ -518,8 +522,6 @@ class Modular(torch.optim.Optimizer):
             state = dict(state)
             state["_last"] = _LastStep(state.pop("stats", {}))
         super().__setstate__(state)
-        if "_skip_on_device" not in state:  # pickled before the device-side skip
-            self._skip_on_device = all(t.skips_on_device() for t in self.transforms)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)

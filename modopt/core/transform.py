@@ -273,8 +273,10 @@ class Transform(BaseModel):
     #: (`ctx.skip`, a 0-d bool tensor), without a host sync: see `skips_on_device()`
     device_skip: ClassVar[bool] = False
 
-    def skips_on_device(self) -> bool:
-        """Whether `nonfinite="skip"` may decide on the device with this transform in the pipeline.
+    def skips_on_device(self, groups: list[dict] | None = None) -> bool:
+        """Whether `nonfinite="skip"` may decide on the device with this transform in the pipeline
+        (`groups`: the optimizer's param groups as they are now, for a transform whose answer depends
+        on a group key; None asks about the fields alone).
 
         On such a step the chain runs with `ctx.skip` set (a 0-d bool tensor, true to skip):
         per-segment values saved with `st.seg_set` keep their old values by themselves, the
@@ -282,7 +284,7 @@ class Transform(BaseModel):
         it too (a full-size buffer must never take in the non-finite update). A pipeline with
         a transform that does not declare it decides on the host instead (one sync per step).
         """
-        return self.device_skip and all(c.skips_on_device() for c in self.children())
+        return self.device_skip and all(c.skips_on_device(groups) for c in self.children())
 
     def positive_scale(self) -> tuple[str, Any, bool] | None:
         """`(scope, dim, inverse_dims)` when this transform only multiplies each segment of that

@@ -36,7 +36,7 @@ class _NormEMA(Scoped, abstract=True):
     state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": "segment"}
     normalize: ClassVar[bool] = False
 
-    def skips_on_device(self):
+    def skips_on_device(self, groups=None):
         # a skipped step must not create the EMA from its update: with ema_init="update" the host decides
         return self.ema_init == "zeros"
 
@@ -182,7 +182,7 @@ class ClipValueByEMA(Transform):
     ema_init: EmaInit = "zeros"
     state_buffers: ClassVar[dict] = {"ema": "param"}
 
-    def skips_on_device(self):
+    def skips_on_device(self, groups=None):
         return self.ema_init == "zeros"  # as ClipNormByEMA
 
     def apply(self, ctx, st, updates):

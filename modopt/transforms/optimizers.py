@@ -146,6 +146,7 @@ class SGD(_FusedOptimizer):
     """
 
     positional = "lr"
+    device_skip = True  # without dampening (skips_on_device)
 
     lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
@@ -161,6 +162,15 @@ class SGD(_FusedOptimizer):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0 (as torch.optim.SGD)")
         return self
 
+    def skips_on_device(self, groups=None):
+        # torch's first step starts the momentum buffer as the gradient. Started at zero instead, and
+        # updated as `mu * 0 + (1 - dampening) * g`, it is the same bit for bit only without dampening:
+        # a skipped first step then leaves a zero buffer that the next step fills exactly as torch does
+        def plain(g):
+            return g.get("momentum", self.momentum) == 0 or g.get("dampening", self.dampening) == 0
+
+        return all(plain(g) for g in (groups if groups is not None else [{}]))
+
     def _buffers(self, st, a, b):
         k = value_key(st.key, "momentum_buffer")
         return [s.get(k) for s in st.step.param_states()[a:b]]
@@ -174,6 +184,8 @@ class SGD(_FusedOptimizer):
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+        skip = ctx.skip
+        found_inf = None if skip is None else skip.to(torch.float32)
         for g, a, b in ctx.per_group():
             mu = g["momentum"]
             bufs = self._buffers(st, a, b) if mu != 0 else []
@@ -183,16 +195,24 @@ class SGD(_FusedOptimizer):
                              nesterov=g["nesterov"])
                 if not fused:
                     sub_bufs = _pick(bufs, idx)
-                    kernels.foreach_sgd_(params, grads, sub_bufs, **hyper)
+                    if skip is None:
+                        kernels.foreach_sgd_(params, grads, sub_bufs, **hyper)
+                    else:
+                        kernels.foreach_sgd_skip_(params, grads, sub_bufs, skip, **hyper)
                     if mu != 0:
                         for j, i in enumerate(idx if idx is not None else range(len(params))):
                             bufs[i] = sub_bufs[j]
                     continue
                 if mu == 0:
-                    kernels.fused_sgd_(params, grads, [], is_first_step=False, grad_scale=None, **hyper)
+                    kernels.fused_sgd_(params, grads, [], is_first_step=False, grad_scale=None, found_inf=found_inf,
+                                       **hyper)
                     continue
                 sel = list(range(len(params))) if idx is None else idx
                 new = [j for j, i in enumerate(sel) if bufs[i] is None]
+                if new and skip is not None:  # a zero buffer (see skips_on_device): then a step like any other
+                    for j in new:
+                        bufs[sel[j]] = torch.zeros_like(grads[j])
+                    new = []
                 if new:  # torch's first step: the buffer starts as the (scaled) gradient
                     for j in new:
                         bufs[sel[j]] = torch.empty_like(grads[j])
@@ -200,7 +220,8 @@ class SGD(_FusedOptimizer):
                                       is_first_step=True, grad_scale=None, **hyper)
                 old = [j for j in range(len(sel)) if j not in set(new)] if new else None
                 if old is None:
-                    kernels.fused_sgd_(params, grads, [bufs[i] for i in sel], is_first_step=False, grad_scale=None, **hyper)
+                    kernels.fused_sgd_(params, grads, [bufs[i] for i in sel], is_first_step=False, grad_scale=None,
+                                       found_inf=found_inf, **hyper)
                 elif old:
                     kernels.fused_sgd_([params[j] for j in old], [grads[j] for j in old], [bufs[sel[j]] for j in old],
                                       is_first_step=False, grad_scale=None, **hyper)
@@ -214,14 +235,25 @@ class SGD(_FusedOptimizer):
             grads = updates[a:b]
             if g["weight_decay"] != 0:
                 grads = torch._foreach_add(grads, ctx.params[a:b], alpha=g["weight_decay"])
+            skip = ctx.skip
+            if skip is not None:  # a skipped step: zeros (new tensors: the gradients stay the user's)
+                grads = [torch.where(skip, 0.0, gi) for gi in grads]
             mu = g["momentum"]
             if mu != 0:
                 bufs = self._buffers(st, a, b)
                 for i, (buf, grad) in enumerate(zip(bufs, grads)):
-                    if buf is None:
-                        bufs[i] = grad.detach().clone()
-                    else:
-                        buf.mul_(mu).add_(grad, alpha=1 - g["dampening"])
+                    if skip is None:
+                        if buf is None:
+                            bufs[i] = grad.detach().clone()
+                        else:
+                            buf.mul_(mu).add_(grad, alpha=1 - g["dampening"])
+                        continue
+                    if buf is None:  # a zero buffer (see skips_on_device)
+                        buf = bufs[i] = torch.zeros_like(grad)
+                    # the same in-place arithmetic on a copy (the same rounding as above, in every dtype),
+                    # then the old buffer where the step is skipped
+                    new = buf.clone().mul_(mu).add_(grad, alpha=1 - g["dampening"])
+                    buf.copy_(torch.where(skip, buf, new))
                 self._save_buffers(st, a, b, bufs)
                 grads = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs
             out.extend(torch._foreach_mul(grads, _lr_value(g["lr"], grads[0])))
@@ -322,15 +354,19 @@ class Adam(_FusedOptimizer):
                 torch._foreach_lerp_(m, grads, 1 - beta1)
                 torch._foreach_mul_(v, beta2)
                 torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-            else:  # every moment and step count keeps its value on a skipped step: m moves towards itself,
-                # v is multiplied by 1 and gains 0 (scalar lerp weights: inductor fuses them, tensor ones it does not)
+            else:  # the same arithmetic on copies (the same rounding, in every dtype; scalar weights, which
+                # inductor fuses), then the old moments and step counts where the step is skipped
                 # (0-d tensors go in as lists: dynamo reads a lone tensor scalar of a foreach op with .item())
                 skip = ctx.skip
                 torch._foreach_add_(steps, [(~skip).to(torch.float32)] * len(steps))
-                torch._foreach_lerp_(m, [torch.where(skip, mi, gi) for mi, gi in zip(m, grads)], 1 - beta1)
-                torch._foreach_mul_(v, [torch.where(skip, 1.0, beta2)] * len(v))
-                zeros = [torch.where(skip, 0.0, gi) for gi in grads]  # (not in place: the gradients stay the user's)
-                torch._foreach_addcmul_(v, zeros, zeros, 1 - beta2)
+                safe = [torch.where(skip, 0.0, gi) for gi in grads]  # (not in place: the gradients stay the user's)
+                m_new = [mi.clone() for mi in m]
+                torch._foreach_lerp_(m_new, safe, 1 - beta1)
+                v_new = [vi.clone() for vi in v]
+                torch._foreach_mul_(v_new, beta2)
+                torch._foreach_addcmul_(v_new, safe, safe, 1 - beta2)
+                torch._foreach_copy_(m, [torch.where(skip, old, new) for old, new in zip(m, m_new)])
+                torch._foreach_copy_(v, [torch.where(skip, old, new) for old, new in zip(v, v_new)])
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)
