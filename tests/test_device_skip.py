@@ -96,7 +96,10 @@ HOST_IDENTITY = [mo.ClipValueByEMA(beta=0.0, ema_init="update"), mo.ClipValue(1e
     lambda: [mo.SGD(lr=0.05, momentum=0.9, nesterov=True), mo.ClipValue(1e30)],
     lambda: [mo.Adam(lr=1e-2, amsgrad=True)],  # last: torch's fused kernels with found_inf
     lambda: [mo.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)],
-], ids=["Adam", "AdamW-amsgrad", "SGD-momentum", "SGD-nesterov", "Adam-fused", "SGD-fused"])
+    lambda: [mo.ClipValueByEMA(beta=0.9), mo.LR(0.1)],
+    lambda: [mo.ClipNormByEMA(beta=0.9, scope="tensor"), mo.NormalizeByEMA(beta=0.8), mo.LR(0.1)],
+], ids=["Adam", "AdamW-amsgrad", "SGD-momentum", "SGD-nesterov", "Adam-fused", "SGD-fused", "ClipValueByEMA",
+        "NormEMAs"])
 def test_the_device_path_equals_the_host_path_bit_for_bit(make, dtype):
     """The optimizers' skip-aware formulas round as the plain ones in every dtype: a run decided on the
     device ends where the same run decided on the host ends, NaN steps included."""

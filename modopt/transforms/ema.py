@@ -192,10 +192,10 @@ class ClipValueByEMA(Transform):
             m = st.buffers("ema", lambda i, p: updates[i].detach().abs())
         if ctx.skip is None:
             torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
-        else:  # a skipped step: zeroed updates weighed by 0 keep m bit for bit
-            ctx.clean_(updates)
-            go = {dt: (~ctx.skip).to(dt) * (1.0 - self.beta) for dt in {mi.dtype for mi in m}}
-            torch._foreach_lerp_(m, torch._foreach_abs(updates), [go[mi.dtype] for mi in m])
+        else:  # the same lerp on copies (the same rounding in every dtype), then the old m on a skipped step
+            new = [mi.clone() for mi in m]
+            torch._foreach_lerp_(new, torch._foreach_abs(updates), 1.0 - self.beta)
+            torch._foreach_copy_(m, [torch.where(ctx.skip, old, n) for old, n in zip(m, new)])
         clipped = []
         for mi, ui in zip(m, updates):
             clipped.append((ui.abs() > mi).any())
