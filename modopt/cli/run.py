@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import ConfigError
+from ..core.keys import split_value_key
 from ..functional import grad_norm
 from .experiment import Experiment, experiment_from_data
 from .tasks import make_task
@@ -79,7 +80,7 @@ def step_telemetry(stats: dict[str, torch.Tensor], pre_norm: float) -> dict[str,
     scale = 1.0
     clipped = False
     for key, v in stats.items():
-        name = key.rsplit(".", 1)[-1]
+        name = (split_value_key(key) or (None, key))[1]
         if not isinstance(v, torch.Tensor):
             continue
         if name == "scale" and v.numel() == 1:

@@ -21,12 +21,12 @@ from typing import Any, Iterable
 
 import torch
 
+from .keys import split_group_key, split_value_key, value_key
 from .state import Buffer, declared_buffers
 from .transform import Transform, to_plain
 
 #: fields whose value decides where (and in which shape) a transform keeps its state
 LAYOUT_FIELDS = ("scope", "dim", "inverse_dims", "cls")
-_GROUP_SUFFIX = re.compile(r"^(.+)@group(\d+)$")
 
 
 # --- configs ---------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def history_keys(transforms: Iterable[Transform]) -> tuple[set[str], dict[str, s
     for key, t in walk(tuple(transforms)):
         for name, b in declared_buffers(t).items():
             if b.kind == "history":
-                per_param.add(f"{key}.{name}")
+                per_param.add(value_key(key, name))
                 store.setdefault(key, set()).add(name)
     return per_param, store
 
@@ -265,9 +265,10 @@ class StateLoader:
         self.who = who
 
     def _owner(self, key: Any, where: str) -> tuple[str, Transform, str]:
-        if not isinstance(key, str) or "." not in key or key.split(".", 1)[0] not in self.owners:
+        parts = split_value_key(key)
+        if parts is None or parts[0] not in self.owners:
             raise ValueError(f"{self.who}: state key {key!r} of {where} belongs to no transform of this pipeline")
-        prefix, name = key.split(".", 1)
+        prefix, name = parts
         return prefix, self.owners[prefix], name
 
     def param_state(self, entry: Any, p: torch.Tensor, current: dict | None, where: str) -> dict:
@@ -317,8 +318,7 @@ class StateLoader:
             decl = declared_buffers(t)
             new = {}
             for name, v in values.items():
-                m = _GROUP_SUFFIX.match(name) if isinstance(name, str) else None
-                base, gid = (m.group(1), int(m.group(2))) if m else (name, None)
+                base, gid = split_group_key(name) if isinstance(name, str) else (name, None)
                 b = decl.get(base)
                 if b is None:
                     raise _undeclared(key, t, str(name), "the transform-wide state")

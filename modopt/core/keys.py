@@ -6,7 +6,7 @@
   (`"1:Adam.exp_avg"`); telemetry in `opt.stats` uses the same form (`"0:ClipNorm.norm"`).
 * A **transform-wide value** lives in the transform's store under `name`; one value per
   param group (`scope="group"`) under `"<name>@group<i>"`, `i` the group's index in
-  `optimizer.param_groups`.
+  `optimizer.param_groups`. A checkpoint's inventory lists it as `"<key>/<name>"`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def split_value_key(k: object) -> tuple[str, str] | None:
         return None
     key, name = k.split(".", 1)
     return key, name
+
+
+def inventory_key(key: str, name: str) -> str:
+    """`"<key>/<name>"`: how a checkpoint's inventory names the transform-wide value `name` of `key`."""
+    return f"{key}/{name}"
 
 
 def group_key(name: str, group: int) -> str:

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .configfile import ConfigError, _format_of, _toml_dumps, format_validation_error, read_file
 from .nonfinite import NonFinite, apply_nonfinite_policy
+from .keys import inventory_key, split_group_key
 from .registry import trust_imports as _trust
 from .runner import collect, run_step
 from .select import route_group, routes
@@ -386,7 +387,7 @@ class Modular(torch.optim.Optimizer):
             sd["param_groups"][0][_GROUP_ENTRY] = {
                 "format_version": FORMAT_VERSION,
                 "transforms": {
-                    k: {n: encode_history(x) if n.split("@")[0] in store_hist.get(k, ()) and isinstance(x, torch.Tensor)
+                    k: {n: encode_history(x) if split_group_key(n)[0] in store_hist.get(k, ()) and isinstance(x, torch.Tensor)
                         else x for n, x in v.items()}
                     for k, v in store.items()
                 },
@@ -394,7 +395,7 @@ class Modular(torch.optim.Optimizer):
                 # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
                 # slots its target state dict has) can tell when values were left behind
                 "inventory": sorted({k for e in sd["state"].values() for k in e}
-                                    | {f"{k}/{n}" for k, v in store.items() for n in v}),
+                                    | {inventory_key(k, n) for k, v in store.items() for n in v}),
             }
 
     @torch._disable_dynamo
@@ -597,7 +598,7 @@ def _check_inventory(state: Any, meta: dict) -> None:
     have = {k for e in state.values() if isinstance(e, dict) for k in e}
     store = meta.get("transforms")
     if isinstance(store, dict):
-        have |= {f"{k}/{n}" for k, v in store.items() if isinstance(v, dict) for n in v}
+        have |= {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v}
     missing = [k for k in inventory if k not in have]
     if missing:
         raise ValueError(

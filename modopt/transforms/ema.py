@@ -195,7 +195,7 @@ class ClipValueByEMA(Transform):
         else:  # the same lerp on copies (the same rounding in every dtype), then the old m on a skipped step
             new = [mi.clone() for mi in m]
             torch._foreach_lerp_(new, torch._foreach_abs(updates), 1.0 - self.beta)
-            torch._foreach_copy_(m, [torch.where(ctx.skip, old, n) for old, n in zip(m, new)])
+            torch._foreach_copy_(m, [ctx.keep(n, old) for old, n in zip(m, new)])
         clipped = []
         for mi, ui in zip(m, updates):
             clipped.append((ui.abs() > mi).any())

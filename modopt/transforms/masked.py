@@ -92,9 +92,10 @@ class Masked(Transform):
         return f"Masked({', '.join(inner + [f'where={self.where!r}'])})"
 
     # --- the step -------------------------------------------------------------
-    def selection(self, ctx, st) -> list[int]:
-        """The indices of the step's parameters that `where` selects (once per layout; an empty
-        selection is reported then, with a `UserWarning` naming the selector)."""
+    def selection(self, ctx, st):
+        """The indices of the step's parameters that `where` selects and the sub-step over them (None
+        when nothing is selected). Computed once per layout; an empty selection is reported then, with
+        a `UserWarning` naming the selector."""
         key = ("modopt.Masked", self.where.cache_key())
         idx = ctx.layout.cache.get(key)
         if idx is None:
@@ -106,13 +107,12 @@ class Masked(Transform):
                     "parameter(s) with a gradient; its transforms do not run",
                     UserWarning, stacklevel=2,
                 )
-        return idx
+        return idx, (ctx.sub(idx, ("modopt.Masked.step", self.where.cache_key())) if idx else None)
 
     def apply(self, ctx, st, updates):
-        idx = self.selection(ctx, st)
-        if not idx or not self.transforms:
+        idx, sub = self.selection(ctx, st)
+        if sub is None or not self.transforms:
             return updates
-        sub = ctx.sub(idx, ("modopt.Masked.step", self.where.cache_key()))
         out = run(self.transforms, sub, [updates[i] for i in idx], parent=st.key)
         if out is None:
             return None
@@ -126,9 +126,8 @@ class Masked(Transform):
         selected parameters itself (torch's fused kernels), and `p -= update` writes the others."""
         if not self.transforms or not self.transforms[-1].is_optimizer:
             return False
-        idx = self.selection(ctx, st)
-        if idx:
-            sub = ctx.sub(idx, ("modopt.Masked.step", self.where.cache_key()))
+        idx, sub = self.selection(ctx, st)
+        if sub is not None:
             if run(self.transforms, sub, [updates[i] for i in idx], parent=st.key, final=True) is None:
                 return True  # an inner transform stopped the step: nothing moves
         chosen = set(idx)

@@ -253,7 +253,7 @@ class SGD(_FusedOptimizer):
                     # the same in-place arithmetic on a copy (the same rounding as above, in every dtype),
                     # then the old buffer where the step is skipped
                     new = buf.clone().mul_(mu).add_(grad, alpha=1 - g["dampening"])
-                    buf.copy_(torch.where(skip, buf, new))
+                    buf.copy_(ctx.keep(new, buf))
                 self._save_buffers(st, a, b, bufs)
                 grads = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs
             out.extend(torch._foreach_mul(grads, _lr_value(g["lr"], grads[0])))
@@ -365,8 +365,8 @@ class Adam(_FusedOptimizer):
                 v_new = [vi.clone() for vi in v]
                 torch._foreach_mul_(v_new, beta2)
                 torch._foreach_addcmul_(v_new, safe, safe, 1 - beta2)
-                torch._foreach_copy_(m, [torch.where(skip, old, new) for old, new in zip(m, m_new)])
-                torch._foreach_copy_(v, [torch.where(skip, old, new) for old, new in zip(v, v_new)])
+                torch._foreach_copy_(m, [ctx.keep(new, old) for old, new in zip(m, m_new)])
+                torch._foreach_copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)
