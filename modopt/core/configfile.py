@@ -2,6 +2,11 @@
 
 The layer below every config model: `modopt.core.modular.PipelineConfig` and the CLI's
 experiment configs read their files and report their errors through it.
+
+Config text is untrusted input, so reading it has bounds (`check_limits`, `_BoundedLoader`): at most
+`MAX_NODES` values once YAML aliases and merge keys are expanded (counted without expanding them), at
+most `MAX_DEPTH` levels of nesting, no alias that contains itself, and UTF-8 text. Each breach is a
+`ConfigError` naming the file and the limit.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,17 @@ else:  # pragma: no cover
 
 FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
 
+#: Most values (mappings, lists and scalars, each counted once per place it appears) a config may
+#: hold once its YAML aliases are expanded (and entries a mapping may receive through merge keys). A real pipeline or experiment config has tens to a few
+#: hundred; the cap stops an "alias bomb" (a few hundred bytes of `*alias` lists nested inside one
+#: another) before validation builds every copy. Counted over the alias graph, never expanded.
+MAX_NODES = 100_000
+#: Deepest nesting of mappings and lists a config may have (the top-level mapping is level 1; each
+#: `Chain` inside a pipeline adds two: its mapping and its `transforms` list). Deeper input is
+#: refused before the parsers or validators can run out of Python stack.
+MAX_DEPTH = 64
+_WHERE = "modopt/core/configfile.py"
+
 
 class ConfigError(ValueError):
     """A config file that cannot be read or does not validate; the message names the file and place."""
@@ -37,14 +54,70 @@ def _format_of(path: Path) -> str:
         raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml, .json or .toml") from None
 
 
+class _MergeTooLarge(Exception):
+    """A YAML mapping whose merge keys (`<<: *alias`) would copy more than `MAX_NODES` entries."""
+
+
+class _MergeCycle(Exception):
+    """A YAML mapping that merges itself (`&a {<<: *a}`, directly or through other mappings)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` (same tags, same results) whose merge keys cannot blow up.
+
+    PyYAML resolves `<<: [*a, *a, ...]` by copying the entry lists of the merged mappings into the
+    mapping, duplicates included, so nested merges grow tenfold per level inside `safe_load` itself,
+    before any check on the result can run. Here each mapping is flattened once, its merge sources
+    first, and the entries it would receive are counted (a sum of lengths) before anything is copied.
+    """
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        flat = self.__dict__.setdefault("_flattened", {})
+        if id(node) in flat:  # already flattened: nothing left to merge
+            return
+        busy = self.__dict__.setdefault("_flattening", {})
+        if id(node) in busy:
+            raise _MergeCycle
+        busy[id(node)] = node
+        entries = len(node.value)
+        for key_node, value_node in node.value:
+            if key_node.tag != "tag:yaml.org,2002:merge":
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for src in sources:
+                if isinstance(src, yaml.MappingNode):  # anything else: the base class reports it
+                    self.flatten_mapping(src)
+                    entries += len(src.value)
+        if entries > MAX_NODES:
+            raise _MergeTooLarge
+        super().flatten_mapping(node)
+        del busy[id(node)]
+        flat[id(node)] = node  # holding the node keeps its id from being reused
+
+
 def parse_text(text: str, fmt: str, source: str = "<config>") -> Any:
-    """Parse config text to plain data; syntax errors name the line."""
+    """Parse config text to plain data; syntax errors name the line.
+
+    The data is checked by `check_limits` (size after alias expansion, depth, cycles)."""
     try:
         if fmt == "yaml":
-            return yaml.safe_load(text)
-        if fmt == "json":
-            return json.loads(text)
-        return _toml_nulls(tomllib.loads(text))
+            data = yaml.load(text, Loader=_BoundedLoader)
+        elif fmt == "json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except RecursionError:  # the parsers recurse once per nesting level
+        raise ConfigError(
+            f"{source}: the config nests too deeply to parse (more than {MAX_DEPTH} levels are refused; "
+            f"limit MAX_DEPTH in {_WHERE})"
+        ) from None
+    except _MergeCycle:
+        raise ConfigError(f"{source}: a YAML merge key (<<) merges a mapping into itself (a cycle)") from None
+    except _MergeTooLarge:
+        raise ConfigError(
+            f"{source}: the config expands to more than {MAX_NODES} values through YAML merge keys (<<) "
+            f"(limit MAX_NODES in {_WHERE})"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -54,6 +127,111 @@ def parse_text(text: str, fmt: str, source: str = "<config>") -> Any:
         raise ConfigError(f"{source}, line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    check_limits(data, source, aliases=fmt == "yaml")
+    return _toml_nulls(data) if fmt == "toml" else data
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _is_omegaconf(value: Any) -> bool:
+    om = sys.modules.get("omegaconf")
+    return om is not None and isinstance(value, (om.DictConfig, om.ListConfig))
+
+
+def _entries(value: Any) -> Any:
+    """An iterator of `(key, child)` over a config container, or None for a leaf."""
+    if isinstance(value, dict):
+        return iter(value.items())
+    if isinstance(value, (list, tuple)):
+        return enumerate(value)
+    if isinstance(value, Mapping) and not isinstance(value, BaseModel) and not _is_omegaconf(value):
+        return iter(value.items())
+    return None
+
+
+def check_limits(data: Any, source: str = "<config>", aliases: bool = True) -> Any:
+    """Refuse config data that is too large once shared references (YAML aliases) are expanded,
+    nested deeper than `MAX_DEPTH`, or that contains itself; returns `data` unchanged.
+
+    Walks the reference graph once without recursion, remembering each container's expanded size
+    and height by `id`, so an alias repeated a million times costs one visit. `aliases` says whether
+    the text format has aliases (it only picks the wording of the message). OmegaConf containers
+    and pydantic models are leaves (they are not the output of a parser).
+    """
+    top = _entries(data)
+    if top is None:
+        return data
+    done: dict[int, tuple] = {}  # id -> (expanded values, height in levels, the container: keeps its id unique)
+    open_at: dict[int, int] = {id(data): 0}  # containers on the current path -> their index in `stack`
+    # a frame: [container, its entries, key it sits under, values so far, height of its tallest child]
+    stack: list[list] = [[data, top, None, 1, 0]]
+    shared = False
+
+    def too_big() -> ConfigError:
+        through = " through YAML aliases" if aliases else " through shared references"
+        how = ("expands to", through) if shared else ("holds", "")
+        return ConfigError(
+            f"{source}: the config {how[0]} more than {MAX_NODES} values{how[1]} (limit MAX_NODES in {_WHERE})"
+        )
+
+    def too_deep() -> ConfigError:
+        return ConfigError(f"{source}: the config nests deeper than {MAX_DEPTH} levels (limit MAX_DEPTH in {_WHERE})")
+
+    while stack:
+        frame = stack[-1]
+        for key, child in frame[1]:
+            if type(child) in _SCALARS:  # the common case, without the container checks
+                frame[3] += 1
+                continue
+            entries = _entries(child)
+            if entries is None:
+                frame[3] += 1
+                continue
+            seen = done.get(id(child))
+            if seen is not None:
+                shared = True
+                frame[3] += seen[0]
+                frame[4] = max(frame[4], seen[1])
+                if len(stack) + seen[1] > MAX_DEPTH:
+                    raise too_deep()
+            elif id(child) in open_at:
+                path = _path(stack) + [key]
+                inner = ".".join(str(k) for k in path) or "<root>"
+                outer = ".".join(str(k) for k in path[: open_at[id(child)]]) or "<root>"
+                what = ("a YAML alias", "; an alias may repeat a value, not contain it") \
+                    if aliases else ("a reference", "")
+                raise ConfigError(
+                    f"{source}: the config contains itself: {inner} is {what[0]} to {outer}, which encloses it "
+                    f"(a cycle{what[1]})"
+                )
+            else:
+                if len(stack) >= MAX_DEPTH:
+                    raise too_deep()
+                open_at[id(child)] = len(stack)
+                stack.append([child, entries, key, 1, 0])
+                break
+            if frame[3] > MAX_NODES:
+                raise too_big()
+        else:  # every entry of `frame` counted: it is done
+            stack.pop()
+            del open_at[id(frame[0])]
+            size, height = frame[3], frame[4] + 1
+            done[id(frame[0])] = (size, height, frame[0])
+            if stack:
+                parent = stack[-1]
+                parent[3] += size
+                parent[4] = max(parent[4], height)
+                if parent[3] > MAX_NODES:
+                    raise too_big()
+            elif size > MAX_NODES:
+                raise too_big()
+    return data
+
+
+def _path(stack: list[list]) -> list:
+    """The keys from the root to the container on top of `stack`."""
+    return [frame[2] for frame in stack[1:]]
 
 
 def read_file(path: str | Path) -> Any:
@@ -61,7 +239,12 @@ def read_file(path: str | Path) -> Any:
     path = Path(path)
     fmt = _format_of(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: the config is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
     return parse_text(text, fmt, str(path))
