@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -22,6 +24,8 @@ def assert_same(a, b, path: str = "") -> None:
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        assert math.isnan(b), path
     else:
         assert a == b, path
 

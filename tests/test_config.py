@@ -216,9 +216,12 @@ def test_invalid_config_never_half_builds(tmp_path):
     model = _model()
     with pytest.raises(mo.ConfigError, match=r"transforms\.1\.lr"):
         mo.Modular.from_config(model.parameters(), p)
-    # a param-group key the pipeline does not use is kept, as torch.optim keeps it (issue 11 item 4)
-    opt = mo.PipelineConfig(transforms=[mo.Adam()]).build([{"params": model.parameters(), "nesterov": True}])
-    assert opt.param_groups[0]["nesterov"] is True
+    # a param-group key modopt does not know is kept, as torch.optim keeps it (issue 11 item 4) ...
+    opt = mo.PipelineConfig(transforms=[mo.Adam()]).build([{"params": model.parameters(), "swa_lr": 0.5}])
+    assert opt.param_groups[0]["swa_lr"] == 0.5
+    # ... one that names a hyperparameter no transform of the pipeline reads is refused (issue 26 item 7)
+    with pytest.raises(ValueError, match=r"param group 0: no transform of this pipeline reads 'nesterov'"):
+        mo.PipelineConfig(transforms=[mo.Adam()]).build([{"params": model.parameters(), "nesterov": True}])
 
 
 def test_yaml_is_loaded_safely(tmp_path):

@@ -90,7 +90,7 @@ def _drop_param_state(sd):
         (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, 2)), "does not fit"),
         (lambda sd: sd["state"][0].__setitem__("0:ClipNormByEMA.ema", torch.zeros(3, 4)), "does not fit"),
         (lambda sd: sd["state"][1].__setitem__("1:Adam.exp_avg_sq", torch.zeros(2)), "does not fit"),
-        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.float64)), "dtype"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.int64)), "floating-point"),
         (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.complex64)), "complex"),
         (lambda sd: sd["state"][0].__setitem__("1:Adam.step", torch.zeros(1, 1, 1)), "does not fit"),
         (lambda sd: sd["modopt"].__setitem__("format_version", "1"), "format_version"),

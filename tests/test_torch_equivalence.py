@@ -280,11 +280,15 @@ def test_named_parameters_and_group_defaults():
     assert opt.config.defaults == {"lr": 0.05}
 
 
-def test_unknown_group_key_is_kept_as_torch_but_constructor_typos_are_errors():
+def test_unknown_group_key_is_kept_as_torch_but_misplaced_keys_and_constructor_typos_are_errors():
     model = make_model()
-    # torch.optim keeps group keys it does not use (issue 11 item 4); so does Modular
-    opt = mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
-    assert opt.param_groups[0]["momentum"] == 0.9
+    # torch.optim keeps group keys it does not use (issue 11 item 4); so does Modular, for keys modopt
+    # does not know (frameworks add their own) ...
+    opt = mo.Modular([{"params": model.parameters(), "lr_scale": 0.9}], mo.Adam())
+    assert opt.param_groups[0]["lr_scale"] == 0.9
+    # ... but a hyperparameter that no transform reads is refused, not silently ignored (issue 26 item 7)
+    with pytest.raises(ValueError, match="no transform of this pipeline reads 'momentum'"):
+        mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
     with pytest.raises(TypeError, match="unknown hyperparameter"):
         mo.Modular(model.parameters(), mo.Adam(), momentum=0.9)
     with pytest.raises(ValueError, match="exposed by both"):

@@ -180,7 +180,7 @@ class AttachHandle:
                 raise ValueError(f"{who}: the checkpoint's transforms differ from this handle's: {diff}")
             notes = value_differences({"transforms": sd["config"]}, {"transforms": live}, self.transforms)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        loader = StateLoader(self.transforms, who)
+        loader = StateLoader(self.transforms, who, self.nonfinite)
         new_state = {}
         for i, entry in sd["state"].items():
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
@@ -189,6 +189,7 @@ class AttachHandle:
         first = params[0].device if params else torch.device("cpu")
         devices = [g["params"][0].device if g["params"] else first for g in self.optimizer.param_groups]
         new_store = loader.store(sd["transforms"], devices)
+        loader.finish()
         if notes:
             warnings.warn(f"{who}: the checkpoint's hyperparameters differ from this handle's:\n  " + "\n  ".join(notes),
                           UserWarning, stacklevel=2)

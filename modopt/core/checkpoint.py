@@ -16,12 +16,14 @@ check fails.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Iterable
 
 import torch
 
 from .keys import split_group_key, split_value_key, value_key
+from .norms import acc_dtype
 from .state import Buffer, declared_buffers
 from .transform import Transform, to_plain
 
@@ -169,6 +171,8 @@ def _undeclared(owner_key: str, t: Transform, name: str, where: str) -> ValueErr
 def _check_tensor(v: torch.Tensor, where: str) -> None:
     if v.is_complex() or v.is_sparse:
         raise ValueError(f"{where} is {'complex' if v.is_complex() else 'sparse'}")
+    if v.is_meta:
+        raise ValueError(f"{where} is on the meta device: it holds no values")
 
 
 def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
@@ -181,14 +185,20 @@ def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
     if b.kind == "counter":
         if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
             raise ValueError(f"{where}: a counter must be a number or a 0-d tensor, got {type(v).__name__}")
-        if isinstance(v, torch.Tensor) and v.dim() != 0:
-            raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a counter (0-d)")
+        if isinstance(v, torch.Tensor):
+            _check_tensor(v, where)
+            if v.dim() != 0:
+                raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit a counter (0-d)")
+            if v.dtype == torch.bool:
+                raise ValueError(f"{where}: a counter must be a number, got a bool tensor")
         return
     if b.kind == "history":
         v = _decode_history(v, where)
     if not isinstance(v, torch.Tensor):
         raise ValueError(f"{where}: unsupported value of type {type(v).__name__} (a {b.kind} buffer is a tensor)")
     _check_tensor(v, where)
+    if b.dtype is not None and not v.is_floating_point():
+        raise ValueError(f"{where} has dtype {v.dtype}; a {b.kind} buffer holds floating-point values")
     if b.kind == "fixed":
         if b.shape is not None and tuple(v.shape) != b.shape:
             raise ValueError(f"{where}: shape {tuple(v.shape)} does not fit the declared shape {b.shape}")
@@ -210,6 +220,17 @@ def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
         raise ValueError(f"{where} has shape {shape}, which does not fit the parameter (shape {ps})")
 
 
+def _target_dtype(b: Buffer, p: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype a loaded floating-point value of `b` takes (None: the saved one), per `Buffer.dtype`."""
+    if b.dtype is None:
+        return None
+    if b.dtype in ("param", "acc"):
+        if p is None or not p.is_floating_point():
+            return None  # transform-wide values: converted where they are used
+        return p.dtype if b.dtype == "param" else acc_dtype(p.dtype)
+    return getattr(torch, b.dtype)
+
+
 def _check_nested(v: Any, where: str) -> None:
     if isinstance(v, torch.Tensor):
         _check_tensor(v, where)
@@ -221,17 +242,6 @@ def _check_nested(v: Any, where: str) -> None:
             _check_nested(x, where)
     elif not (v is None or isinstance(v, (int, float, bool, str))):
         raise ValueError(f"{where}: unsupported value of type {type(v).__name__}")
-
-
-def _copy(v: Any, device: torch.device | None) -> Any:
-    """A deep copy (dtypes kept, for a bit-exact resume), tensors moved to `device`."""
-    if isinstance(v, torch.Tensor):
-        return v.detach().to(device=device if device is not None else v.device, copy=True)
-    if isinstance(v, dict):
-        return {k: _copy(x, device) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_copy(x, device) for x in v)
-    return v
 
 
 def _copy_torch_state(v: Any, p: torch.Tensor, key: Any = None) -> Any:
@@ -255,14 +265,20 @@ class StateLoader:
 
     `transforms`: the live pipeline (keys as `walk` makes them). Every
     method raises `ValueError` naming the parameter, transform and value at
-    fault, and builds new containers only.
+    fault, and builds new containers only. The checks of the values
+    themselves (no NaN, finite counters, at least the declared `low`) are batched: call
+    `finish()` after the last `param_state`/`store`, before using what they
+    returned (one device-to-host transfer per device).
     """
 
-    def __init__(self, transforms: Iterable[Transform], who: str = "load_state_dict"):
+    def __init__(self, transforms: Iterable[Transform], who: str = "load_state_dict", nonfinite: str = "skip"):
         from .transform import walk
 
         self.owners: dict[str, Transform] = dict(walk(tuple(transforms)))
         self.who = who
+        # with nonfinite="ignore" the user lets inf/NaN reach the state: such a state loads
+        self.nan_ok = nonfinite == "ignore"
+        self._values: list[tuple[str, torch.Tensor, float | None, bool]] = []  # (where, value, low, finite)
 
     def _owner(self, key: Any, where: str) -> tuple[str, Transform, str]:
         parts = split_value_key(key)
@@ -271,8 +287,25 @@ class StateLoader:
         prefix, name = parts
         return prefix, self.owners[prefix], name
 
+    def _value(self, b: Buffer, v: Any, p: torch.Tensor | None, device: torch.device, where: str) -> Any:
+        """The loaded copy of one checked value: cast, moved, and queued for the value checks."""
+        if not isinstance(v, torch.Tensor):  # a counter given as a Python number
+            if (not math.isfinite(v) and not self.nan_ok) or (b.low is not None and v < b.low):
+                raise ValueError(f"{where} is {v!r}; a counter is a finite number >= {b.low:g}")
+            return v
+        dtype = _target_dtype(b, p) if v.is_floating_point() or b.kind == "counter" else None
+        out = v.detach().to(device=device, dtype=dtype, copy=True)
+        # (loaded onto the meta device, e.g. to build a model before materializing it: check the saved values)
+        self._values.append((where, out if not out.is_meta else v.detach().to(dtype=dtype), b.low, b.finite))
+        return out
+
     def param_state(self, entry: Any, p: torch.Tensor, current: dict | None, where: str) -> dict:
-        """Check and copy the saved state of one parameter (`current`: what this optimizer holds for it)."""
+        """Check and copy the saved state of one parameter (`current`: what this optimizer holds for it).
+
+        Floating-point values take the dtype their declaration names for this
+        parameter (torch's rule: the parameter's dtype for its moments, step
+        counters as they are), whether or not the optimizer holds state yet.
+        """
         if not isinstance(entry, dict):
             raise ValueError(f"{self.who}: state of {where} is not a dict")
         out = {}
@@ -283,18 +316,15 @@ class StateLoader:
                 raise _undeclared(prefix, t, name, where)
             what = f"{self.who}: buffer {k!r} of {where} (shape {tuple(p.shape)})"
             _check_kind(b, v, p, what)
-            old = current.get(k) if current else None
-            if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and b.kind != "torch":
-                if old.dtype != v.dtype:
-                    raise ValueError(f"{what} has dtype {v.dtype}, this optimizer's is {old.dtype}")
-                if b.kind != "history" and old.shape != v.shape:  # "fixed": the live buffer's shape
-                    raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
-            if b.kind == "history":
-                v = _decode_history(v, what)
             if b.kind == "torch":
                 out[k] = _copy_torch_state(v, p)
-            else:
-                out[k] = _copy(v, p.device if b.device == "param" else torch.device("cpu"))
+                continue
+            if b.kind == "history":
+                v = _decode_history(v, what)
+            old = current.get(k) if current else None
+            if b.kind == "fixed" and b.shape is None and isinstance(old, torch.Tensor) and old.shape != v.shape:
+                raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
+            out[k] = self._value(b, v, p, p.device if b.device == "param" else torch.device("cpu"), what)
         return out
 
     def store(self, store: Any, group_devices: list[torch.device]) -> dict[str, dict]:
@@ -325,10 +355,38 @@ class StateLoader:
                 if gid is not None and gid >= len(group_devices):
                     raise ValueError(f"{self.who}: {name!r} of transform {key} names param group {gid}, "
                                      f"this optimizer has {len(group_devices)}")
-                _check_kind(b, v, None, f"{self.who}: {name!r} of transform {key}")
+                what = f"{self.who}: {name!r} of transform {key}"
+                _check_kind(b, v, None, what)
                 if b.kind == "history":
-                    v = _decode_history(v, f"{self.who}: {name!r} of transform {key}")
+                    v = _decode_history(v, what)
                 dev = (group_devices[gid] if gid is not None else default) if b.device == "param" else torch.device("cpu")
-                new[name] = _copy(v, dev)
+                new[name] = self._value(b, v, None, dev, what)
             out[key] = new
         return out
+
+    def finish(self) -> None:
+        """Refuse a loaded value that is not finite (NaN only, for a `Buffer(finite=False)`: a
+        variance of finite gradients of 1e20 overflows float32 to +inf), or below its declared `low`
+        (a negative count or variance): under the default non-finite policy modopt never writes one,
+        and each turns the parameters into NaN a few steps later. With `nonfinite="ignore"`, NaN
+        and inf load: the user let them reach the state."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, v, _, _) in enumerate(self._values):
+            by_device.setdefault((v.to_local() if hasattr(v, "to_local") else v).device, []).append(i)
+        for idx in by_device.values():
+            flags = []
+            for i in idx:
+                _, v, low, finite = self._values[i]
+                x = v.to_local() if hasattr(v, "to_local") else v  # a DTensor shard: each rank checks its own
+                x = x if x.is_floating_point() else x.double()
+                bad = (~torch.isfinite(x) if finite else torch.isnan(x)).any() if not self.nan_ok else x.new_zeros((), dtype=torch.bool)
+                if low is not None:
+                    bad = bad | (x < low).any()
+                flags.append(bad)
+            for i, bad in zip(idx, torch.stack(flags).tolist()):
+                if bad:
+                    where, v, low, finite = self._values[i]
+                    rule = ("finite" if finite else "free of NaN") + (f" and >= {low:g}" if low is not None else "")
+                    raise ValueError(f"{where} is not {rule}, as every state modopt writes is: the checkpoint is "
+                                     "damaged or was edited")
+        self._values.clear()

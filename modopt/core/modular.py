@@ -31,8 +31,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
-from .configfile import ConfigError, _format_of, _toml_dumps, format_validation_error, read_file
+from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
 from .nonfinite import NonFinite, apply_nonfinite_policy
+from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .registry import trust_imports as _trust
 from .runner import collect, run_step
@@ -125,6 +126,7 @@ def load_config(path: Any, trust_imports: bool = False) -> PipelineConfig:
     if isinstance(path, (str, Path)):
         data, source = read_file(path), str(path)
     else:
+        check_limits(path, f"<{type(path).__name__}>", aliases=False)  # before plain_input expands shared parts
         data, source = plain_input(path), f"<{type(path).__name__}>"
         if not isinstance(data, dict):
             raise ConfigError(
@@ -264,6 +266,7 @@ class Modular(torch.optim.Optimizer):
         self._skipped_steps = torch.zeros((), dtype=torch.int64)
         self._last = _LastStep()
         self._group_defaults = dict(group_defaults)
+        self._gate = GroupGate(self.transforms)
         super().__init__(params, {**hyper, **group_defaults})
 
     # --- torch.optim.Optimizer contract -------------------------------------
@@ -281,13 +284,14 @@ class Modular(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        if self._routes is not None:
-            try:
+        try:
+            if self._routes is not None:
                 route_group(self._routes, self.param_groups[-1], len(self.param_groups) - 1,
                             given | set(self._group_defaults))
-            except Exception:
-                self.param_groups.pop()
-                raise
+            self._gate.check(self.param_groups[-1], len(self.param_groups) - 1, given)
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -296,6 +300,7 @@ class Modular(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._gate.check_live(self.param_groups)
         stats: dict[str, torch.Tensor] = {}
         ctx = collect(self, self.param_groups, stats)
         if ctx.params:
@@ -493,11 +498,12 @@ class Modular(torch.optim.Optimizer):
             ng["params"] = g["params"]
             if "param_names" in g and "param_names" not in ng:
                 ng["param_names"] = g["param_names"]
+            self._gate.check(ng, gi, [k for k in sg if k not in ("params", _GROUP_ENTRY)])
             new_groups.append(ng)
         state = sd["state"]
         if not isinstance(state, dict):
             raise ValueError("load_state_dict: 'state' must be a dict")
-        loader = StateLoader(self.transforms)
+        loader = StateLoader(self.transforms, nonfinite=self._pipeline.nonfinite)
         new_state: dict[torch.Tensor, dict] = {}
         for idx, entry in state.items():
             if idx not in index:
@@ -508,9 +514,11 @@ class Modular(torch.optim.Optimizer):
         devices = [g["params"][0].device if g["params"] else first for g in self.param_groups]
         new_store = loader.store(meta.get("transforms", {}), devices)
         skipped = meta.get("skipped_steps", torch.zeros((), dtype=torch.int64))
-        if not isinstance(skipped, torch.Tensor):
-            raise ValueError("load_state_dict: skipped_steps must be a tensor")
-        return new_state, new_groups, new_store, skipped.detach().to("cpu", copy=True), notes
+        if (not isinstance(skipped, torch.Tensor) or skipped.dim() != 0 or skipped.is_floating_point()
+                or skipped.is_complex() or skipped.dtype == torch.bool or skipped.is_meta or int(skipped) < 0):
+            raise ValueError(f"load_state_dict: skipped_steps must be a 0-d integer tensor >= 0, got {skipped!r}")
+        loader.finish()
+        return new_state, new_groups, new_store, skipped.detach().to("cpu", torch.int64, copy=True), notes
 
     # --- pickling / deepcopy -------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -37,6 +37,15 @@ BUFFER_KINDS = ("param", "segment", "history", "counter", "fixed", "torch")
 BUFFER_DEVICES = ("param", "cpu")
 
 
+#: the dtype a loaded floating-point value is cast to (torch's rule for optimizer state, made
+#: explicit per buffer): `"param"` the parameter's dtype, `"acc"` the dtype statistics of it
+#: accumulate in (`modopt.core.norms.acc_dtype`: float32 for half precision), a dtype name
+#: (`"float32"`: Adam's step counters, as torch keeps them), or None to keep the saved dtype
+BUFFER_DTYPES = ("param", "acc", "float32", "float64")
+#: the cast each kind gets unless its declaration says otherwise
+_KIND_DTYPE = {"param": "param", "segment": "acc", "history": "acc", "counter": None, "fixed": None, "torch": None}
+
+
 class Buffer:
     """The declaration of one value a transform saves.
 
@@ -51,32 +60,64 @@ class Buffer:
         state_buffers: ClassVar[dict] = {"ema": "param", "calls": mo.Buffer("counter", device="cpu")}
     ```
 
-    `load_state_dict` checks every saved value against its declaration (shape
-    against the parameter, kind, dtype) and moves it to the declared device; a
-    value that no declaration names is refused with the transform's name.
+    `load_state_dict` checks every saved value against its declaration before
+    anything changes: its kind and shape (against the parameter), that it is
+    finite (with `finite=False`: free of NaN, for a statistic of squares that
+    finite gradients of 1e20 overflow to +inf) and at least `low` (counters:
+    `low=0` unless declared); it casts
+    floating-point values per parameter to `dtype` (`"param"` for the `param`
+    kind, `"acc"` for `segment` and `history`: what the transform creates) and
+    moves them to the declared device. A value that no declaration names is
+    refused with the transform's name.
     """
 
-    __slots__ = ("kind", "device", "shape")
+    __slots__ = ("kind", "device", "shape", "dtype", "low", "finite")
 
-    def __init__(self, kind: str, device: str = "param", shape: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        device: str = "param",
+        shape: tuple[int, ...] | None = None,
+        dtype: str | None = "kind",
+        low: float | None = None,
+        finite: bool = True,
+    ) -> None:
         if kind not in BUFFER_KINDS:
             raise ValueError(f"Buffer kind must be one of {', '.join(BUFFER_KINDS)}; got {kind!r}")
         if device not in BUFFER_DEVICES:
             raise ValueError(f"Buffer device must be one of {', '.join(BUFFER_DEVICES)}; got {device!r}")
         if shape is not None and (kind != "fixed" or not all(isinstance(n, int) and n >= 0 for n in shape)):
             raise ValueError("Buffer shape is a tuple of sizes, and only for kind 'fixed'")
-        self.kind, self.device = kind, device
+        if dtype == "kind":
+            dtype = _KIND_DTYPE[kind]
+        if dtype is not None and (dtype not in BUFFER_DTYPES or kind == "torch"):
+            raise ValueError(f"Buffer dtype must be one of {', '.join(BUFFER_DTYPES)} or None (not for 'torch'); got {dtype!r}")
+        if low is None and kind == "counter":
+            low = 0.0
+        if low is not None and (kind == "torch" or not isinstance(low, (int, float)) or isinstance(low, bool)):
+            raise ValueError("Buffer low is a number (the least valid value), and not for kind 'torch'")
+        self.kind, self.device, self.dtype, self.low = kind, device, dtype, low
+        self.finite = bool(finite) or kind == "counter"
         self.shape = tuple(shape) if shape is not None else None
 
     def __repr__(self) -> str:
         extra = f", shape={self.shape}" if self.shape is not None else ""
+        if self.dtype != _KIND_DTYPE[self.kind]:
+            extra += f", dtype={self.dtype!r}"
+        if self.low is not None and not (self.kind == "counter" and self.low == 0):
+            extra += f", low={self.low!r}"
+        if not self.finite:
+            extra += ", finite=False"
         return f"Buffer({self.kind!r}, device={self.device!r}{extra})"
 
+    def _key(self) -> tuple:
+        return (self.kind, self.device, self.shape, self.dtype, self.low, self.finite)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Buffer) and (self.kind, self.device, self.shape) == (other.kind, other.device, other.shape)
+        return isinstance(other, Buffer) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.device, self.shape))
+        return hash(self._key())
 
 
 def declared_buffers(t: Any) -> dict[str, Buffer]:

@@ -304,6 +304,30 @@ class Transform(BaseModel):
         """Default param-group values this transform exposes."""
         return {k: getattr(self, k) for k in self.group_keys}
 
+    def check_group_values(self, values: dict[str, Any]) -> None:
+        """Refuse param-group values (of keys in `hyperparams()`) that this transform's own fields
+        would refuse: `ValueError` naming each key, its value and the rule (`modopt.core.hyper`).
+
+        A 0-d tensor is checked by its value (a host read: only at the doors, never in a step).
+        A value the field would only accept by converting it (the string `"0.1"` for a float) is
+        refused too: the kernels receive the group's value as it is.
+        """
+        if not values:
+            return
+        plain = {k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in values.items()}
+        try:
+            new = self.model_copy(update=plain)
+        except ValidationError as e:
+            parts = []
+            for err in e.errors(include_url=False):
+                k = err["loc"][0] if err["loc"] else None
+                msg = err["msg"].removeprefix("Value error, ")
+                parts.append(f"{k!r} = {values[k]!r}: {msg}" if k in values else msg)
+            raise ValueError("; ".join(parts)) from None
+        for k, v in plain.items():
+            if isinstance(v, str) and to_plain(getattr(new, k)) != v:
+                raise ValueError(f"{k!r} = {v!r}: a string where a number is needed")
+
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """`{"type": name, field: value, ...}` as plain data (every field, defaults included)."""

@@ -9,6 +9,7 @@ from pydantic import PositiveInt
 
 from ..core.keys import value_key
 from ..core.norms import acc_dtype
+from ..core.state import Buffer
 from ..core.transform import Transform
 
 __all__ = ["Accumulate"]
@@ -50,7 +51,7 @@ class Accumulate(Transform):
     positional = "steps"
 
     steps: PositiveInt
-    state_buffers: ClassVar[dict] = {"sum": "param", "calls": "counter"}
+    state_buffers: ClassVar[dict] = {"sum": Buffer("param", dtype="acc", finite=False), "calls": "counter"}
     attachable: ClassVar[bool] = False
 
     def apply(self, ctx, st, updates):

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
+from ..core.state import Buffer
 from ._util import below_one, clip_to, record_clip
 
 __all__ = ["HistClip", "EMACriterion", "ZStatCriterion", "ZClip", "AutoClip", "ZScoreNormalize"]
@@ -30,6 +31,10 @@ Rule = Literal["max", "mean", "reciprocal"]
 
 #: the clip scale's epsilon of drytorch / zclip / torch's clip_grad_norm_
 CLIP_EPS = 1e-6
+#: a saved statistic that is never negative (a count, a mean of norms, a variance)
+_NONNEG = Buffer("segment", low=0)
+#: a sum or mean of squares: +inf after finite gradients of 1e20 (float32), never NaN or negative
+_SQUARES = Buffer("segment", low=0, finite=False)
 
 
 def _ones(x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +181,7 @@ class HistClip(Scoped):
     update_stats_with: Literal["raw", "clipped"] = "raw"
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
-    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "v": "segment"}
+    state_buffers: ClassVar[dict] = {"count": _NONNEG, "mu": _NONNEG, "v": _SQUARES}
 
     def to_dict(self):
         data = super().to_dict()
@@ -270,7 +275,7 @@ class ZClip(Scoped):
     clip_factor: PositiveFloat = 1.0
     skip_update_on_spike: bool = False
     ord: Ord = 2.0
-    state_buffers: ClassVar[dict] = {"count": "segment", "mu": "segment", "var": "segment"}
+    state_buffers: ClassVar[dict] = {"count": _NONNEG, "mu": _NONNEG, "var": _SQUARES}
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -355,7 +360,7 @@ class AutoClip(Scoped):
     window: Optional[PositiveInt] = None
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
-    state_buffers: ClassVar[dict] = {"history": "history"}
+    state_buffers: ClassVar[dict] = {"history": Buffer("history", low=0)}
 
     @model_validator(mode="after")
     def _no_dims(self):

@@ -19,6 +19,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
+from ..core.state import Buffer
 from ..core.transform import Transform
 from ._util import below_one, record_clip
 
@@ -33,7 +34,7 @@ class _NormEMA(Scoped, abstract=True):
     eps: NonNegativeFloat = 1e-6
     max_ema_growth: Optional[PositiveFloat] = 1.5
     ema_init: EmaInit = "zeros"
-    state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": "segment"}
+    state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": Buffer("segment", low=0)}
     normalize: ClassVar[bool] = False
 
     def skips_on_device(self, groups=None):
@@ -180,7 +181,7 @@ class ClipValueByEMA(Transform):
 
     beta: float = Field(0.99, ge=0.0, lt=1.0)
     ema_init: EmaInit = "zeros"
-    state_buffers: ClassVar[dict] = {"ema": "param"}
+    state_buffers: ClassVar[dict] = {"ema": Buffer("param", low=0)}  # an EMA of |u|
 
     def skips_on_device(self, groups=None):
         return self.ema_init == "zeros"  # as ClipNormByEMA

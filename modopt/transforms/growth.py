@@ -20,6 +20,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from ..core.norms import Ord, acc_dtype
 from ..core.scope import Scoped
+from ..core.state import Buffer
 from ..core.transform import Transform
 from ._util import below_one, record_clip
 
@@ -83,7 +84,7 @@ class ClipNormGrowth(Scoped, _Growth):
     min_value: NonNegativeFloat = 1e-4
     max_decay: Optional[float] = Field(2.0, ge=1.0)
     ord: Ord = 2.0
-    state_buffers: ClassVar[dict] = {"prev_norm": "segment", "started": "segment"}
+    state_buffers: ClassVar[dict] = {"prev_norm": Buffer("segment", low=0), "started": Buffer("segment", low=0)}
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -137,7 +138,7 @@ class ClipValueGrowth(_Growth):
     mul: Optional[PositiveFloat] = 1.5
     min_value: NonNegativeFloat = 1e-4
     max_decay: Optional[float] = Field(2.0, ge=1.0)
-    state_buffers: ClassVar[dict] = {"prev": "param"}
+    state_buffers: ClassVar[dict] = {"prev": Buffer("param", dtype="acc", low=0)}
 
     def apply(self, ctx, st, updates):
         fresh = [not h for h in st.has_buffers("prev")]

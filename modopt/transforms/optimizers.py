@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from ..core import kernels
 from ..core.distributed import is_sharded
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
+from ..core.state import Buffer
 from ..core.transform import Transform
 
 __all__ = ["LR", "SGD", "Adam", "AdamW", "TorchOptimizer"]
@@ -283,7 +285,12 @@ class Adam(_FusedOptimizer):
     eps: NonNegativeFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.0
     amsgrad: bool = False
-    state_buffers: ClassVar[dict] = {"step": "counter", "exp_avg": "param", "exp_avg_sq": "param", "max_exp_avg_sq": "param"}
+    state_buffers: ClassVar[dict] = {
+        "step": Buffer("counter", dtype="float32"),  # torch keeps Adam's step in float32
+        "exp_avg": "param",
+        "exp_avg_sq": Buffer("param", low=0, finite=False),  # squares: +inf after gradients of 1e20
+        "max_exp_avg_sq": Buffer("param", low=0, finite=False),
+    }
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad")
     decoupled: ClassVar[bool] = False
 
@@ -487,7 +494,26 @@ class TorchOptimizer(Transform):
         bad = sorted(set(self.kwargs) - set(names))
         if bad:
             raise ValueError(f"{self.cls} does not take argument(s) {bad}; it takes {sorted(names)}")
+        self._probe(self.kwargs)
         return self
+
+    def _probe(self, kwargs: dict[str, Any]) -> None:
+        """Let the class check its arguments as it would at the first step: build it over one
+        probe parameter (a 1x1 matrix). A non-finite number is refused first: torch checks ranges
+        for some arguments only, and `inf` passes a check written as `0.0 <= lr`."""
+        for k, v in kwargs.items():
+            if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, (tuple, list)) else (v,))):
+                raise ValueError(f"{k!r} = {v!r}: a hyperparameter must be finite")
+        try:
+            self._cls([torch.zeros(1, 1, requires_grad=True)], **kwargs)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as e:
+            defaults = self._signature_defaults()
+            given = ", ".join(f"{k!r} = {v!r}" for k, v in kwargs.items() if k not in defaults or defaults[k] != v)
+            raise ValueError(f"{self.cls} refused {given or 'its default arguments'}: {e}") from None
+
+    def check_group_values(self, values: dict[str, Any]) -> None:
+        if values:
+            self._probe({**self.kwargs, **values})
 
     def _signature_defaults(self) -> dict[str, Any]:
         sig = inspect.signature(self._cls.__init__)

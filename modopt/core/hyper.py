@@ -1,0 +1,115 @@
+"""The one gate for hyperparameters that enter through param groups.
+
+A transform's fields are validated when it is built. The param-group keys it
+exposes (`lr`, `betas`, `momentum`, a wrapped optimizer's arguments) can
+also enter later, through other doors: `Modular`'s keyword defaults, a param
+group dict, `add_param_group`, a config's `defaults`, `load_state_dict`'s
+groups, a scheduler. Every door calls `GroupGate.check`, which validates
+the group's values as the transform's own fields (`Transform.check_group_values`),
+so a value refused by `mo.Adam(lr=...)` is refused in a group too, naming
+the group and the key.
+
+The rule for group keys, stated once (docs/concepts.md quotes it):
+
+* a key that a transform of the pipeline reads per group (`hyperparams()`) is
+  validated as that transform's field;
+* a key that modopt knows as a hyperparameter but that no transform of this
+  pipeline reads per group is refused: a field of one of its transforms
+  (`max_norm` for `ClipNorm`: set per parameter with `Masked`/`Select`), or a
+  group key of a modopt optimizer that is not in the pipeline (`momentum`
+  given to `Adam`);
+* every other key rides along, as in torch (`swa_lr`, Lightning's `name`,
+  timm's `lr_scale`, a scheduler's `initial_lr`), and is saved in checkpoints.
+
+`check_live` is the per-step part: a scheduler writes plain numbers into the
+groups, and a non-finite one is refused before the step changes anything (a
+few Python comparisons; skipped under `torch.compile`, where group values are
+guarded constants or tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from . import registry
+from .transform import Transform, walk
+
+#: group keys modopt itself reads or writes (parameter names, the transform state of a checkpoint)
+RESERVED = frozenset({"params", "param_names", "names", "name", "modopt"})
+
+
+def _nonfinite(v: Any) -> bool:
+    if isinstance(v, float):
+        return not math.isfinite(v)
+    if isinstance(v, (tuple, list)):
+        return any(_nonfinite(x) for x in v)
+    return False
+
+
+class GroupGate:
+    """Which transform reads which group key, and the checks every door runs (see the module)."""
+
+    def __init__(self, transforms: Iterable[Transform]):
+        walked = walk(tuple(transforms))
+        self.readers: dict[str, list[str]] = {}
+        self.checks: list[tuple[str, Transform, tuple[str, ...]]] = []
+        for key, t in walked:
+            keys = tuple(t.hyperparams())
+            for k in keys:
+                self.readers.setdefault(k, []).append(key)
+            if keys:
+                self.checks.append((key, t, keys))
+        self.fields: dict[str, list[str]] = {}
+        for key, t in walked:
+            for f in type(t).model_fields:
+                if f not in self.readers and f not in RESERVED:
+                    self.fields.setdefault(f, []).append(key)
+        self.optimizer_keys: dict[str, list[str]] = {}
+        for name, cls in sorted(registry._TRANSFORMS.items()):
+            if cls.is_optimizer:
+                for k in cls.group_keys:
+                    if k not in self.readers:
+                        self.optimizer_keys.setdefault(k, []).append(name)
+        self._live = tuple(self.readers)
+
+    def check(self, group: dict, index: int, given: Iterable[str] | None = None) -> None:
+        """Refuse a group whose keys or values this pipeline cannot run with (`given`: the keys the
+        user set, for the placement rule; default: all of the group's)."""
+        for k in given if given is not None else group:
+            if k in RESERVED or k in self.readers or not isinstance(k, str):
+                continue
+            if k in self.fields:
+                owners = ", ".join(self.fields[k])
+                raise ValueError(
+                    f"param group {index}: key {k!r} is a field of {owners}, which does not read it per param group "
+                    f"(only {', '.join(map(repr, sorted(self.readers))) or 'no keys'} are). To give some parameters "
+                    f"another {k}, put the transform in mo.Masked(..., where=mo.Select(groups=[...])) once per setting"
+                )
+            if k in self.optimizer_keys:
+                raise ValueError(
+                    f"param group {index}: no transform of this pipeline reads {k!r} (a group key of "
+                    f"{' and '.join(self.optimizer_keys[k])}); its group keys are: "
+                    f"{', '.join(sorted(self.readers)) or 'none'}"
+                )
+        for key, t, keys in self.checks:
+            values = {k: group[k] for k in keys if k in group}
+            try:
+                t.check_group_values(values)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"param group {index}, as read by {key}: {e}") from None
+
+    def check_live(self, groups: list[dict]) -> None:
+        """The per-step check: no group key that a transform reads holds a non-finite number."""
+        if torch.compiler.is_compiling():
+            return
+        for i, g in enumerate(groups):
+            for k in self._live:
+                v = g.get(k)
+                if _nonfinite(v):
+                    raise ValueError(
+                        f"param group {i}: {k!r} is {v!r}; a hyperparameter must be finite (set by a scheduler or "
+                        "by hand since the last step). Nothing was changed by this step"
+                    )
