@@ -321,7 +321,7 @@ MUTATIONS = ["dtype64", "dtype16", "int", "bool", "flatten", "grow", "nan", "inf
              "misplaced_key"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipe=st.sampled_from(["zclip", "ema", "hist", "autoclip", "sgd"]), mutation=st.sampled_from(MUTATIONS),
        pick=st.integers(0, 10_000), grads=st.sampled_from(["normal", "huge"]))
 def test_a_mutated_state_dict_is_refused_with_nothing_changed_or_loads_and_steps_finitely(pipe, mutation, pick, grads):

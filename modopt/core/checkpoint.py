@@ -175,8 +175,9 @@ def _check_tensor(v: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where} is on the meta device: it holds no values")
 
 
-def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
-    """Does the saved value `v` fit its declaration (per parameter `p`, or in the store)?"""
+def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str, expect: tuple[int, ...] | None = None) -> None:
+    """Does the saved value `v` fit its declaration (per parameter `p`, or in the store)? `expect`: the
+    exact shape of a per-parameter segment value, where the transform says (`Scoped.segment_shape`)."""
     if b.kind == "torch":
         if p is None:
             raise ValueError(f"{where}: a wrapped optimizer's state is per parameter, not transform-wide")
@@ -216,6 +217,9 @@ def _check_kind(b: Buffer, v: Any, p: torch.Tensor | None, where: str) -> None:
     shape, ps = tuple(v.shape), tuple(p.shape)
     if b.kind == "param" and shape != ps:
         raise ValueError(f"{where} has shape {shape}, which does not fit the parameter (shape {ps})")
+    if b.kind == "segment" and expect is not None and shape != expect:
+        raise ValueError(f"{where} has shape {shape}; this transform's per-segment value for the parameter "
+                         f"(shape {ps}) has shape {expect}")
     if b.kind == "segment" and v.dim() and (v.dim() != p.dim() or any(a not in (c, 1) for a, c in zip(shape, ps))):
         raise ValueError(f"{where} has shape {shape}, which does not fit the parameter (shape {ps})")
 
@@ -315,7 +319,11 @@ class StateLoader:
             if b is None:
                 raise _undeclared(prefix, t, name, where)
             what = f"{self.who}: buffer {k!r} of {where} (shape {tuple(p.shape)})"
-            _check_kind(b, v, p, what)
+            shape_of = getattr(t, "segment_shape", None) if b.kind == "segment" else None
+            if shape_of is not None and shape_of(p) is None:
+                raise ValueError(f"{what}: {type(t).__name__}(scope={t.scope!r}) keeps this value transform-wide, "
+                                 "not per parameter")
+            _check_kind(b, v, p, what, shape_of(p) if shape_of is not None else None)
             if b.kind == "torch":
                 out[k] = _copy_torch_state(v, p)
                 continue

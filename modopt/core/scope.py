@@ -57,6 +57,10 @@ class Scoped(Transform, abstract=True):
             raise ValueError(f"dim/inverse_dims apply only with scope='tensor' (got scope={self.scope!r})")
         return self
 
+    def segment_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The shape of this transform's per-segment values saved for `p` (None: kept transform-wide)."""
+        return segment_shape(p, self.scope, self.dim, self.inverse_dims)
+
     def segments(self, ctx, st=None) -> "Segments":
         """How this transform's scope splits the step (shared by every transform with the same scope,
         cached on the step's layout)."""
@@ -231,6 +235,17 @@ class Segments:
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+def segment_shape(p: torch.Tensor, scope: str, dim: Dims, inverse_dims: bool) -> tuple[int, ...] | None:
+    """The shape of a per-segment value saved for parameter `p` (`TransformState.seg_get`): 0-d for
+    scope="tensor", the keepdim slice shape with `dim`; None for global/group (kept in the store)."""
+    if scope in ("global", "group"):
+        return None
+    if dim is None and not inverse_dims:
+        return ()
+    ds = _reduce_dims(p.dim(), dim, inverse_dims)
+    return tuple([1 if d in ds else n for d, n in enumerate(p.shape)]) if ds else tuple(p.shape)
 
 
 def make_segments(

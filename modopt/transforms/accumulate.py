@@ -51,7 +51,7 @@ class Accumulate(Transform):
     positional = "steps"
 
     steps: PositiveInt
-    state_buffers: ClassVar[dict] = {"sum": Buffer("param", dtype="acc", finite=False), "calls": "counter"}
+    state_buffers: ClassVar[dict] = {"sum": Buffer("param", dtype="acc"), "calls": "counter"}
     attachable: ClassVar[bool] = False
 
     def apply(self, ctx, st, updates):
