@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import Sequence
 from pydantic import ValidationError
 
 from ..config import ConfigError
+from .experiment import INT64_MAX, SEED_MAX
 
 #: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
 #: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
@@ -30,9 +32,42 @@ from ..config import ConfigError
 USER_ERRORS = (ConfigError, ValidationError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
+def _int_in(lo: int, hi: int, what: str = ""):
+    """An argparse `type`: an integer in [lo, hi] (a usage error, exit 2, otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not lo <= value <= hi:
+            shown = f"{text[:24]}..." if len(text) > 27 else text
+            raise argparse.ArgumentTypeError(f"{shown} is out of range: {what or 'must be'} {lo}..{hi}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _float_in(lo: float, strict: bool):
+    """An argparse `type`: a finite float above `lo` (`strict`) or at least `lo`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value) or value < lo or (strict and value == lo):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be a finite number {'>' if strict else '>='} {lo}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, help="override train.steps")
-    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument("--steps", type=_int_in(1, INT64_MAX), help="override train.steps")
+    p.add_argument("--seed", type=_int_in(0, SEED_MAX, "a seed is one of"), help="override train.seed")
     p.add_argument("--trust-imports", action="store_true", help="allow tasks and optimizer classes named by import path (runs their code)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
@@ -50,16 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty run directory")
-    p.add_argument("--stop-after", type=int, metavar="K", help="stop after step K as if interrupted (to test --resume)")
+    p.add_argument("--stop-after", type=_int_in(1, INT64_MAX), metavar="K", help="stop after step K as if interrupted (to test --resume)")
     _add_run_args(p)
 
     p = sub.add_parser("compare", help="run several configs / variants and print a comparison table",
                        description="Run every config (and every variant of each) and compare them.")
     p.add_argument("configs", nargs="+", metavar="CONFIG")
     p.add_argument("--out", help="directory for the runs, the table and the overlay plot (default runs/compare-<time>)")
-    p.add_argument("--spike-factor", type=float, help="a spike is a loss above FACTOR x the running median (default 1.5)")
-    p.add_argument("--spike-min-rise", type=float, help="... and at least this much above it (default 0.1)")
-    p.add_argument("--spike-window", type=int, help="steps in the running median (default 20)")
+    p.add_argument("--spike-factor", type=_float_in(0.0, strict=True), help="a spike is a loss above FACTOR x the running median (default 1.5)")
+    p.add_argument("--spike-min-rise", type=_float_in(0.0, strict=False), help="... and at least this much above it (default 0.1)")
+    p.add_argument("--spike-window", type=_int_in(1, INT64_MAX), help="steps in the running median (default 20)")
     _add_run_args(p)
 
     p = sub.add_parser("validate", help="check a config file (experiment or pipeline)")
@@ -68,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the JSON schema of configs (for editor completion)")
     p.add_argument("--pipeline", action="store_true", help="the schema of a bare pipeline config instead of an experiment")
-    p.add_argument("--indent", type=int, default=2)
+    p.add_argument("--indent", type=_int_in(0, 64), default=2)
 
     p = sub.add_parser("modules", help="list the registered transforms with their fields, defaults and ranges")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these transforms (case-insensitive)")
@@ -91,7 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2), --help and --version (0): returned, as documented
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if args.command is None:
         parser.print_help()
         return 2
@@ -133,13 +171,23 @@ def _cmd_run(args) -> int:
     from .experiment import apply_overrides, default_experiment, load_experiment
     from .run import RunInterrupted, check_dir, load_run_config, run_experiment
 
+    saved = None
     if args.resume:
         if args.config or args.out:
             raise ConfigError("--resume DIR continues the run in DIR with its own config; drop CONFIG/--out")
+        for flag, given in (("--variant", args.variant), ("--force", args.force)):
+            if given:
+                raise ConfigError(f"--resume DIR continues the run in DIR as it is; drop {flag}")
         out = Path(args.resume)
-        exp = apply_overrides(load_run_config(out, args.trust_imports), args)
-        if args.steps is not None:
-            (out / "config.yaml").write_text(exp.to_yaml())
+        saved = load_run_config(out, args.trust_imports)
+        if args.seed is not None and args.seed != saved.train.seed:
+            raise ConfigError(
+                f"--seed {args.seed}: the run in {out} has seed {saved.train.seed}, and a resumed run keeps it "
+                "(start a new run for another seed)"
+            )
+        exp = apply_overrides(saved, args)
+        # config.yaml is rewritten only once the resume has checked the run directory
+        saved = saved if exp.train.steps != saved.train.steps else None
     else:
         exp = load_experiment(args.config, args.trust_imports) if args.config else default_experiment()
         exp = apply_overrides(exp.select(args.variant), args)
@@ -152,7 +200,7 @@ def _cmd_run(args) -> int:
         summary = run_experiment(
             exp, out, resume=bool(args.resume), trust_imports=args.trust_imports, stop_after=args.stop_after,
             progress=not args.quiet, plots=False if args.no_plots else None, log=err,
-            force=None if args.resume else args.force,
+            force=None if args.resume else args.force, saved=saved,
         )
     except RunInterrupted as e:
         err(f"modopt run: {e}; continue with: modopt run --resume {out}")
@@ -212,11 +260,10 @@ def _cmd_compare(args) -> int:
 def _cmd_validate(args) -> int:
     """Everything `modopt run` checks before training: the config, the task (name, options, built),
     every optimizer built on the task's model; then the pipeline lint (warnings, exit 0)."""
-    from ..config import read_file
-    from .experiment import load_experiment
+    from .experiment import load_experiment, read_config
     from .run import check_experiment
 
-    data = read_file(args.config)
+    data = read_config(args.config)
     exp = load_experiment(args.config, args.trust_imports)
     try:
         check_experiment(exp, args.trust_imports)

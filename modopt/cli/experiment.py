@@ -29,6 +29,20 @@ from ..config import ConfigError, PipelineConfig, format_validation_error, read_
 from ..core.registry import trust_imports as _trust
 
 
+#: the largest step count, interval or batch size (a signed 64-bit integer, torch's index type)
+INT64_MAX = 2**63 - 1
+#: seeds are what `torch.manual_seed` takes without wrapping: unsigned 64-bit integers
+SEED_MAX = 2**64 - 1
+
+
+def read_config(path: str | Path) -> Any:
+    """`modopt.config.read_file()`, with a file that is not text a `ConfigError` too."""
+    try:
+        return read_file(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read config: not UTF-8 text (byte {e.start})") from None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -109,12 +123,12 @@ class Schedule(_Strict):
 class TrainConfig(_Strict):
     """The training loop."""
 
-    steps: int = Field(300, ge=1)
-    batch_size: int = Field(32, ge=1)
-    seed: int = 0
-    eval_every: int = Field(0, ge=0, description="evaluate on held-out data every N steps (0: only at the end)")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
-    threads: int = Field(1, ge=1, description="torch intra-op threads; 1 keeps runs bit-reproducible")
+    steps: int = Field(300, ge=1, le=INT64_MAX)
+    batch_size: int = Field(32, ge=1, le=INT64_MAX)
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="seeds torch and the task's data (an unsigned 64-bit integer)")
+    eval_every: int = Field(0, ge=0, le=INT64_MAX, description="evaluate on held-out data every N steps (0: only at the end)")
+    checkpoint_every: int = Field(0, ge=0, le=INT64_MAX, description="save a checkpoint every N steps (0: only at the end)")
+    threads: int = Field(1, ge=1, le=2**31 - 1, description="torch intra-op threads; 1 keeps runs bit-reproducible")
     schedule: Schedule = Field(default_factory=Schedule)
 
 
@@ -234,7 +248,7 @@ def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment
     A bare pipeline file (`transforms: [...]`) is accepted too: it becomes the
     optimizer of the default experiment.
     """
-    data = read_file(path)
+    data = read_config(path)
     if isinstance(data, dict) and "transforms" in data and "optimizer" not in data and "variants" not in data:
         try:  # errors name the pipeline's own fields (transforms.0.max_norm), as in the file
             PipelineConfig.from_dict(data, trust_imports=trust_imports)

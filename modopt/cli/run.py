@@ -9,6 +9,14 @@ A run directory holds:
 * `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step;
 * `loss.png`, `grad_norm.png` (with matplotlib);
 * `checkpoint.pt`: model, optimizer, RNG state and step; `--resume` continues from it.
+
+`--resume` checks the directory before it changes anything in it: a torn last
+line of `metrics.jsonl` or `timing.jsonl` (what a kill during a write leaves)
+is dropped with a notice; any other damage (a line torn in the middle, a
+`checkpoint.pt` that is not a torch checkpoint or lacks an entry, a
+`config.yaml` that does not read) is a `ConfigError` naming the file. A
+checkpoint is loaded with `weights_only=True` only: one that holds anything
+else is refused, never loaded another way.
 """
 
 from __future__ import annotations
@@ -17,11 +25,15 @@ import contextlib
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import statistics
 import sys
 import time
 import warnings
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -190,16 +202,83 @@ class Progress:
 
 
 # --- the run -------------------------------------------------------------------------------
-def _read_jsonl(path: Path, upto: int) -> list[dict]:
+#: the entries of a metrics row that the summary and the plots read, and what each holds
+#: ("number": a float, an int or null); a key ending in "?" may be absent
+METRIC_FIELDS = {"step": "int", "loss": "number", "grad_norm": "number", "post_clip_norm": "number",
+                 "clipped": "bool", "skipped": "bool", "eval_loss?": "number"}
+TIMING_FIELDS = {"step": "int", "time_s": "real"}
+
+
+_KIND_WORDS = {"int": "an integer", "number": "a number or null", "real": "a number", "bool": "true or false"}
+
+
+def _field_ok(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "real":
+        return isinstance(value, (int, float))
+    return value is None or isinstance(value, (int, float))
+
+
+def _parse_row(raw: bytes, fields: dict[str, str]) -> tuple[dict | None, str]:
+    """`(row, "")` for a good JSON-lines row, else `(None, what is wrong)`."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except ValueError:
+        return None, "not valid JSON"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not an object"
+    for key, kind in fields.items():
+        key, optional = key.rstrip("?"), key.endswith("?")
+        if key not in row:
+            if optional:
+                continue
+            return None, f"no {key!r}"
+        if not _field_ok(row[key], kind):
+            return None, f"{key!r} is {row[key]!r}, not {_KIND_WORDS[kind]}"
+    return row, ""
+
+
+def read_jsonl(path: Path, upto: int, fields: dict[str, str] | None = None, log=None) -> list[dict]:
+    """The rows with `step <= upto` of a JSON-lines file of a run (`metrics.jsonl`, `timing.jsonl`).
+
+    A last line without its newline that does not parse is what a kill during
+    a write leaves: it is dropped, with a notice through `log`. Any other bad
+    line (not a JSON object with the `fields`) is a `ConfigError` naming the
+    file and the line. A missing file has no rows.
+    """
+    fields = fields if fields is not None else {"step": "int"}
     if not path.exists():
         return []
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file")
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if row["step"] <= upto:
-                rows.append(row)
-    return rows
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        row, why = _parse_row(raw, fields)
+        if row is None:
+            raise ConfigError(
+                f"{path}, line {i}: damaged ({why}); only a torn last line (what a kill during a write "
+                "leaves) is dropped on resume"
+            )
+        rows.append(row)
+    if tail.strip():
+        row, why = _parse_row(tail, fields)
+        if row is not None:
+            rows.append(row)  # a whole row that only lacks its newline
+        elif log is not None:
+            log(f"{path}: dropped its torn last line (line {len(lines) + 1}, {len(tail)} bytes, {why}): "
+                "the run was killed while writing it")
+    return [r for r in rows if r["step"] <= upto]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -234,12 +313,93 @@ def prepare_dir(out: Path, force: bool) -> None:
 
 
 def load_run_config(out: Path, trust_imports: bool = False) -> Experiment:
-    from ..config import read_file
+    """The experiment of the run directory `out` (its `config.yaml`); a damaged file is a `ConfigError`."""
+    from .experiment import read_config
 
     path = out / "config.yaml"
+    if not out.is_dir():
+        raise ConfigError(f"{out}: not a run directory ({'no such directory' if not out.exists() else 'not a directory'})")
     if not path.exists():
         raise ConfigError(f"{out}: not a run directory (no config.yaml)")
-    return experiment_from_data(read_file(path), str(path), trust_imports)
+    data = read_config(path)
+    if data is None:
+        raise ConfigError(f"{path}: damaged (empty)")
+    return experiment_from_data(data, str(path), trust_imports)
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+#: what a run's checkpoint.pt holds: entry -> what it is
+CHECKPOINT_ENTRIES = {"step": "an int", "model": "a state dict", "optimizer": "a state dict", "rng": "a torch RNG state (uint8 tensor)"}
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line, without torch's advice on loading files unsafely."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
+    if "weights_only" in text or "pickle" in text.lower() or not text:
+        return type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _damaged(path: Path, what: str) -> ConfigError:
+    return ConfigError(f"{path}: {what}; the run cannot be resumed from it (restore the file, or start the run again)")
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The entries of a run's `checkpoint.pt`, checked (`CHECKPOINT_ENTRIES`).
+
+    Loaded with `weights_only=True` and nothing else: a file that holds other
+    objects is refused. Every kind of damage (empty, truncated, not a torch
+    file, an entry missing or of the wrong type) is a `ConfigError` naming the
+    file and what is wrong; nothing is changed.
+    """
+    if not path.is_file():
+        raise _damaged(path, "not a file")
+    if path.stat().st_size == 0:
+        raise _damaged(path, "damaged (the file is empty)")
+    if not zipfile.is_zipfile(path):
+        raise _damaged(path, "damaged (not a torch checkpoint: truncated, or another kind of file)")
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:  # never repeat torch's advice: it would run the file's code
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it names {found.group(1)}" if found else "it holds more than tensors and plain data"
+        raise _damaged(path, f"refused ({what}; a run checkpoint holds only tensors and plain data, and modopt loads nothing else)") from None
+    except Exception as e:  # a zip that is not a torch file, a damaged archive, ...
+        raise _damaged(path, f"damaged (not a readable torch checkpoint: {_one_line(e)})") from None
+    if not isinstance(ckpt, dict):
+        raise _damaged(path, f"damaged (it holds a {type(ckpt).__name__}, not the dict of a run checkpoint)")
+    missing = [k for k in CHECKPOINT_ENTRIES if k not in ckpt]
+    if missing:
+        raise _damaged(path, f"damaged (no {', '.join(repr(k) for k in missing)} entry; a run checkpoint holds "
+                             f"{', '.join(CHECKPOINT_ENTRIES)})")
+    step, model, opt, rng = (ckpt[k] for k in CHECKPOINT_ENTRIES)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _damaged(path, f"damaged ('step' is {step!r}, not {CHECKPOINT_ENTRIES['step']} >= 0)")
+    if not isinstance(model, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
+        raise _damaged(path, f"damaged ('model' is not {CHECKPOINT_ENTRIES['model']} of tensors)")
+    if not isinstance(opt, Mapping):
+        raise _damaged(path, f"damaged ('optimizer' is {type(opt).__name__}, not {CHECKPOINT_ENTRIES['optimizer']})")
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
+        raise _damaged(path, f"damaged ('rng' is not {CHECKPOINT_ENTRIES['rng']})")
+    return ckpt
+
+
+def _restore(path: Path, ckpt: dict[str, Any], model: Any, opt: Any) -> None:
+    """Load a checked checkpoint into the model, the optimizer and torch's RNG; a checkpoint that
+    does not fit the run's config is a `ConfigError` naming the file."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise _damaged(path, f"its model does not fit the task of config.yaml ({_one_line(e)})") from None
+    try:
+        opt.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise _damaged(path, f"its optimizer state does not fit the pipeline of config.yaml ({_one_line(e)})") from None
+    try:
+        torch.set_rng_state(ckpt["rng"])
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise _damaged(path, f"damaged ('rng' is not a torch RNG state: {_one_line(e)})") from None
 
 
 def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False) -> tuple[Any, Any]:
@@ -248,6 +408,8 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
     `pipeline` (default `exp.optimizer`) is the pipeline to build. Call it
     inside `deterministic()` after seeding, as the run does. Errors are
     `ConfigError` (a bad task name, options or optimizer) or the task's own.
+    The optimizer also takes one step on shape-only copies of the parameters
+    (`dry_step`), so what only a step finds is a `ConfigError` here too.
     """
     pipe = pipeline if pipeline is not None else exp.optimizer
     try:
@@ -256,11 +418,49 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
         raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
+    named = list(task.model.named_parameters())
     try:
-        opt = pipe.build(list(task.model.named_parameters()))
+        opt = pipe.build(named)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer: {e}") from None
+    dry_step(pipe, named, exp.train)
     return task, opt
+
+
+def dry_step(pipe: Any, named_params: list[tuple[str, torch.Tensor]], train: Any = None) -> None:
+    """Build `pipe` over meta-device (shape-only) copies of `named_params`, with `train`'s
+    schedule, and take one step with zero gradients: no data, no memory, no effect on the RNG.
+
+    It finds what building alone does not, because the first step does it: a
+    `TorchOptimizer` class that cannot be constructed (`torch.optim.Optimizer`),
+    a group hyperparameter of the wrong type. Those (`ValueError`, `TypeError`)
+    become `ConfigError`. What a shape-only tensor cannot do (`Tensor.item()`,
+    an op without a meta kernel, e.g. torch's own multi-tensor Adam) ends the
+    check there silently: the real step is no worse off.
+    """
+    meta = [(n, torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)) for n, p in named_params]
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            opt = pipe.build(meta)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"optimizer: {e}") from None
+        if train is not None:
+            try:
+                train.schedule.build(opt, train.steps)
+            except (ValueError, TypeError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"train.schedule: {e}") from None
+        for _, p in meta:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        try:
+            opt.step()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"optimizer: its first step fails: {e}") from None
+        except RuntimeError:  # incl. NotImplementedError: a limit of the meta device, not of the config
+            pass
 
 
 def check_experiment(exp: Experiment, trust_imports: bool = False) -> None:
@@ -285,6 +485,7 @@ def run_experiment(
     plots: bool | None = None,
     log=print,
     force: bool | None = None,
+    saved: Experiment | None = None,
 ) -> dict[str, Any]:
     """Train `exp` (one optimizer) writing the run directory `out`; return the summary.
 
@@ -299,11 +500,19 @@ def run_experiment(
     checkpoint removes the files it wrote (a re-run starts clean). `force`:
     None uses `out` as it is (created if missing); False refuses a
     non-empty `out`; True clears its run files first.
+
+    A resume checks the whole directory (`read_checkpoint`, `read_jsonl`)
+    before it writes anything: a refused resume changes no file. `saved`
+    (with `resume`): the experiment of `out/config.yaml` when `exp` is it with
+    another `train.steps` (`--resume DIR --steps N`); `config.yaml` is rewritten
+    to `exp` once the checks pass. A run is not shortened below its
+    checkpoint's step, nor is the length of a run whose schedule depends on it
+    changed.
     """
     out = Path(out)
     wrote = {"dir": False, "files": False}
     try:
-        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote)
+        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved)
     except RunInterrupted:
         raise
     except Exception:
@@ -322,7 +531,30 @@ def _remove_run_files(out: Path, remove_dir: bool) -> None:
         out.rmdir()
 
 
-def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote) -> dict[str, Any]:
+def _check_length(exp: Experiment, saved: Experiment | None, out: Path, start: int) -> None:
+    """A resume at the checkpoint's step `start` to `exp.train.steps`: refuse what no run could have done."""
+    steps = exp.train.steps
+    changed = saved is not None and saved.train.steps != steps
+    if changed and steps <= start and start > 0:
+        raise ConfigError(
+            f"--steps {steps}: {out} has done {start} steps (its checkpoint.pt is at step {start}); --steps "
+            f"must be above that, a run cannot be shortened to or below its checkpoint"
+        )
+    if start > steps:
+        raise ConfigError(
+            f"{out / 'checkpoint.pt'}: at step {start}, past the {steps} steps of {out / 'config.yaml'}: "
+            "the two files are not of the same run"
+        )
+    kind = exp.train.schedule.kind
+    if changed and start > 0 and kind != "constant":
+        raise ConfigError(
+            f"--steps {steps}: the {kind} learning-rate schedule of {out} spans its {saved.train.steps} steps, "
+            f"and the {start} steps done followed it; a run with a {kind} schedule cannot change its length "
+            "(start a new run instead)"
+        )
+
+
+def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved=None) -> dict[str, Any]:
     if exp.optimizer is None:
         raise ConfigError("run_experiment needs an experiment with a single optimizer (select a variant)")
     tr = exp.train
@@ -344,12 +576,11 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         sched = tr.schedule.build(opt, tr.steps)
         start = 0
         if resume and ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, weights_only=True)
-            model.load_state_dict(ckpt["model"])
-            opt.load_state_dict(ckpt["optimizer"])
-            torch.set_rng_state(ckpt["rng"])
-            start = int(ckpt["step"])
-            log(f"resuming {out} from step {start}")
+            # everything is checked before anything is written: a refused resume changes no file
+            ckpt = read_checkpoint(ckpt_path)
+            start = ckpt["step"]
+            _check_length(exp, saved, out, start)
+            _restore(ckpt_path, ckpt, model, opt)
             if sched is not None:  # the same scheduler, replayed to the checkpoint's step
                 for g, base in zip(opt.param_groups, base_lrs):
                     g["lr"] = base
@@ -359,10 +590,20 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
                     warnings.simplefilter("ignore", UserWarning)
                     for _ in range(start):
                         sched.step()
-        metrics = _read_jsonl(out / "metrics.jsonl", start)
-        timing = _read_jsonl(out / "timing.jsonl", start)
-        if len(metrics) != start:
-            raise ConfigError(f"{out}/metrics.jsonl has {len(metrics)} steps up to the checkpoint's step {start}")
+        metrics, timing = [], []
+        if resume:
+            metrics = read_jsonl(out / "metrics.jsonl", start, METRIC_FIELDS, log=log)
+            timing = read_jsonl(out / "timing.jsonl", start, TIMING_FIELDS, log=log)
+        if [r["step"] for r in metrics] != list(range(1, start + 1)):
+            have = f"{len(metrics)} rows" if len(metrics) != start else "its rows out of order"
+            raise ConfigError(
+                f"{out / 'metrics.jsonl'}: damaged ({have} up to the checkpoint's step {start}, which needs steps 1..{start})"
+                if (out / "metrics.jsonl").exists() else f"{out / 'metrics.jsonl'}: missing (the checkpoint is at step {start})"
+            )
+        if resume and start:
+            log(f"resuming {out} from step {start}")
+        if resume and saved is not None:
+            (out / "config.yaml").write_text(exp.to_yaml())
         _write_jsonl(out / "metrics.jsonl", metrics)
         _write_jsonl(out / "timing.jsonl", timing)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -408,7 +649,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
             mf.close()
             tf.close()
             bar.close()
-    times = [r["time_s"] for r in _read_jsonl(out / "timing.jsonl", tr.steps)]
+    times = [r["time_s"] for r in read_jsonl(out / "timing.jsonl", tr.steps, TIMING_FIELDS)]
     summary = summarize(exp.name, metrics, times)
     summary["task"] = exp.task.name
     summary["run_dir"] = str(out)
