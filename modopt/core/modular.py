@@ -531,6 +531,8 @@ class Modular(torch.optim.Optimizer):
             state = dict(state)
             state["_last"] = _LastStep(state.pop("stats", {}))
         super().__setstate__(state)
+        if "_gate" not in self.__dict__:  # pickled before the group-key gate existed
+            self._gate = GroupGate(self.transforms)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
