@@ -91,6 +91,46 @@ def _positive_scale(t) -> tuple | None:
     return t.positive_scale() if issubclass(declares, applies) else None
 
 
+def _normalizes(n) -> bool:
+    """`n` sets each of its segments' norm whatever positive factor multiplied it (see the module docs)."""
+    from . import transforms as T
+
+    return type(n) is T.Normalize and n.eps == 0 and n.min_size == 1 and _pnorm(n.ord) is not None
+
+
+def _cancelled_by(flat: list, j: int):
+    """`(key, transform)` of each positive scale right before the normalization `flat[j]` that it cancels,
+    nearest first (transforms with `update_access = "none"` are looked through)."""
+    for i in range(j - 1, -1, -1):
+        key, t = flat[i]
+        if t.update_access == "none":
+            continue
+        seg = _positive_scale(t)
+        if seg is None or not _contains(seg, _segments(flat[j][1])):
+            return
+        yield key, t
+
+
+def cancelled_scales(transforms, nonfinite: str) -> frozenset[str]:
+    """Keys of the transforms whose multiply the runner may leave out (`TransformState.scale_`).
+
+    Only the positive scale right before a normalization (`Normalize`, `eps=0`) that
+    cancels it: the normalization then reads the same update it would read after the
+    multiply, up to a positive factor per segment, and sets its norm (equal up to rounding;
+    the transform's state and telemetry do not depend on its own multiply). An earlier
+    scale in a run of several is kept: the scale after it reads its output, for its state
+    and telemetry. Nothing is left out under `nonfinite="ignore"`.
+    """
+    if nonfinite == "ignore":
+        return frozenset()
+    flat = _flatten(transforms)
+    out = set()
+    for j, (_, n) in enumerate(flat):
+        if _normalizes(n):
+            out.update(key for key, _ in list(_cancelled_by(flat, j))[:1])
+    return frozenset(out)
+
+
 def lint(config) -> list[Finding]:
     """Findings for a `PipelineConfig` (see the module docs)."""
     from . import transforms as T
@@ -98,16 +138,10 @@ def lint(config) -> list[Finding]:
     flat = _flatten(config.transforms)
     findings: list[Finding] = []
     for j, (nkey, n) in enumerate(flat):
-        if type(n) is T.Normalize and n.eps == 0 and n.min_size == 1 and _pnorm(n.ord) is not None:
+        if _normalizes(n):
             if config.nonfinite == "ignore":
                 continue  # non-finite gradients reach the transforms: nothing is provable
-            for i in range(j - 1, -1, -1):
-                key, t = flat[i]
-                if t.update_access == "none":
-                    continue
-                seg = _positive_scale(t)
-                if seg is None or not _contains(seg, _segments(n)):
-                    break
+            for key, t in _cancelled_by(flat, j):
                 name = type(t).__name__
                 what = "the learning rate's value (only lr=0 would stop the step)" if name == "LR" else "its scaling"
                 findings.append(Finding(

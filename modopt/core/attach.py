@@ -27,6 +27,10 @@ class AttachHandle:
         self.optimizer = optimizer
         self.transforms = transforms
         self.nonfinite = nonfinite
+        from ..lint import cancelled_scales
+
+        #: transforms whose multiply a normalization right after cancels (`TransformState.scale_`)
+        self.cancelled_scales = cancelled_scales(transforms, nonfinite)
         self.state: defaultdict = defaultdict(dict)
         self._store: dict[str, dict] = {}
         self._runtime: dict[str, dict] = {}

@@ -311,18 +311,44 @@ class Modular(torch.optim.Optimizer):
             if apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device):  # (asked every step: groups change)
                 run_step(self.transforms, ctx, write=True)
                 if ctx.skip is not None:  # decided on the device: count it there
-                    if self._skipped_steps.device != ctx.skip.device:
-                        self._skipped_steps = self._skipped_steps.to(ctx.skip.device)
-                    self._skipped_steps += ctx.skip
+                    stats["skipped_steps"] = self._count_skipped(ctx.skip)
                     stats["skipped"] = ctx.skip
                 else:
                     stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:
-                self._skipped_steps += 1
+                stats["skipped_steps"] = self._count_skipped(1)
                 stats["skipped"] = torch.ones((), dtype=torch.bool)
-        stats["skipped_steps"] = self._skipped_steps.clone()
+        if "skipped_steps" not in stats:
+            stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep
         return loss
+
+    def _count_skipped(self, by: torch.Tensor | int) -> torch.Tensor:
+        """`skipped_steps += by`; returns the new count for the step's stats.
+
+        Eagerly the count becomes a new tensor (one op), never written in place, so the
+        stats of earlier steps and a state dict taken earlier keep their values. Traced,
+        it is written in place (a compiled step keeps writes into an attribute's tensor,
+        not a rebinding of the attribute) and the stats get a copy.
+        """
+        if isinstance(by, torch.Tensor) and self._skipped_steps.device != by.device:
+            self._skipped_steps = self._skipped_steps.to(by.device)
+        if torch.compiler.is_compiling():
+            self._skipped_steps += by
+            return self._skipped_steps.clone()
+        self._skipped_steps = self._skipped_steps + by
+        return self._skipped_steps
+
+    @property
+    def cancelled_scales(self) -> frozenset[str]:
+        """Keys of the transforms whose multiply a normalization right after cancels, and which the
+        step therefore leaves out (`modopt.lint.cancelled_scales`, `TransformState.scale_`)."""
+        found = self.__dict__.get("_cancelled")
+        if found is None:
+            from ..lint import cancelled_scales
+
+            found = self.__dict__["_cancelled"] = cancelled_scales(self.transforms, self._pipeline.nonfinite)
+        return found
 
     @property
     def _skip_on_device(self) -> bool:
@@ -382,11 +408,12 @@ class Modular(torch.optim.Optimizer):
                 if any(k in per_param for k in entry):
                     sd["state"][i] = {k: encode_history(v) if k in per_param and isinstance(v, torch.Tensor) else v
                                       for k, v in entry.items()}
+        skipped = self._skipped_steps.clone()  # (a compiled step counts in place)
         sd["modopt"] = {
             "format_version": FORMAT_VERSION,
             "config": self._pipeline.to_dict(),
             "transforms": store,
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": skipped,
         }
         if sd["param_groups"]:
             sd["param_groups"][0][_GROUP_ENTRY] = {
@@ -396,7 +423,7 @@ class Modular(torch.optim.Optimizer):
                         else x for n, x in v.items()}
                     for k, v in store.items()
                 },
-                "skipped_steps": self._skipped_steps,
+                "skipped_steps": skipped,
                 # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
                 # slots its target state dict has) can tell when values were left behind
                 "inventory": sorted({k for e in sd["state"].values() for k in e}

@@ -27,20 +27,27 @@ def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
 
 
-def maybe_nonfinite(ctx: Step, grads: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor, cheap: False proves every gradient finite; True means "possibly not".
+def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False) -> torch.Tensor:
+    """0-d bool tensor, cheap: True proves every gradient finite; False means "possibly not".
 
-    It is the finiteness of the per-tensor 2-norms: an inf or NaN element makes
-    its tensor's 2-norm inf or NaN, so finite norms prove finite gradients. The
-    converse fails only when finite values' squares overflow the accumulator
-    (float32 values near 1e19 and above), which `nonfinite_mask` then
-    settles. The norms are the ones a global or per-tensor 2-norm of the
-    chain needs anyway: they go into the step's norm memo
-    (`modopt.core.runner.NormMemo`), so a following
-    `ClipNorm` reads them instead of the gradients.
+    It is the finiteness of the total 2-norm, combined from the per-tensor 2-norms
+    as `torch.nn.utils.get_total_norm` does: an inf or NaN element makes its
+    tensor's 2-norm, and so the total, inf or NaN, so a finite total proves finite
+    gradients. The converse fails only when finite values' squares overflow the
+    accumulator (float32 norms near 1.8e19 and above), which `nonfinite_mask` then
+    settles on the host. The per-tensor norms are the ones a global or per-tensor
+    2-norm of the chain needs anyway: they go into the step's norm memo
+    (`modopt.core.runner.NormMemo`), so a following `ClipNorm` reads them instead
+    of the gradients. With `on_device` (the device decides: an overflowing total
+    skips the step) the total goes into the memo as well, so a global 2-norm clip
+    costs no further op. The test is one op, `total < inf` (a norm is >= 0, and
+    NaN compares false).
     """
-    parts = ctx.memo.pnorms(grads, 2.0, common_acc_dtype(grads))
-    return ~torch.isfinite(parts).all()
+    acc = common_acc_dtype(grads)
+    total = torch.linalg.vector_norm(ctx.memo.pnorms(grads, 2.0, acc))
+    if on_device:
+        ctx.memo.put_total(grads, 2.0, acc, total)
+    return total < math.inf
 
 
 def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False) -> bool:
@@ -55,7 +62,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     (`if clip_grad_norm_(...).isfinite(): opt.step()`).
 
     One host sync per step when the gradients are finite (the common case):
-    the finiteness of the 2-norms (`maybe_nonfinite`). Only when that
+    the finiteness of the total 2-norm (`maybe_finite`). Only when that
     says "possibly non-finite" does the exact check (`nonfinite_mask`)
     run, with a second sync, so finite-but-huge gradients are never called
     non-finite. Under `torch.compile` that decision runs outside the graph
@@ -80,14 +87,14 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if on_device and policy == "skip" and not any_sharded(grads):  # (FSDP2 decides on the host, for now)
-        bad = maybe_nonfinite(ctx, grads)
-        ctx.skip = bad
+        ctx.proceed = maybe_finite(ctx, grads, on_device=True)
+        bad = ctx.skip = ~ctx.proceed
         ctx.stats["nonfinite"] = bad
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
         bad, exact = nonfinite_mask(grads), True
     else:  # cheap check first; true only for a non-finite (or overflowing) norm
-        bad, exact = maybe_nonfinite(ctx, grads), False
+        bad, exact = ~maybe_finite(ctx, grads), False
     settle = _settle_compiled if torch.compiler.is_compiling() else _settle
     is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names)
     ctx.stats["nonfinite"] = bad
@@ -121,8 +128,8 @@ FULLGRAPH_HINT = (
     "modopt: this step decides on the host whether it goes ahead (bool() of an on-device check, one sync "
     "per step), which a single graph cannot hold. That happens with nonfinite='raise', and with the default "
     "nonfinite='skip' when a transform of the pipeline keeps its state only with the host's decision "
-    "(Transform.skips_on_device() is False: SGD with momentum and dampening, Accumulate, AutoClip, "
-    "ClipValueGrowth, TorchOptimizer, an EMA with ema_init='update'). For torch.compile(opt.step, fullgraph=True), use transforms that skip on "
+    "(Transform.skips_on_device() is False: SGD with momentum and dampening, Accumulate, "
+    "TorchOptimizer, an EMA with ema_init='update'). For torch.compile(opt.step, fullgraph=True), use transforms that skip on "
     "the device, or build the optimizer with nonfinite='ignore' (no check) or nonfinite='zero' (non-finite "
     "gradient elements become 0, on the device); or keep the policy and compile without fullgraph=True "
     "(one graph break per step, at this decision)"

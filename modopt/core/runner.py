@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .keys import transform_key, value_key
-from .norms import pnorms
+from .norms import combine_pnorms, pnorms
 
 
 class NormMemo:
@@ -57,26 +57,68 @@ class NormMemo:
         """1-D tensor of the p-norm of each tensor (in `acc`), computed once per list while open."""
         if not self._open or not tensors:
             return pnorms(tensors, p, acc)
+        hit = self._get(("parts", p, acc), tensors)
+        if hit is None:
+            hit = pnorms(tensors, p, acc)
+            self._put(("parts", p, acc), tensors, hit)
+        return hit
+
+    def total(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+        """0-d p-norm of all `tensors` together (`combine_pnorms` of their parts), once per list while open."""
+        hit = self._get(("total", p, acc), tensors) if self._open and tensors else None
+        if hit is None:
+            hit = combine_pnorms(self.pnorms(tensors, p, acc), p)
+            if self._open and tensors:
+                self._put(("total", p, acc), tensors, hit)
+        return hit
+
+    def put_total(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype, value: torch.Tensor) -> None:
+        """Remember `value` as `total(tensors, p, acc)` (the non-finite check's plain combination)."""
+        if self._open and tensors:
+            self._put(("total", p, acc), tensors, value)
+
+    def cleaning(self, tensors: list[torch.Tensor]) -> Callable[[], None]:
+        """Before `Step.clean_` zeroes `tensors` in place: returns the call that, after it, keeps the
+        entries that were valid. The zeroing changes no value on a step that goes ahead, and on a
+        skipped step nothing computed from a norm is kept; a compiled step never checks versions."""
+        if torch.compiler.is_compiling() or not self._entries:
+            return _nothing
+        valid = [k for k, (versions, ts, _) in self._entries.items()
+                 if k != "traced" and versions == tuple(map(_version_of, ts))]
+
+        def after() -> None:
+            for k in valid:
+                versions, ts, value = self._entries[k]
+                self._entries[k] = (tuple(map(_version_of, ts)), ts, value)
+
+        return after
+
+    def _get(self, what: tuple, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
             # traced: no id() (dynamo would guard on each tensor object, and recompile every step) and
             # no version counters; the same tensor objects, while the memo is open, are the same values
-            for q, a, ts, parts in self._entries.get("traced", ()):
-                if q == p and a == acc and len(ts) == len(tensors) and all(x is y for x, y in zip(ts, tensors)):
-                    return parts
-            parts = pnorms(tensors, p, acc)
-            self._entries.setdefault("traced", []).append((p, acc, list(tensors), parts))
-            return parts
-        key = (p, acc, tuple(map(id, tensors)))
-        versions = tuple(map(_version_of, tensors))
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] == versions:
+            for w, ts, value in self._entries.get("traced", ()):
+                if w == what and len(ts) == len(tensors) and all(x is y for x, y in zip(ts, tensors)):
+                    return value
+            return None
+        hit = self._entries.get((what, tuple(map(id, tensors))))
+        if hit is not None and hit[0] == tuple(map(_version_of, tensors)):
             return hit[2]
-        parts = pnorms(tensors, p, acc)
-        self._entries[key] = (versions, list(tensors), parts)  # holds the tensors: ids stay theirs
-        return parts
+        return None
+
+    def _put(self, what: tuple, tensors: list[torch.Tensor], value: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            self._entries.setdefault("traced", []).append((what, list(tensors), value))
+            return
+        # (the entry holds the tensors, so their ids stay theirs while it lives)
+        self._entries[(what, tuple(map(id, tensors)))] = (tuple(map(_version_of, tensors)), list(tensors), value)
 
 
 _version_of = operator.attrgetter("_version")
+
+
+def _nothing() -> None:
+    return None
 
 
 class Layout:
@@ -107,8 +149,8 @@ class Step:
     `host.runtime_store(key)`); `stats` is the step's telemetry dict.
     """
 
-    __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "memo",
-                 "_states")
+    __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
+                 "memo", "cancelled", "_states")
 
     def __init__(self, layout: Layout, host: Any, stats: dict, skip: torch.Tensor | None = None,
                  memo: NormMemo | None = None):
@@ -122,6 +164,11 @@ class Step:
         #: a 0-d bool tensor when the device decides whether this step is skipped (`nonfinite="skip"`):
         #: true means the parameters and every state must stay as they are; None: no such decision
         self.skip = skip
+        #: `~skip`, when the decision made it first (one op less for a kernel that counts steps taken)
+        self.proceed: torch.Tensor | None = None
+        #: keys of the transforms whose multiply a later normalization cancels (`TransformState.scale_`):
+        #: the host's `cancelled_scales` (`modopt.lint.cancelled_scales` of its pipeline), or none
+        self.cancelled: frozenset = getattr(host, "cancelled_scales", frozenset())
         self.params, self.groups, self.group_ids = layout.params, layout.groups, layout.group_ids
         self.ranges, self.names = layout.ranges, layout.names
         self._states: list[dict] | None = None
@@ -169,8 +216,10 @@ class Step:
         (`m + 0 * (u - m)` is `m` only for finite `u`). One pass over the updates: only transforms
         that keep full-size buffers call it, and only when the device decides the skip."""
         if self.skip is not None:
+            keep_memo = self.memo.cleaning(updates)
             for u in updates:
                 u.masked_fill_(self.skip, 0)
+            keep_memo()
 
     def keep(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """`new`, or `old` on a skipped step (no host sync)."""
@@ -191,7 +240,9 @@ class Step:
             layout = Layout((self.layout.key, cache_key), [self.params[i] for i in idx], groups, group_ids, ranges,
                             [self.names[i] for i in idx])
             self.layout.cache[cache_key] = layout
-        return Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
+        sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
+        sub.proceed, sub.cancelled = self.proceed, frozenset()  # (the linter does not look inside Masked)
+        return sub
 
 
 class ScratchHost:
@@ -236,6 +287,17 @@ class TransformState:
             )
         self.step.stats[value_key(self.key, name)] = value
 
+    def scale_(self, seg: Any, updates: list[torch.Tensor], scale: torch.Tensor) -> None:
+        """`seg.mul_(updates, scale)`: a transform's positive per-segment scale (`positive_scale()`).
+
+        Left out when the normalization right after this transform cancels it (the step's
+        `cancelled`, from `modopt.lint.cancelled_scales`): the result is the same up to
+        rounding, one pass over the updates less, and the norm memo stays valid for the
+        normalization (the runner does not close it after this transform).
+        """
+        if self.key not in self.step.cancelled:
+            seg.mul_(updates, scale)
+
     # --- per-parameter buffers --------------------------------------------
     def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """The buffer `name` of each parameter of the step, created by `init(i, p)` when missing."""
@@ -275,10 +337,14 @@ class TransformState:
             return vals[0].reshape(1)
         return torch.stack(vals)
 
-    def seg_set(self, seg: Any, name: str, value: torch.Tensor) -> None:
-        """Save per-segment values read by `seg_get()` (a 1-D tensor, one entry per segment)."""
+    def seg_set(self, seg: Any, name: str, value: torch.Tensor, kept: bool = False) -> None:
+        """Save per-segment values read by `seg_get()` (a 1-D tensor, one entry per segment).
+
+        On a step the device skips the saved values stay as they were, unless `kept` says
+        that `value` already holds them there (no second `where`).
+        """
         slots = seg.slots(self, name)
-        if self.step.skip is not None:  # a skipped step keeps every saved value
+        if self.step.skip is not None and not kept:  # a skipped step keeps every saved value
             value = self.step.keep(value, self.seg_get(seg, name, 0.0, value.dtype).to(value.dtype))
         if seg.kind in ("global", "group"):  # transform-wide values: the store holds the new tensors
             for (where, k, _, _), v in zip(slots, value.unbind(0)):
@@ -317,7 +383,7 @@ def run(transforms, step: Step, updates: list[torch.Tensor], parent: str = "", f
         updates = t.apply(step, states[i], updates)
         if updates is None:
             return None
-        if t.update_access == "write":
+        if t.update_access == "write" and states[i].key not in step.cancelled:
             step.memo.close()
     return updates
 

@@ -121,6 +121,10 @@ class Segments:
             return self.concat([slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)], tensors)
         acc = common_acc_dtype(tensors)
         if isinstance(stat, float):
+            if self.kind == "global":  # one value: through the memo (the non-finite check may have it)
+                if self.memo is not None:
+                    return self.memo.total(tensors, stat, acc).reshape(1)
+                return combine_pnorms(pnorms(tensors, stat, acc), stat).reshape(1)
             parts = self.tensor_pnorms(tensors, stat, acc)
             if self.kind == "tensor":
                 return parts

@@ -13,9 +13,10 @@ from ._util import record_clip
 __all__ = ["ClipNorm", "ClipValue", "ClipNormByRMS"]
 
 
-def clip_scale(norm: torch.Tensor, max_norm: float, eps: float) -> torch.Tensor:
-    """`min(1, max_norm / (|norm| + eps))`: never scales up; a zero norm gives 1."""
-    return torch.clamp(max_norm / (norm.abs() + eps), max=1.0)
+def clip_scale(norm: torch.Tensor, max_norm: float, eps: float, signed: bool = True) -> torch.Tensor:
+    """`min(1, max_norm / (|norm| + eps))`: never scales up; a zero norm gives 1. `signed=False`
+    says the norm is >= 0 already (every `ord` but "sum"): no `abs`, the ops of `clip_grad_norm_`."""
+    return torch.clamp(max_norm / ((norm.abs() if signed else norm) + eps), max=1.0)
 
 
 class ClipValue(Transform):
@@ -102,8 +103,8 @@ class ClipNorm(Scoped):
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         norm = seg.reduce(updates, self.ord)
-        scale = clip_scale(norm, self.max_norm, self.eps)
-        seg.mul_(updates, scale)
+        scale = clip_scale(norm, self.max_norm, self.eps, signed=self.ord == "sum")
+        st.scale_(seg, updates, scale)
         record_clip(st, norm, scale)
         return updates
 
@@ -151,7 +152,7 @@ class ClipNormByRMS(Scoped):
         norm = seg.reduce(updates, 2.0)
         rms = norm / seg.element_counts(norm).clamp(min=1).sqrt()
         scale = 1 / torch.clamp(rms / self.threshold, min=1.0)
-        seg.mul_(updates, scale)
+        st.scale_(seg, updates, scale)
         record_clip(st, rms, scale)
         return updates
 

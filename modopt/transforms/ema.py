@@ -12,6 +12,7 @@ its `m` into NaN, as the user asked.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -43,11 +44,16 @@ class _NormEMA(Scoped, abstract=True):
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
-        nu = seg.reduce(updates, self.ord).abs()
+        signed = self.ord == "sum"  # every other ord is >= 0 already
+        nu = seg.reduce(updates, self.ord)
+        nu = nu.abs() if signed else nu
         ctx.clean_(updates)  # a step the device skips: zeros, weighed by 0 below (one pass, only then)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
-        # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync)
-        ok = torch.isfinite(nu) if ctx.skip is None else torch.isfinite(nu) & ~ctx.skip
+        # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
+        # `nu < inf` is "finite" for a norm (NaN compares false)
+        ok = nu < math.inf
+        if ctx.skip is not None:
+            ok = ok & (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
         ok_t = seg.expand(ok)
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
@@ -59,20 +65,22 @@ class _NormEMA(Scoped, abstract=True):
         per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
         weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
         torch._foreach_lerp_(m, updates, weights)
-        nm = seg.reduce(m, self.ord).abs()
+        nm = seg.reduce(m, self.ord)
+        nm = nm.abs() if signed else nm
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype).to(nm.dtype)
-            allowed = prev * self.max_ema_growth
-            factor = torch.where((prev > 0) & (nm > allowed) & ok, allowed / nm, torch.ones_like(nm))
+            # the limit binds where a previous norm exists and the segment is ok; elsewhere it is inf
+            limit = torch.where((prev > 0) & ok, prev * self.max_ema_growth, math.inf)
+            factor = below_one(limit / nm)
             seg.mul_(m, factor)
             nm = nm * factor
-            st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev))
+            st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev), kept=True)
         floor = torch.clamp(nm, min=self.eps)
         if self.normalize:
-            scale = torch.where(nu > 0, floor / nu, torch.ones_like(nu))
+            scale = torch.where(nu > 0, floor / nu, 1.0)
         else:
             scale = below_one(floor / nu)
-        seg.mul_(updates, scale)
+        st.scale_(seg, updates, scale)
         record_clip(st, nu, scale, ema_norm=nm)
         return updates
 

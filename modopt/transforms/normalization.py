@@ -12,10 +12,16 @@ from ..core.transform import Transform
 __all__ = ["Normalize", "Centralize", "GradientCentralization"]
 
 
-def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float) -> torch.Tensor:
-    """`norm_value / (|norm| + eps)` where the norm is positive, else 1 (zeros stay zero)."""
-    n = norm.abs()
-    return torch.where(n > 0, norm_value / (n + eps), torch.ones_like(n))
+def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: bool = True) -> torch.Tensor:
+    """`norm_value / (|norm| + eps)` where the norm is positive, else 1 (zeros stay zero).
+
+    `signed=False` says the norm is >= 0 already (every `ord` but "sum"). The defaults
+    (`norm_value=1`, `eps=0`) take three small ops: `1 / n` is `n.reciprocal()` bit for bit.
+    """
+    n = norm.abs() if signed else norm
+    d = n + eps if eps != 0 else n
+    inv = d.reciprocal() if norm_value == 1 else norm_value / d
+    return torch.where(n > 0, inv, 1.0)
 
 
 class Normalize(Scoped):
@@ -49,7 +55,7 @@ class Normalize(Scoped):
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
         norm = seg.reduce(updates, self.ord)
-        scale = normalize_scale(norm, self.norm_value, self.eps)
+        scale = normalize_scale(norm, self.norm_value, self.eps, signed=self.ord == "sum")
         seg.mul_(updates, scale)
         st.record("norm", norm)
         st.record("scale", scale)

@@ -112,6 +112,8 @@ class LR(Transform):
     is_optimizer: ClassVar[bool] = True
 
     def apply(self, ctx, st, updates):
+        if st.key in ctx.cancelled:  # a normalization right after sets the norm (TransformState.scale_)
+            return updates
         for g, a, b in ctx.per_group():
             torch._foreach_mul_(updates[a:b], _lr_value(g["lr"], updates[a]))
         return updates
@@ -322,7 +324,7 @@ class Adam(_FusedOptimizer):
             return False  # torch's foreach kernel cannot skip on the device: the foreach math below can
         found_inf = by = None
         if skip is not None:  # the fused kernels skip on the device, as under GradScaler
-            found_inf, by = skip.to(torch.float32), ~skip
+            found_inf, by = skip.to(torch.float32), ~skip if ctx.proceed is None else ctx.proceed
         for g, a, b in ctx.per_group():
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
