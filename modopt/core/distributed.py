@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, slice_stat
+from .norms import common_acc_dtype, foreach_pnorm, slice_stat
 
 
 def _dtensor_cls() -> type | None:
@@ -144,12 +144,7 @@ def reduce(seg: Any, tensors: list[torch.Tensor], stat: float | str) -> torch.Te
     """`Segments.reduce()` (`seg`) for lists that hold DTensors (`stat` already parsed)."""
     if seg.kind == "slices":  # sharded parameters were refused when the layout was built (check_slices)
         return seg.concat([slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)], tensors)
-    acc = common_acc_dtype(tensors)
-    if isinstance(stat, float):
-        parts = tensor_pnorms(tensors, stat, acc)
-        if seg.kind == "tensor":
-            return parts
-        return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in seg.ranges])
+    acc = common_acc_dtype(tensors)  # (p-norms come through `Segments.tensor_pnorms`, the step's memo)
     keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
     locals_ = [_local(t) for t in tensors]
     counts = torch.tensor(seg.counts, dtype=acc, device=_device(locals_))
@@ -188,10 +183,20 @@ def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names:
             )
 
 
+def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for every i: one multi-tensor kernel, or one copy per tensor when some
+    are DTensors (torch registers no sharding rule for `_foreach_copy_`)."""
+    if any_sharded(dst):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(dst, src)
+
+
 def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     """0-d plain bool: does any element of any (full) gradient hold inf or NaN; the same on every rank."""
     maxabs = tensor_pnorms(grads, math.inf, torch.float32)
     return ~torch.isfinite(maxabs).all()
 
 
-__all__ = ["any_nonfinite", "any_sharded", "check_slices", "is_sharded", "reduce", "tensor_pnorms"]
+__all__ = ["any_nonfinite", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]

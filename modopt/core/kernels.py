@@ -23,6 +23,8 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from torch.optim.sgd import sgd as _torch_sgd
 
+from . import distributed
+
 __all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_adam_"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -97,7 +99,7 @@ def foreach_sgd_skip_(params, grads, bufs, skip, *, lr, weight_decay, momentum, 
         new = [b.clone() for b in bufs]  # in place on copies: the out-of-place foreach mul rounds bf16 otherwise
         torch._foreach_mul_(new, momentum)
         torch._foreach_add_(new, grads, alpha=1 - dampening)
-        torch._foreach_copy_(bufs, [torch.where(skip, b, n) for b, n in zip(bufs, new)])
+        distributed.copy_(bufs, [torch.where(skip, b, n) for b, n in zip(bufs, new)])
         grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
     torch._foreach_add_(params, [torch.where(skip, 0.0, u) for u in grads], alpha=-lr)
 

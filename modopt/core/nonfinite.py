@@ -86,7 +86,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["zeroed"] = zeroed  # the number of elements set to 0 this step (no sync)
         ctx.stats["nonfinite"] = zeroed > 0
         return True
-    if on_device and policy == "skip" and not any_sharded(grads):  # (FSDP2 decides on the host, for now)
+    if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
         ctx.proceed = maybe_finite(ctx, grads, on_device=True)
         bad = ctx.skip = ~ctx.proceed
         ctx.stats["nonfinite"] = bad

@@ -19,7 +19,14 @@ from typing import Any, Callable
 import torch
 
 from .keys import transform_key, value_key
+from .distributed import any_sharded, copy_, tensor_pnorms
 from .norms import combine_pnorms, pnorms
+
+
+def any_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
+    """1-D tensor of the p-norm of each tensor, in `acc`; of each *full* tensor when some are sharded
+    (DTensors: all-reduced, the same on every rank; `modopt.core.distributed.tensor_pnorms`)."""
+    return tensor_pnorms(tensors, p, acc) if any_sharded(tensors) else pnorms(tensors, p, acc)
 
 
 class NormMemo:
@@ -56,10 +63,10 @@ class NormMemo:
     def pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
         """1-D tensor of the p-norm of each tensor (in `acc`), computed once per list while open."""
         if not self._open or not tensors:
-            return pnorms(tensors, p, acc)
+            return any_pnorms(tensors, p, acc)
         hit = self._get(("parts", p, acc), tensors)
         if hit is None:
-            hit = pnorms(tensors, p, acc)
+            hit = any_pnorms(tensors, p, acc)
             self._put(("parts", p, acc), tensors, hit)
         return hit
 
@@ -352,7 +359,7 @@ class TransformState:
             return
         dst = [where[k] for where, k, _, _ in slots]
         if dst:
-            torch._foreach_copy_(dst, seg.split(value))
+            copy_(dst, seg.split(value))
 
 
 

@@ -35,8 +35,8 @@ from pydantic import Field, model_validator
 from . import distributed
 from .distributed import any_sharded
 from .keys import group_key, value_key
-from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, pnorms, slice_stat
-from .runner import NormMemo
+from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, slice_stat
+from .runner import NormMemo, any_pnorms
 from .transform import Transform
 
 ScopeName = Literal["global", "group", "tensor"]
@@ -115,20 +115,23 @@ class Segments:
     def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> torch.Tensor:
         """The `ord` statistic (or `"mean"`) of each segment, a 1-D tensor accumulated in >= float32."""
         stat = ord if ord == "mean" else parse_ord(ord)
+        if self.kind != "slices" and isinstance(stat, float):
+            # p-norms go through the step's memo (the non-finite check may have them); of the full
+            # tensors under FSDP2 (`tensor_pnorms`)
+            acc = common_acc_dtype(tensors)
+            if self.kind == "global":
+                if self.memo is not None:
+                    return self.memo.total(tensors, stat, acc).reshape(1)
+                return combine_pnorms(self.tensor_pnorms(tensors, stat, acc), stat).reshape(1)
+            parts = self.tensor_pnorms(tensors, stat, acc)
+            if self.kind == "tensor":
+                return parts
+            return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in self.ranges])
         if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (modopt.core.distributed)
             return distributed.reduce(self, tensors, stat)
         if self.kind == "slices":
             return self.concat([slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)], tensors)
         acc = common_acc_dtype(tensors)
-        if isinstance(stat, float):
-            if self.kind == "global":  # one value: through the memo (the non-finite check may have it)
-                if self.memo is not None:
-                    return self.memo.total(tensors, stat, acc).reshape(1)
-                return combine_pnorms(pnorms(tensors, stat, acc), stat).reshape(1)
-            parts = self.tensor_pnorms(tensors, stat, acc)
-            if self.kind == "tensor":
-                return parts
-            return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in self.ranges])
         counts = torch.tensor(self.counts, dtype=acc, device=_device(tensors))
         if stat == "mad":
             parts = torch.stack(foreach_pnorm(tensors, 1.0)).to(acc)
@@ -158,7 +161,7 @@ class Segments:
         """1-D tensor of the p-norm of each tensor (in `acc`), through the step's `NormMemo`."""
         if self.memo is not None:
             return self.memo.pnorms(tensors, p, acc)
-        return pnorms(tensors, p, acc)
+        return any_pnorms(tensors, p, acc)
 
     def segment_sums(self, parts: torch.Tensor) -> torch.Tensor:
         """Per-tensor values summed over each segment (global, group, tensor scopes)."""

@@ -18,7 +18,7 @@ import torch
 from typing import Annotated
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
-from ..core import kernels
+from ..core import distributed, kernels
 from ..core.distributed import is_sharded
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
@@ -374,8 +374,8 @@ class Adam(_FusedOptimizer):
                 v_new = [vi.clone() for vi in v]
                 torch._foreach_mul_(v_new, beta2)
                 torch._foreach_addcmul_(v_new, safe, safe, 1 - beta2)
-                torch._foreach_copy_(m, [ctx.keep(new, old) for old, new in zip(m, m_new)])
-                torch._foreach_copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
+                distributed.copy_(m, [ctx.keep(new, old) for old, new in zip(m, m_new)])
+                distributed.copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)

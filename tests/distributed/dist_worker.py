@@ -134,6 +134,10 @@ def run_all(mode: str, rank: int) -> dict:
         except Exception:  # reported to the test, which fails with the traceback
             results[name] = {"params": None, "clipped": False, "error": traceback.format_exc()}
     if mode == "fsdp":
+        try:
+            results[SKIP_CASE] = run_skip(rank)
+        except Exception:
+            results[SKIP_CASE] = {"error": traceback.format_exc()}
         for name, pipeline in ERROR_CASES.items():
             try:
                 train(mode, rank, pipeline)
@@ -141,6 +145,45 @@ def run_all(mode: str, rank: int) -> dict:
             except Exception as e:
                 results[name] = {"params": None, "clipped": False, "error": f"{type(e).__name__}: {e}"}
     return results
+
+
+#: the device-decided skip under FSDP2 (issue 18): one rank alone holds a NaN in its shard at NAN_STEP
+SKIP_CASE, SKIP_STEPS, NAN_STEP = "__device-skip__", 7, 4
+
+
+def skip_pipeline() -> list:
+    return [mo.ClipNorm(0.05), mo.Adam(lr=0.01)]  # defaults otherwise: nonfinite="skip"
+
+
+def run_skip(rank: int) -> dict:
+    """FSDP2 with the default policy: at NAN_STEP rank 1 alone puts a NaN into its local shard of a
+    gradient. Every rank must skip that step (the norms are all-reduced), with no host sync in any step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+                Syncs.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model, opt = _sharded(skip_pipeline())
+    skipped = []
+    for step in range(SKIP_STEPS):
+        x, y = batch(step)
+        half = x.shape[0] // WORLD
+        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        if step == NAN_STEP and rank == 1:
+            local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
+            local.view(-1)[0] = float("nan")
+        with Syncs():
+            opt.step()
+        skipped.append(bool(opt.stats["skipped"]))
+    return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,
+            "syncs": Syncs.n, "on_device": opt._skip_on_device, "error": None}
 
 
 #: pipelines checkpointed with torch.distributed.checkpoint under FSDP2 (mode ``fsdp-dcp``)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dist_worker
+import modopt as mo
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 150
@@ -134,6 +135,27 @@ def test_local_shard_statistics_would_not_match(reference):
         opt.step()
     diff = max((p.detach() - r).abs().max().item() for p, r in zip(model.parameters(), reference["ClipNorm-global"]["params"]))
     assert diff > 1e-3
+
+
+def test_fsdp2_skips_a_step_on_the_device_on_every_rank(fsdp):
+    """The default nonfinite="skip" under FSDP2 decides on the device from all-reduced norms: a NaN in
+    one rank's shard skips the step on both ranks, with no host sync, and the run ends where the
+    single-process run without that step ends."""
+    got = fsdp[dist_worker.SKIP_CASE]
+    assert got["error"] is None, got["error"]
+    assert got["on_device"] and got["syncs"] == 0
+    assert got["skipped"] == [k == dist_worker.NAN_STEP for k in range(dist_worker.SKIP_STEPS)]
+    model = dist_worker.make_model()
+    opt = mo.Modular(dist_worker.param_groups(model), *dist_worker.skip_pipeline())
+    for step in range(dist_worker.SKIP_STEPS):
+        if step == dist_worker.NAN_STEP:
+            continue
+        x, y = dist_worker.batch(step)
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    for i, (a, b) in enumerate(zip(model.parameters(), got["params"])):
+        torch.testing.assert_close(b, a.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"parameter {i}: {m}")
 
 
 @pytest.mark.parametrize("case", list(dist_worker.ERROR_CASES))
