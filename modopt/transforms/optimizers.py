@@ -64,6 +64,13 @@ def _lr_value(lr, like: torch.Tensor):
     return lr
 
 
+def _traced(x, like: torch.Tensor) -> torch.Tensor:
+    """A group hyperparameter as a 0-d float32 tensor of a traced graph (a graph input, not a constant)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=like.device, dtype=torch.float32)
+    return torch.ones((), dtype=torch.float32, device=like.device) * x
+
+
 def _pick(xs: list, idx: list[int] | None) -> list:
     return xs if idx is None else [xs[i] for i in idx]
 
@@ -349,6 +356,8 @@ class Adam(_FusedOptimizer):
         return True
 
     def apply(self, ctx, st, updates):
+        if torch.compiler.is_compiling():
+            return self._apply_traced(ctx, st, updates)
         out: list[torch.Tensor] = []
         for g, a, b in ctx.per_group():
             params = ctx.params[a:b]
@@ -392,6 +401,45 @@ class Adam(_FusedOptimizer):
                     torch._foreach_add_(u, torch._foreach_mul(params, lr_v * wd))
                 else:
                     torch._foreach_add_(u, params, alpha=lr_v * wd)
+            out.extend(u)
+        return out
+
+
+    def _apply_traced(self, ctx, st, updates):
+        """`apply` under `torch.compile`: the same algorithm with every group hyperparameter (lr, betas,
+        eps, weight_decay) a 0-d tensor of the graph, so a scheduler that changes any of them (OneCycleLR
+        cycles beta1) reruns the graph instead of recompiling it; a Python float would be baked in as a
+        constant. Equal to the eager formulas up to rounding (inductor fuses and reorders them)."""
+        out: list[torch.Tensor] = []
+        skip = ctx.skip
+        for g, a, b in ctx.per_group():
+            params, grads = ctx.params[a:b], updates[a:b]
+            steps, m, v, vmax = self._state(st, a, b, g["amsgrad"])
+            n = len(params)
+            lr, b1, b2, eps, wd = (_traced(x, params[0]) for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
+            if g["weight_decay"] != 0 and not self.decoupled:
+                grads = torch._foreach_add(grads, torch._foreach_mul(params, [wd] * n))
+            keep = None if skip is None else (~skip).to(torch.float32)
+            torch._foreach_add_(steps, [torch.ones_like(steps[0]) if keep is None else keep] * n)
+            if skip is not None:  # zeros on a skipped step (new tensors: the gradients stay the user's)
+                grads = [torch.where(skip, 0.0, gi) for gi in grads]
+            m_new = torch._foreach_lerp(m, grads, [1 - b1] * n)
+            v_new = torch._foreach_mul(v, [b2] * n)
+            torch._foreach_addcmul_(v_new, torch._foreach_mul(grads, [1 - b2] * n), grads)
+            distributed.copy_(m, [ctx.keep(new, old) for old, new in zip(m, m_new)])
+            distributed.copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
+            if g["amsgrad"]:
+                torch._foreach_maximum_(vmax, v)
+            t = torch.stack(steps)
+            step_size = (lr / (1 - b1**t)).unbind(0)
+            bc2_sqrt = (1 - b2**t).sqrt().unbind(0)
+            denom = torch._foreach_sqrt(vmax if g["amsgrad"] else v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, [eps] * n)
+            u = torch._foreach_div(m, denom)
+            torch._foreach_mul_(u, step_size)
+            if g["weight_decay"] != 0 and self.decoupled:
+                torch._foreach_add_(u, torch._foreach_mul(params, [lr * wd] * n))
             out.extend(u)
         return out
 
