@@ -351,27 +351,42 @@ class Pipeline:
     torchzero: Callable[[Any], list] | None = None
     #: optimizer calls per timed step (Accumulate(k): the k calls of one cycle)
     calls: int = 1
+    #: the bytes limit of one step (of a cycle, for Accumulate) in units of P, and its derivation: every
+    #: state tensor (parameters included) read and written once, the gradient read once for the update
+    #: and once more for each reduction that must finish before the update (the finite check included)
+    limit: float | None = None
+    limit_why: str = ""
 
 
 PIPELINES = [
     Pipeline("ClipNorm(1.0), Adam()", lambda: [mo.ClipNorm(1.0), mo.Adam()], torch_clipnorm_adam,
              "clip_grad_norm_(foreach) + Adam(fused)",
-             lambda m: [m.ClipNorm(1.0, dim="global"), m.Adam(), m.LR(1e-3)]),
+             lambda m: [m.ClipNorm(1.0, dim="global"), m.Adam(), m.LR(1e-3)],
+             limit=8, limit_why="p, m, v read and written (6P), the gradient read for the update and for its norm (2P)"),
     Pipeline("ClipNormByEMA(), Normalize(), Adam()", lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
              torch_mission, "foreach EMA clip and normalize + Adam(fused)",
-             lambda m: [m.ClipNormByEMA(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
+             lambda m: [m.ClipNormByEMA(), m.Normalize(), m.Adam(), m.LR(1e-3)],
+             limit=10, limit_why="p, m, v and the EMA read and written (8P), the gradient read for the update and "
+                                 "for its norms (2P; the EMA's norm taken as it is written)"),
     Pipeline("ClipValue(0.01), SGD(0.01, momentum=0.9)",
              lambda: [mo.ClipValue(0.01), mo.SGD(lr=1e-2, momentum=0.9)], torch_clipvalue_sgd,
              "clip_grad_value_(foreach) + SGD(fused)",
-             lambda m: [m.ClipValue(0.01), m.HeavyBall(0.9), m.LR(1e-2)]),
+             lambda m: [m.ClipValue(0.01), m.HeavyBall(0.9), m.LR(1e-2)],
+             limit=6, limit_why="p and the momentum read and written (4P), the gradient read for the update and "
+                                "for the finite check (2P)"),
     Pipeline("Centralize(), Normalize(), Adam()", lambda: [mo.Centralize(), mo.Normalize(), mo.Adam()],
              torch_centralize_normalize_adam, "foreach centralize and normalize + Adam(fused)",
-             lambda m: [m.Centralize(), m.Normalize(), m.Adam(), m.LR(1e-3)]),
+             lambda m: [m.Centralize(), m.Normalize(), m.Adam(), m.LR(1e-3)],
+             limit=9, limit_why="p, m, v read and written (6P), the gradient read for the update, for its means "
+                                "(which also settle finiteness) and for the centred norms (3P)"),
     Pipeline("ZClip(), AdamW()", lambda: [mo.ZClip(), mo.AdamW()], torch_zclip_adamw,
-             "foreach z-score clip + AdamW(fused)"),
+             "foreach z-score clip + AdamW(fused)",
+             limit=8, limit_why="p, m, v read and written (6P), the gradient read for the update and for its norm (2P)"),
     Pipeline("Accumulate(4), ClipNorm(1.0), Adam()", lambda: [mo.Accumulate(4), mo.ClipNorm(1.0), mo.Adam()],
              torch_accumulate_clipnorm_adam, "foreach accumulate + clip_grad_norm_ + adam(fused)",
-             calls=4),
+             calls=4, limit=25, limit_why="per call the gradient read for the finite check and for the sum, the sum "
+             "read and written (4 x 4P); at the end p, m, v read and written, the mean read for its norm and the "
+             "update, the sum cleared (9P)"),
 ]
 #: pipelines that also get a `nonfinite="ignore"` row (modopt and torch without the finite check)
 IGNORE_ROWS = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()")
@@ -436,6 +451,8 @@ class Row:
     #: one untimed step counted per side (summed over the calls of an Accumulate cycle): aten ops
     #: (views excluded), host syncs, and bytes read and written in units of the parameters' bytes
     counts: dict[str, list[float]] = field(default_factory=dict)
+    #: the pipeline's bytes limit per step in P (`Pipeline.limit`), None where none is stated
+    limit: float | None = None
 
 
 def _backward(side: Side, batch: tuple) -> None:
@@ -567,7 +584,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
         state_modopt=state["modopt"], state_torch=state["torch"],
         torchzero_ms=1e3 * statistics.median(t_tz) if t_tz else None,
         torchzero_speedup=statistics.median(speedups) if speedups else None, torchzero_speedups=speedups,
-        params=sum(p.numel() for p in params), tensors=len(params), counts=counts,
+        params=sum(p.numel() for p in params), tensors=len(params), counts=counts, limit=pipe.limit,
     )
 
 
@@ -576,7 +593,7 @@ def format_table(rows: list[Row]) -> str:
     head = ["model", "pipeline", "nonfinite", "modopt ms", "torch ms", "modopt/torch", "repeats"]
     if has_tz:
         head += ["torchzero ms", "torchzero/modopt"]
-    head += ["ops/syncs/bytes modopt", "ops/syncs/bytes torch"]
+    head += ["ops/syncs/bytes modopt", "ops/syncs/bytes torch", "bytes limit"]
     head += ["extra mem modopt", "extra mem torch", "state modopt", "state torch", "diff"]
     lines = [head]
     for r in rows:
@@ -585,7 +602,8 @@ def format_table(rows: list[Row]) -> str:
         if has_tz:
             line += [f"{r.torchzero_ms:.2f}" if r.torchzero_ms is not None else "-",
                      f"{r.torchzero_speedup:.2f}x" if r.torchzero_speedup is not None else "-"]
-        line += [_counts(r.counts.get("modopt")), _counts(r.counts.get("torch"))]
+        line += [_counts(r.counts.get("modopt")), _counts(r.counts.get("torch")),
+                 "-" if r.limit is None else f"{r.limit:g}P"]
         line += [f"{r.extra_modopt:.1f}%", f"{r.extra_torch:.1f}%", f"{r.state_modopt:.0f}%", f"{r.state_torch:.0f}%",
                  f"{r.diff:.1e}"]
         lines.append(line)
@@ -595,6 +613,8 @@ def format_table(rows: list[Row]) -> str:
     models = {r.model: f"- {r.model}: {r.params / 1e6:.2f}M parameters in {r.tensors} tensors" for r in rows}
     notes = list(models.values())
     notes += sorted({f"- {r.pipeline} ({r.nonfinite}): the torch side is {r.torch_label}" for r in rows})
+    why = {p.name: p.limit_why for p in PIPELINES if p.limit is not None}
+    notes += [f"- bytes limit of {name}: {why[name]}" for name in dict.fromkeys(r.pipeline for r in rows) if name in why]
     if torchzero() is None:
         notes.append("- torchzero is not importable: no torchzero column")
     return "\n".join(out + [""] + notes)
