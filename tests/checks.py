@@ -37,3 +37,27 @@ def train(model, opt, n, seed=0):
         opt.zero_grad()
         model(torch.randn(5, 3, generator=g)).pow(2).sum().backward()
         opt.step()
+
+
+def needs_the_host():
+    """A transform that changes nothing and does not declare `skips_on_device()`: a pipeline holding
+    it decides the non-finite skip on the host (one sync a step), the way to test that path."""
+    return _NeedsTheHost()
+
+
+def _make_needs_the_host():
+    import modopt as mo
+
+    class _NeedsTheHost(mo.Transform):  # (a leading underscore: the registry's checks pass it by)
+        """Changes nothing; does not declare `skips_on_device()` (tests only)."""
+
+        positional = None
+        update_access = "none"  # it neither reads nor writes them: the norm memo passes by it
+
+        def apply(self, ctx, st, updates):
+            return updates
+
+    return _NeedsTheHost
+
+
+_NeedsTheHost = _make_needs_the_host()

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import modopt as mo
+from checks import needs_the_host
 from modopt.core.norms import combine_pnorms
 
 
@@ -126,10 +127,10 @@ def count_syncs(fn):
 )
 def test_finite_but_huge_gradients_are_not_skipped_when_the_host_decides(dtype, value):
     """Their squares overflow the 2-norm's accumulator; the host's exact fallback calls them finite.
-    (SGD with dampening keeps its momentum only with the host's decision: this pipeline decides on the host.)"""
+    (`needs_the_host()` makes this pipeline decide on the host.)"""
     p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
     p.grad = torch.full((1000,), value, dtype=dtype)
-    opt = mo.Modular([p], mo.SGD(lr=1e-40 if dtype != torch.float16 else 1e-8, momentum=0.5, dampening=0.1))
+    opt = mo.Modular([p], needs_the_host(), mo.SGD(lr=1e-40 if dtype != torch.float16 else 1e-8, momentum=0.5, dampening=0.1))
     assert not opt._skip_on_device
     opt.step()
     assert not bool(opt.stats["skipped"]) and not bool(opt.stats["nonfinite"])
@@ -195,8 +196,8 @@ def test_default_check_needs_no_sync_and_its_norms_serve_clipnorm(monkeypatch):
     p.grad, q.grad = torch.randn(100), torch.full((7,), float("nan"))
     assert count_syncs(opt.step) == 0
     assert calls == [("memo", 2.0)] and bool(opt.stats["skipped"])
-    # decided on the host (SGD's momentum with dampening needs it): one sync, the exact check only on a bad step
-    opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.SGD(momentum=0.9, dampening=0.1))
+    # decided on the host (a transform that needs it): one sync, the exact check only on a bad step
+    opt = mo.Modular([p, q], needs_the_host(), mo.ClipNorm(1.0), mo.SGD(momentum=0.9, dampening=0.1))
     calls.clear()
     p.grad, q.grad = torch.randn(100), torch.randn(7)
     assert count_syncs(opt.step) == 1 and calls == [("memo", 2.0)]

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
+from checks import needs_the_host
 
 
 class SyncCounter(TorchDispatchMode):
@@ -73,7 +74,8 @@ def test_step_has_no_host_sync(name):
 @pytest.mark.parametrize("policy,make,syncs", [
     ("skip", lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 0),  # decided on the device
     ("skip", lambda: [mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9)], 0),  # SGD without dampening: on the device
-    ("skip", lambda: [mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1)], 4),  # with dampening: on the host
+    ("skip", lambda: [mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1)], 0),  # with dampening too
+    ("skip", lambda: [needs_the_host(), mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 4),  # a transform that needs the host
     ("raise", lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 4),  # it must raise: one sync a step
 ])
 def test_host_syncs_per_step_by_policy(policy, make, syncs):
@@ -312,8 +314,8 @@ def test_compiled_step_keeps_its_stats():
 def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
     torch._dynamo.reset()
     params = _params()
-    # SGD with dampening keeps its buffers only with the host's decision; raise always decides on the host
-    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1), nonfinite=policy)
+    # a transform that does not declare skips_on_device() needs the host's decision; raise always does
+    opt = mo.Modular(params, needs_the_host(), mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9), nonfinite=policy)
     _set_grads(params, 0)
     with pytest.raises(torch._dynamo.exc.Unsupported) as err:
         torch.compile(opt.step, fullgraph=True)()
@@ -325,12 +327,12 @@ def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
 
 def test_plain_compile_with_a_host_decision_skips_like_eager():
     """``torch.compile(opt.step)`` with ``nonfinite="skip"`` and a pipeline that needs the host's
-    decision (SGD's momentum with dampening): one graph break per step, at that decision; a non-finite step, the
+    decision (a transform that does not declare `skips_on_device()`): one graph break per step, at that decision; a non-finite step, the
     first one included, leaves parameters and state untouched."""
     torch._dynamo.reset()
     a, b = _params(), _params()
-    eager = mo.Modular(a, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1))
-    compiled = mo.Modular(b, mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1))
+    eager = mo.Modular(a, needs_the_host(), mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1))
+    compiled = mo.Modular(b, needs_the_host(), mo.ClipNorm(1.0), mo.SGD(lr=1e-2, momentum=0.9, dampening=0.1))
     step = torch.compile(compiled.step)
     for i in range(5):
         _set_grads(a, i)

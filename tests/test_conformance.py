@@ -9,6 +9,8 @@ several param groups. (Config round trips of every field: tests/test_config.py.)
 from __future__ import annotations
 
 import io
+from contextlib import nullcontext
+from unittest import mock
 import math
 
 import pytest
@@ -162,22 +164,36 @@ def test_params_without_grad_are_skipped(name, t):
 @pytest.mark.parametrize("name,t", EXAMPLES, ids=IDS)
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_nonfinite_gradient_skips_the_step_and_keeps_state(name, t, bad):
-    model = make_model()
-    opt = build(t, model)
-    steps(opt, model, 3, seed=4)
-    before_params, before_state = params_of(model), state_snapshot(opt)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    model[0].weight.grad[0, 0] = bad
-    opt.step()
-    assert bool(opt.stats["skipped"]) and int(opt.stats["skipped_steps"]) == 1
-    for a, b in zip(before_params, params_of(model)):
-        assert torch.equal(a, b)
-    after = state_snapshot(opt)
-    for k in ("/modopt/skipped_steps", "/param_groups/0/modopt/skipped_steps"):  # the counter and its DCP copy
-        after.pop(k)
-        before_state.pop(k)
-    assert_snapshots_equal(before_state, after)
+    """A skipped step leaves the parameters and every state as they were; a transform that counts every
+    call (`on_host_skip`: Accumulate's cycle) leaves its state as the host's skip of the same call does."""
+    ends = []
+    for host in (False, True):
+        model = make_model()
+        opt = build(t, model)
+        with mock.patch.object(type(opt), "_skip_on_device", property(lambda self: False)) if host else nullcontext():
+            steps(opt, model, 3, seed=4)
+            before_params, before_state = params_of(model), state_snapshot(opt)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            model[0].weight.grad[0, 0] = bad
+            opt.step()
+        assert bool(opt.stats["skipped"]) and int(opt.stats["skipped_steps"]) == 1
+        for a, b in zip(before_params, params_of(model)):
+            assert torch.equal(a, b)
+        after = state_snapshot(opt)
+        for k in ("/modopt/skipped_steps", "/param_groups/0/modopt/skipped_steps"):  # the counter and its DCP copy
+            after.pop(k)
+            before_state.pop(k)
+        ends.append((before_state, after))
+        if not counts_every_call(t):
+            assert_snapshots_equal(before_state, after)
+            return  # (the host path keeps everything by not running: nothing to compare)
+    assert_snapshots_equal(ends[0][1], ends[1][1])  # the device's skip and the host's count the call alike
+
+
+def counts_every_call(t) -> bool:
+    """Whether `t` (or a transform inside it) keeps state that counts skipped calls too (`on_host_skip`)."""
+    return any(type(x).on_host_skip is not mo.Transform.on_host_skip for _, x in walk([t]))
 
 
 @pytest.mark.parametrize("name,t", EXAMPLES, ids=IDS)

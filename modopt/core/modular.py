@@ -315,7 +315,11 @@ class Modular(torch.optim.Optimizer):
                     stats["skipped"] = ctx.skip
                 else:
                     stats["skipped"] = torch.zeros((), dtype=torch.bool)
-            else:
+            else:  # the host skips it: the chain does not run, each transform hears of the call
+                from .runner import TransformState
+
+                for key, t in walk(self.transforms):
+                    t.on_host_skip(ctx, TransformState(ctx, key))
                 stats["skipped_steps"] = self._count_skipped(1)
                 stats["skipped"] = torch.ones((), dtype=torch.bool)
         if "skipped_steps" not in stats:
@@ -353,7 +357,7 @@ class Modular(torch.optim.Optimizer):
     @property
     def _skip_on_device(self) -> bool:
         """`nonfinite="skip"` decides on the device: every transform keeps its state on a skipped step,
-        with the param groups as they are now (SGD: only without dampening)."""
+        with the param groups as they are now (`TorchOptimizer` answers per wrapped class and group)."""
         return all(t.skips_on_device(self.param_groups) for t in self.transforms)
 
     @property

@@ -55,10 +55,11 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
 
     With `on_device` (only for `"skip"`, when every transform of the pipeline
     `skips_on_device()`), the decision stays on the device: `ctx.skip` is set to
-    the 0-d bool "some 2-norm is not finite" (all-reduced under FSDP2) and the
-    chain runs, keeping every state on a skipped step; no host sync at all. A
-    gradient whose 2-norm overflows the accumulator (finite float32 elements
-    beyond about 1.8e19) then counts as non-finite, as in the careful torch loop
+    the 0-d bool "the total 2-norm is not finite" (from all-reduced norms under
+    FSDP2: every rank decides alike) and the chain runs, keeping every state on
+    a skipped step; no host sync at all. Gradients whose total 2-norm overflows
+    the accumulator (finite float32 elements beyond about 1.8e19) then count as
+    non-finite, as in the careful torch loop
     (`if clip_grad_norm_(...).isfinite(): opt.step()`).
 
     One host sync per step when the gradients are finite (the common case):
@@ -128,9 +129,9 @@ FULLGRAPH_HINT = (
     "modopt: this step decides on the host whether it goes ahead (bool() of an on-device check, one sync "
     "per step), which a single graph cannot hold. That happens with nonfinite='raise', and with the default "
     "nonfinite='skip' when a transform of the pipeline keeps its state only with the host's decision "
-    "(Transform.skips_on_device() is False: SGD with momentum and dampening, Accumulate, "
-    "TorchOptimizer, an EMA with ema_init='update'). For torch.compile(opt.step, fullgraph=True), use transforms that skip on "
-    "the device, or build the optimizer with nonfinite='ignore' (no check) or nonfinite='zero' (non-finite "
+    "(Transform.skips_on_device() is False: a TorchOptimizer of a class its docstring does not list, or of "
+    "torch's SGD with momentum and dampening; a transform of your own that does not declare it). For "
+    "torch.compile(opt.step, fullgraph=True), use transforms that skip on the device, or build the optimizer with nonfinite='ignore' (no check) or nonfinite='zero' (non-finite "
     "gradient elements become 0, on the device); or keep the policy and compile without fullgraph=True "
     "(one graph break per step, at this decision)"
 )

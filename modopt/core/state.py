@@ -10,11 +10,21 @@ store under the same key. Both are saved by `state_dict`. The runtime store is
 a cache that is never saved (segment layouts, wrapped torch optimizers).
 `modopt.core.keys` writes and reads every one of these names, and a transform
 reaches its state through `modopt.core.runner.TransformState`.
+
+Also here, the one mechanism for a buffer whose first step is special when the
+device decides the skip (`SGD`'s momentum with dampening, the EMAs with
+`ema_init="update"`): a saved per-parameter `started` flag (`STARTED`,
+`started_flags`, `settle_flags`), so that a skipped first step leaves the
+buffer unstarted without a host sync.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+from .keys import value_key
 
 
 # --- buffer declarations (what a transform saves, checked when a checkpoint loads) ---------------
@@ -128,3 +138,85 @@ def declared_buffers(t: Any) -> dict[str, Buffer]:
     for name, b in spec.items():
         out[name] = b if isinstance(b, Buffer) else Buffer(b)
     return out
+
+
+# --- "started" flags: state that a skipped first step must leave unstarted, decided on the device ------
+#: a per-parameter 0-d bool saved next to a buffer whose first step is special (SGD's momentum with
+#: dampening: torch starts it as the gradient; an EMA with ema_init="update": it starts as the update).
+#: The device path creates the buffer (zeros) with the flag False and sets the flag on the first step
+#: that goes ahead; a buffer without a flag (made by the host path, or in a checkpoint from before the
+#: flags) has started.
+STARTED = Buffer("fixed", shape=())
+
+
+def started_flags(st, states: list[dict]) -> list[torch.Tensor | None]:
+    """The `started` flag of each of `states` (per-parameter state dicts), None where it has none.
+
+    A flag of another dtype (a hand-edited checkpoint) becomes a bool here (host-side, no sync)."""
+    k = value_key(st.key, "started")
+    out = []
+    for s in states:
+        f = s.get(k)
+        if f is not None and f.dtype != torch.bool:
+            f = s[k] = f != 0
+        out.append(f)
+    return out
+
+
+def new_flag(like: torch.Tensor) -> torch.Tensor:
+    """A `started` flag for a buffer the device path creates: not started."""
+    return torch.zeros((), dtype=torch.bool, device=like.device)
+
+
+def settle_flags(st, tag: Any, states: list[dict], flags: list[torch.Tensor | None], proceed,
+                 fresh: bool = False) -> None:
+    """After a step that used `flags` (one per state of `states`, None: no flag): on the device path
+    (`proceed`, a 0-d bool tensor) `flag |= proceed`; on the host path (`proceed` None: the step went
+    ahead) the flags are dropped, since every buffer has started.
+
+    The device path packs the flags of one call site (`tag`) into one tensor the first time it sees them
+    (the state holds views of it, as `_bump_steps` does with step counts): one op per step, not one per
+    parameter. Compiled, one op per flag (which inductor fuses). With `fresh` (every flag was created
+    by this step) the packed flags are known to be equal, and stay so while every step updates all of
+    them together (`same_flags`)."""
+    k = value_key(st.key, "started")
+    pairs = [(s, f) for s, f in zip(states, flags) if f is not None]
+    if not pairs:
+        return
+    if proceed is None:
+        for s, _ in pairs:
+            s.pop(k, None)
+        return
+    fs = [f for _, f in pairs]
+    if torch.compiler.is_compiling():
+        for f in fs:
+            f.logical_or_(proceed)
+        return
+    key = ("packed_started", tag)
+    ent = st.runtime.get(key)
+    if ent is None or len(ent[1]) != len(fs) or not all(x is y for x, y in zip(ent[1], fs)):
+        flat = torch.stack(fs)
+        views = list(flat.unbind(0))
+        for (s, _), view in zip(pairs, views):
+            s[k] = view
+        ent = st.runtime[key] = (flat, views, fresh or len(fs) == 1)
+    ent[0].logical_or_(proceed)
+
+
+def same_flags(st, tag: Any, fs: list[torch.Tensor], fresh: bool) -> bool:
+    """Whether the flags `fs` are known on the host to hold one value: all created by this step
+    (`fresh`), or all in a packed set of `settle_flags(tag)` made of such flags and updated as one."""
+    if fresh or len(fs) == 1:
+        return True
+    ent = st.runtime.get(("packed_started", tag))
+    if ent is None or not ent[2]:
+        return False
+    ids = {id(v) for v in ent[1]}
+    return all(id(f) in ids for f in fs)
+
+
+def proceed_flag(ctx) -> torch.Tensor | None:
+    """`~ctx.skip` (the step goes ahead), or None when the host decided."""
+    if ctx.skip is None:
+        return None
+    return ctx.proceed if ctx.proceed is not None else ~ctx.skip

@@ -131,6 +131,13 @@ class Transform(BaseModel):
 
     Subclasses declare their hyperparameters as pydantic fields and implement
     `apply()`. Every concrete subclass is registered under its class name.
+
+    When the host skips a step (the non-finite policy decided on the host: the chain does not
+    run at all), `Modular` calls `on_host_skip()` instead, on every transform of the pipeline,
+    nested ones included. It does nothing by default; a transform whose state counts
+    `opt.step()` calls whatever their gradients (`Accumulate`'s cycle) overrides it, so that
+    both ways of skipping (on the device, where the chain runs with `ctx.skip`, and on the
+    host) leave it in the same state.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -267,6 +274,18 @@ class Transform(BaseModel):
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
+
+    def on_host_skip(self, ctx: Step, st: TransformState) -> None:
+        """The host skipped this step: the chain did not run (`apply` is not called for it).
+
+        Called by `Modular.step` for every transform of the pipeline (nested ones included,
+        whether or not `apply` would have reached it), with the step over the parameters
+        that have a gradient and this transform's state. The default does nothing: a
+        skipped step leaves the state as it was. Override it only for state that must see
+        every call, skipped or not, and change nothing there that a step the device skips
+        (`ctx.skip`) would not change too. (`modopt.attach` does not call it: a transform that
+        overrides it is not attachable.)
+        """
 
     # --- what the runner and the linter may rely on ----------------------------------
     #: True when the transform leaves its state bit-identical on a step the device decided to skip

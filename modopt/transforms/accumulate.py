@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 from pydantic import PositiveInt
 
+from ..core import distributed
 from ..core.keys import value_key
 from ..core.norms import acc_dtype
 from ..core.state import Buffer
@@ -19,7 +20,8 @@ class Accumulate(Transform):
     r"""Average the updates of `steps` calls; only every `steps`-th call goes on.
 
     $$
-    s \leftarrow s + u; \quad \text{on call } k\,\text{steps}:\; u \leftarrow s / \text{steps},\; s \leftarrow 0
+    s \leftarrow s + [u \text{ finite}]\,u,\; n \leftarrow n + [u \text{ finite}]; \quad
+    \text{on call } k\,\text{steps}:\; u \leftarrow s / \max(n, 1),\; s, n \leftarrow 0
     $$
 
     On the other calls it returns None: the transforms after it do not run and
@@ -30,9 +32,24 @@ class Accumulate(Transform):
     (as with torch, which skips parameters whose `.grad` is None), and what it
     accumulated earlier in the cycle is dropped: every cycle's sums are cleared
     at its end, so nothing leaks into the next cycle.
-    A step skipped by the non-finite policy is not a call. Count LR-scheduler
-    steps accordingly (they see every micro-step). `Accumulate` cannot be
-    used with `modopt.attach()` (a pre-hook cannot stop the optimizer).
+
+    Every `opt.step()` call is a call of the cycle, also one the non-finite
+    policy skips: the cycle ends on every `steps`-th call, counted on the host
+    (a Python number: no sync). A skipped call adds nothing to the sums; a
+    counter on the device counts the calls that did, and the update is the
+    mean over them (with every micro-batch finite: exactly the sum divided by
+    `steps`). A skipped final call skips the cycle's step (the parameters and
+    the later transforms' state stay as they were) and drops its sums.
+    Why: the skip is then decided on the device, so a micro-batch loop on a
+    GPU never waits for the device (and `torch.compile(fullgraph=True)` holds
+    it), and the cycle stays aligned with the loop's micro-batches and with an
+    LR scheduler stepped on every call. When the host decides (another
+    transform needs it), a call it skips is counted the same way
+    (`on_host_skip`). The price, only when the device decides: one more pass
+    over the updates on every call (a `masked_fill_` with the on-device flag,
+    which zeroes them on a skipped call; fused into the sum when compiled).
+    `Accumulate` cannot be used with `modopt.attach()` (a
+    pre-hook cannot stop the optimizer).
 
     Reproduces shrew's `GradAccumulator` and optax's `MultiSteps`.
 
@@ -51,11 +68,23 @@ class Accumulate(Transform):
     positional = "steps"
 
     steps: PositiveInt
-    state_buffers: ClassVar[dict] = {"sum": Buffer("param", dtype="acc"), "calls": "counter"}
+    # "calls": the host's count of calls in this cycle (every call); "count": the device's count of the
+    # calls that added to the sums (a checkpoint written before it existed has only finite calls: see _count)
+    state_buffers: ClassVar[dict] = {"sum": Buffer("param", dtype="acc"), "calls": "counter", "count": "counter"}
     attachable: ClassVar[bool] = False
+    device_skip: ClassVar[bool] = True  # a skipped call adds zeros and does not count; the host counts calls
 
     def apply(self, ctx, st, updates):
         sums = st.buffers("sum", lambda i, p: torch.zeros_like(updates[i], dtype=acc_dtype(updates[i].dtype)))
+        count = self._count(st, updates[0].device)
+        if ctx.skip is None:  # the host decided: this call goes ahead
+            count = count + 1
+        else:  # the device decides: a skipped call adds zeros and is not counted
+            count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
+            if torch.compiler.is_compiling():  # a where fuses into the sum
+                updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
+            else:
+                ctx.clean_(updates)
         same = [i for i, (u, s) in enumerate(zip(updates, sums)) if u.dtype == s.dtype]
         if len(same) == len(updates):
             torch._foreach_add_(sums, updates)
@@ -63,17 +92,46 @@ class Accumulate(Transform):
             torch._foreach_add_(sums, [u.to(s.dtype) for u, s in zip(updates, sums)])
         calls = int(st.store.get("calls", 0)) + 1
         if calls < self.steps:
-            st.store["calls"] = calls
+            st.store["calls"], st.store["count"] = calls, count
             return None
         st.store["calls"] = 0
-        # the mean goes into the update buffers themselves: no full-size copy
-        torch._foreach_div_(sums, float(self.steps))
-        torch._foreach_copy_(updates, sums)
-        self._end_cycle(ctx, st)
+        # the mean over the calls that added; the same bits as dividing by float(steps) when all did
+        # (a correctly rounded division either way). It goes into the update buffers themselves.
+        n = count.clamp(min=1)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for s in sums:
+            by_dtype.setdefault(s.dtype, []).append(s)
+        for dtype, group in by_dtype.items():  # (a divisor of the sums' own dtype: torch's fast foreach path)
+            torch._foreach_div_(group, n.to(dtype))
+        distributed.copy_(updates, sums)
+        self._end_cycle(ctx, st, count)
         return updates
 
-    def _end_cycle(self, ctx, st) -> None:
-        """Clear every sum of the cycle, also of parameters without a gradient on this final call."""
+    def on_host_skip(self, ctx, st):
+        """A call the host skipped: it adds nothing, but counts towards the cycle (and may end it)."""
+        count = self._count(st, ctx.params[0].device)
+        calls = int(st.store.get("calls", 0)) + 1
+        if calls < self.steps:
+            st.store["calls"], st.store["count"] = calls, count
+            return
+        st.store["calls"] = 0
+        self._end_cycle(ctx, st, count)
+
+    @staticmethod
+    def _count(st, device) -> torch.Tensor:
+        """The device's count of the calls of this cycle that added to the sums (0-d int64).
+
+        Missing in a new optimizer and in a checkpoint written before it existed: there every
+        call counted so far was finite (a skipped one was not a call), so it starts at `calls`.
+        """
+        count = st.store.get("count")
+        if count is None:
+            count = torch.full((), int(st.store.get("calls", 0)), dtype=torch.int64, device=device)
+        return count
+
+    def _end_cycle(self, ctx, st, count: torch.Tensor) -> None:
+        """Clear the count and every sum of the cycle, also of parameters without a gradient on this final call."""
+        st.store["count"] = torch.zeros_like(count)
         k = value_key(st.key, "sum")
         stale = [s[k] for s in ctx.host.state.values() if k in s]
         if stale:

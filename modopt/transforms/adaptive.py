@@ -333,9 +333,20 @@ class AutoClip(Scoped):
     Each step appends the pre-clip norm `g` to the history (every step, or
     the last `window` steps), then clips the update to the history's
     `percentile`-th percentile `c` (linear interpolation, as
-    `numpy.percentile`): scale `min(1, c / (g + eps))`. Non-finite norms
-    are kept out of the history. Without `window` the history grows by one
-    value per step (and so does the checkpoint); set `window` for long runs.
+    `numpy.percentile`): scale `min(1, c / (g + eps))`. A non-finite norm
+    on a step that goes ahead (`nonfinite="ignore"`, or a norm that
+    overflows) takes its place in the history but never counts in the
+    percentile; a skipped step appends nothing. Without `window` the
+    history grows by one value per step (and so does the checkpoint); set
+    `window` for long runs.
+
+    A segment's history is a buffer and its `length`, a device counter:
+    the first `length` entries, oldest first, are the norms, the rest is
+    unused room (+inf). The host alone sizes the buffer (`window` slots
+    from the first call; without a window, one more slot per call), so no
+    shape depends on a value and a step the device skips leaves the
+    norms and the length as they were, with no host sync (without a
+    window the room still gains its slot).
 
     Defaults: `percentile=10`, `window=None`, `ord=2`, `eps=1e-6`,
     `scope="global"`. `dim` (slice-wise statistics) is not supported.
@@ -355,12 +366,18 @@ class AutoClip(Scoped):
     """
 
     positional = "percentile"
+    device_skip = True  # keeps its history on a step the device skips
 
     percentile: float = Field(10.0, ge=0.0, le=100.0)
     window: Optional[PositiveInt] = None
     ord: Ord = 2.0
     eps: NonNegativeFloat = 1e-6
-    state_buffers: ClassVar[dict] = {"history": Buffer("history", low=0)}
+    state_buffers: ClassVar[dict] = {
+        # per segment: the norms, oldest first, in the first `length` entries, then unused room (+inf; a
+        # non-finite norm is +inf too); a checkpoint from before "length" has every entry in use
+        "history": Buffer("history", low=0, finite=False),
+        "length": Buffer("counter"),
+    }
 
     @model_validator(mode="after")
     def _no_dims(self):
@@ -372,22 +389,47 @@ class AutoClip(Scoped):
         seg = self.segments(ctx, st)
         g = seg.reduce(updates, self.ord).abs()
         q = self.percentile / 100.0
+        go = None if ctx.skip is None else (ctx.proceed if ctx.proceed is not None else ~ctx.skip)  # the step goes ahead
         thresholds = []
-        for (where, key, _, _), gs in zip(seg.slots(st, "history"), g.unbind(0)):
-            old = where.get(key)
-            if old is None:
-                old = torch.zeros(0, dtype=gs.dtype, device=gs.device)
-            x = torch.where(torch.isfinite(gs), gs, torch.full_like(gs, math.inf)).reshape(1).to(old.dtype)
-            hist = torch.cat([old, x])
-            if self.window is not None and hist.numel() > self.window:
-                hist = hist[-self.window :]
-            where[key] = hist
-            thresholds.append(_percentile(hist, q).to(gs.dtype))
+        for (where, key, _, _), (_, lkey, _, _), gs in zip(seg.slots(st, "history"), seg.slots(st, "length"),
+                                                            g.unbind(0)):
+            hist, n = self._append(where.get(key), where.get(lkey), gs, go)
+            where[key], where[lkey] = hist, n
+            thresholds.append(_percentile(hist, q).to(gs.dtype))  # the room is +inf: not counted
         c = torch.stack(thresholds)
         scale = clip_to(g, c, self.eps)
         seg.mul_(updates, scale)
         record_clip(st, g, scale, threshold=c)
         return updates
+
+    def _append(self, hist, n, g, go):
+        """The history buffer and its length with the norm `g` (0-d) appended, unless `go` (0-d bool,
+        or None: the step goes ahead) is false: then the norms and the length stay as they were.
+
+        Every shape is the host's: with a `window` the buffer has its size from the first call,
+        without one it gains a slot (+inf) per call. In a full window the oldest norm moves out
+        (a shift by one) and the new one goes last."""
+        if hist is None:
+            hist, n = g.new_zeros(0), torch.zeros((), dtype=torch.int64, device=g.device)
+        elif not isinstance(n, torch.Tensor):  # a checkpoint from before "length" (None), or a plain number
+            n = torch.tensor(hist.numel() if n is None else int(n), dtype=torch.int64, device=hist.device)
+        old = hist.numel()
+        size = old + 1 if self.window is None else self.window
+        if size > old:
+            hist = torch.nn.functional.pad(hist, (0, size - old), value=math.inf)
+        else:
+            if size < old:  # a smaller window than the checkpoint's: keep the newest norms
+                drop = (n - size).clamp(min=0)
+                hist, n = hist.index_select(0, torch.arange(size, device=hist.device) + drop), n - drop
+            full = n >= size
+            hist = torch.where(full if go is None else full & go, hist.roll(-1), hist)
+        pos = n.clamp(max=size - 1).reshape(1)
+        x = g.nan_to_num(nan=math.inf, posinf=math.inf).reshape(1).to(hist.dtype)  # a non-finite norm: +inf
+        if go is not None:  # a skipped step writes back what is there
+            x = torch.where(go, x, hist.index_select(0, pos))
+        hist.index_copy_(0, pos, x)  # (hist is this call's own tensor)
+        n = n + (1 if go is None else go)
+        return hist, n if size > old else n.clamp(max=size)
 
 
 def _percentile(hist: torch.Tensor, q: float) -> torch.Tensor:

@@ -18,9 +18,11 @@ from typing import ClassVar, Literal, Optional
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
+from ..core import distributed
+from ..core.keys import value_key
 from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
-from ..core.state import Buffer
+from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
 from ._util import below_one, record_clip
 
@@ -35,12 +37,10 @@ class _NormEMA(Scoped, abstract=True):
     eps: NonNegativeFloat = 1e-6
     max_ema_growth: Optional[PositiveFloat] = 1.5
     ema_init: EmaInit = "zeros"
-    state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": Buffer("segment", low=0)}
+    # "started": ema_init="update" only, see `_ema_from_update`
+    state_buffers: ClassVar[dict] = {"ema": "param", "prev_ema_norm": Buffer("segment", low=0), "started": STARTED}
     normalize: ClassVar[bool] = False
-
-    def skips_on_device(self, groups=None):
-        # a skipped step must not create the EMA from its update: with ema_init="update" the host decides
-        return self.ema_init == "zeros"
+    device_skip = True  # keeps its state on a step the device skips (ema_init="update": the started flags)
 
     def apply(self, ctx, st, updates):
         seg = self.segments(ctx, st)
@@ -55,16 +55,23 @@ class _NormEMA(Scoped, abstract=True):
         if ctx.skip is not None:
             ok = ok & (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
         ok_t = seg.expand(ok)
+        flags = None
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m = st.buffers("ema", lambda i, p: torch.where(ok_t[i], updates[i], 0).to(updates[i].dtype))
+            m, flags, fresh = _ema_from_update(ctx, st, updates, lambda i: torch.where(ok_t[i], updates[i], 0))
         # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
         per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
         weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
+        if flags is not None and any(f is not None for f in flags):
+            # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
+            # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
+            self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
         torch._foreach_lerp_(m, updates, weights)
+        if flags is not None:
+            settle_flags(st, "ema", ctx.param_states(), flags, proceed_flag(ctx), fresh)
         nm = seg.reduce(m, self.ord)
         nm = nm.abs() if signed else nm
         if self.max_ema_growth is not None:
@@ -84,9 +91,56 @@ class _NormEMA(Scoped, abstract=True):
         record_clip(st, nu, scale, ema_norm=nm)
         return updates
 
+    @staticmethod
+    def _first_weights(st, seg, ok, w, m, flags, fresh, weights) -> None:
+        """`weights[i] = where(started, w, ok)` for the flagged parameters: one op per dtype when the
+        flags are known to be equal (the common case: created together), else one per parameter."""
+        fl = [i for i, f in enumerate(flags) if f is not None]
+        dts = {m[i].dtype for i in fl}
+        if same_flags(st, "ema", [flags[i] for i in fl], fresh):
+            first = {dt: seg.expand(torch.where(flags[fl[0]], ok.to(dt) * w, ok.to(dt))) for dt in dts}
+            for i in fl:
+                weights[i] = first[m[i].dtype][i]
+            return
+        start = {dt: seg.expand(ok.to(dt)) for dt in dts}
+        for i in fl:
+            weights[i] = torch.where(flags[i], weights[i], start[m[i].dtype][i])
+
     def positive_scale(self):
         # eps > 0 keeps the EMA's norm, and so the factor, away from 0
         return (self.scope, self.dim, self.inverse_dims) if self.eps > 0 else None
+
+
+def _ema_from_update(ctx, st, updates, first) -> tuple[list[torch.Tensor], list, bool]:
+    """The EMAs `m` of an `ema_init="update"` transform, their `started` flags and whether every flag
+    was created now.
+
+    The host path (the step goes ahead) creates a missing EMA as `first(i)`, the update (as before).
+    The device path cannot know whether this step goes ahead: it creates zeros and a False flag (a
+    per-parameter 0-d bool, `STARTED`), and the step's weights start the EMA from the update on the
+    first step that goes ahead (`settle_flags` then sets the flag). An EMA without a flag has started.
+    """
+    k = value_key(st.key, "ema")
+    states = ctx.param_states()
+    flags = started_flags(st, states)
+    fresh = True
+    m = []
+    for i, s in enumerate(states):
+        mi = s.get(k)
+        if mi is None:
+            if ctx.skip is None:
+                mi = first(i).to(updates[i].dtype)
+            else:
+                mi = torch.zeros_like(updates[i])
+                if flags[i] is None:
+                    flags[i] = s[value_key(st.key, "started")] = new_flag(updates[i])
+                else:
+                    fresh = False
+            s[k] = mi
+        elif flags[i] is not None:
+            fresh = False
+        m.append(mi)
+    return m, flags, fresh
 
 
 class ClipNormByEMA(_NormEMA):
@@ -189,22 +243,38 @@ class ClipValueByEMA(Transform):
 
     beta: float = Field(0.99, ge=0.0, lt=1.0)
     ema_init: EmaInit = "zeros"
-    state_buffers: ClassVar[dict] = {"ema": Buffer("param", low=0)}  # an EMA of |u|
-
-    def skips_on_device(self, groups=None):
-        return self.ema_init == "zeros"  # as ClipNormByEMA
+    state_buffers: ClassVar[dict] = {"ema": Buffer("param", low=0), "started": STARTED}  # an EMA of |u|
+    device_skip = True  # keeps its state on a step the device skips (ema_init="update": the started flags)
 
     def apply(self, ctx, st, updates):
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m = st.buffers("ema", lambda i, p: updates[i].detach().abs())
+            m, flags, fresh = _ema_from_update(ctx, st, updates, lambda i: updates[i].detach().abs())
+            if any(f is not None for f in flags):
+                self._from_update(ctx, st, updates, m, flags, fresh)
+                return self._clamp(st, updates, m)
         if ctx.skip is None:
             torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
         else:  # the same lerp on copies (the same rounding in every dtype), then the old m on a skipped step
             new = [mi.clone() for mi in m]
             torch._foreach_lerp_(new, torch._foreach_abs(updates), 1.0 - self.beta)
-            torch._foreach_copy_(m, [ctx.keep(n, old) for old, n in zip(m, new)])
+            distributed.copy_(m, [ctx.keep(n, old) for old, n in zip(m, new)])
+        return self._clamp(st, updates, m)
+
+    def _from_update(self, ctx, st, updates, m, flags, fresh) -> None:
+        """The EMA step where some EMAs have a `started` flag (see `_ema_from_update`): the same lerp on
+        copies, then `|u|` where an EMA has not started (the host path's `m = |u|`, which the lerp keeps),
+        and the old `m` on a skipped step. One pass over the flagged EMAs more than without flags."""
+        absu = torch._foreach_abs(updates)
+        new = [mi.clone() for mi in m]
+        torch._foreach_lerp_(new, absu, 1.0 - self.beta)
+        new = [n if f is None else torch.where(f, n, a) for n, a, f in zip(new, absu, flags)]
+        distributed.copy_(m, [ctx.keep(n, old) for old, n in zip(m, new)])
+        settle_flags(st, "ema", ctx.param_states(), flags, proceed_flag(ctx), fresh)
+
+    @staticmethod
+    def _clamp(st, updates, m):
         clipped = []
         for mi, ui in zip(m, updates):
             clipped.append((ui.abs() > mi).any())

@@ -96,7 +96,7 @@ class ClipNormGrowth(Scoped, _Growth):
         scale = torch.where(on, below_one(allowed / n), torch.ones_like(n))
         new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
         ok = torch.isfinite(n)
-        seg.mul_(updates, scale)
+        st.scale_(seg, updates, scale)
         st.seg_set(seg, "prev_norm", torch.where(ok, new_r, r))
         st.seg_set(seg, "started", torch.where(ok, torch.ones_like(started), started))
         record_clip(st, n, scale, allowed=allowed)
@@ -113,9 +113,11 @@ class ClipValueGrowth(_Growth):
     The `ClipNormGrowth` rule elementwise, on `|u|`: with `r` the
     remembered magnitude of each element, `A = min(r + add, r * mul)`,
     `u <- clamp(u, -A, A)`, then `r <- max(|u_out|, r / max_decay, min_value)`.
-    The first step of a parameter passes through and sets
+    The first step of a parameter that goes ahead passes through and sets
     `r = max(|u|, min_value)`, so an element that was 0 is allowed
-    `min_value * mul`. Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`,
+    `min_value * mul`; a non-finite element keeps its `r`, and a skipped
+    step changes nothing (decided on the device: a per-parameter `started`
+    flag, no host sync). Defaults: `add=None`, `mul=1.5`, `min_value=1e-4`,
     `max_decay=2`. Reproduces torchzero's `ClipValueGrowth` (whose first step
     remembers the update with no `min_value` floor).
 
@@ -133,32 +135,39 @@ class ClipValueGrowth(_Growth):
     """
 
     positional = "mul"
+    device_skip = True  # keeps its state on a step the device skips
 
     add: Optional[PositiveFloat] = None
     mul: Optional[PositiveFloat] = 1.5
     min_value: NonNegativeFloat = 1e-4
     max_decay: Optional[float] = Field(2.0, ge=1.0)
-    state_buffers: ClassVar[dict] = {"prev": Buffer("param", dtype="acc", low=0)}
+    state_buffers: ClassVar[dict] = {
+        "prev": Buffer("param", dtype="acc", low=0),
+        "started": Buffer("segment", low=0),  # per parameter, 0-d: 1 once a step went ahead
+    }
 
     def apply(self, ctx, st, updates):
-        fresh = [not h for h in st.has_buffers("prev")]
-        fin = [torch.isfinite(u) for u in updates]
-
-        def init(i, p):
-            a = updates[i].abs().to(acc_dtype(updates[i].dtype)).clamp(min=self.min_value)
-            return torch.where(fin[i], a, torch.full_like(a, self.min_value))
-
-        rs = st.buffers("prev", init)
+        # a checkpoint from before "started" holds "prev" alone: that parameter has had its first step
+        had = st.has_buffers("prev")
+        rs = st.buffers("prev", lambda i, p: torch.full_like(updates[i], self.min_value, dtype=acc_dtype(updates[i].dtype)))
+        ss = st.buffers("started", lambda i, p: torch.full((), float(had[i]), dtype=rs[i].dtype, device=p.device))
+        go = None if ctx.skip is None else (ctx.proceed if ctx.proceed is not None else ~ctx.skip)  # the step goes ahead
         clipped = []
-        for u, r, f, new in zip(updates, rs, fin, fresh):
-            if new:  # first step of this parameter: pass through (r was set from it)
-                continue
-            allowed = self._allowed(r)
+        for u, r, s in zip(updates, rs, ss):
+            # the first step passes through (nothing is allowed less than inf) and remembers
+            # max(|u|, min_value): with r = min_value there, that is what `_remember` gives
+            allowed = self._allowed(r).masked_fill_(s == 0, math.inf)  # (_allowed makes a new tensor)
             c = u.to(r.dtype)
+            ok = torch.isfinite(c)  # a non-finite element keeps its r, and a skipped step all of them
+            ok = ok if go is None else ok & go
             clipped.append((c.abs() > allowed).any())
             c = c.clamp(min=-allowed, max=allowed)
             u.copy_(c)
-            r.copy_(torch.where(f, self._remember(c.abs(), r), r))
+            r.copy_(torch.where(ok, self._remember(c.abs(), r), r))
+            if go is None:
+                s.fill_(1.0)
+            else:
+                s.masked_fill_(go, 1.0)
         if clipped:
             st.record("clipped", torch.stack(clipped).any())
         return updates

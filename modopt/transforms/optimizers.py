@@ -22,7 +22,7 @@ from ..core import distributed, kernels
 from ..core.distributed import is_sharded
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
-from ..core.state import Buffer
+from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
 
 __all__ = ["LR", "SGD", "Adam", "AdamW", "TorchOptimizer"]
@@ -105,6 +105,48 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     flat.add_(by)
 
 
+def _sgd_started_(params, grads, bufs, started, skip, *, lr, weight_decay, momentum, dampening, nesterov):
+    """torch.optim.SGD's foreach formulas op for op (as `kernels.foreach_sgd_skip_`) for momentum buffers
+    with a `started` flag: where a flag is False the new buffer is the gradient, torch's first step,
+    else `momentum * b + (1 - dampening) * g`. With `skip` (a 0-d bool tensor) a skipped step keeps the
+    parameters and buffers. One more pass over the buffers than `foreach_sgd_skip_` (the flag's `where`)."""
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    new = [b.clone() for b in bufs]  # in place on copies: torch's rounding in every dtype
+    torch._foreach_mul_(new, momentum)
+    torch._foreach_add_(new, grads, alpha=1 - dampening)
+    new = [torch.where(f, n, g) for f, n, g in zip(started, new, grads)]
+    if skip is not None:
+        new = [torch.where(skip, b, n) for b, n in zip(bufs, new)]
+    distributed.copy_(bufs, new)
+    u = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+    if skip is not None:
+        u = [torch.where(skip, 0.0, x) for x in u]
+    torch._foreach_add_(params, u, alpha=-lr)
+
+
+def _fused_sgd_started_(params, grads, bufs, started, skip, same: bool, *, lr, weight_decay, momentum, dampening,
+                        nesterov):
+    """torch's fused SGD kernel for momentum buffers with a `started` flag: per flag value, one call as
+    a later step (`is_first_step=False`) where it is True and one as torch's first step (the buffer
+    becomes the gradient) where it is False, each made a no-op on the device by `found_inf` where it
+    does not apply (or where `skip` says the step is skipped). Both calls read nothing where they do
+    nothing: no pass more than the plain fused step, one kernel call more. With `same` (the flags are
+    known to be equal) one pair of calls serves them all; else one pair per parameter."""
+    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                 grad_scale=None)
+    flags = started[0].reshape(1) if same else torch.stack(started)
+    later, first = ~flags, flags  # 1: that call leaves everything as it is
+    if skip is not None:
+        later, first = later | skip, first | skip
+    later, first = later.to(torch.float32).unbind(0), first.to(torch.float32).unbind(0)
+    parts = [list(range(len(params)))] if same else [[j] for j in range(len(params))]
+    for n, js in enumerate(parts):
+        ps, gs, bs = [params[j] for j in js], [grads[j] for j in js], [bufs[j] for j in js]
+        kernels.fused_sgd_(ps, gs, bs, is_first_step=False, found_inf=later[n], **hyper)
+        kernels.fused_sgd_(ps, gs, bs, is_first_step=True, found_inf=first[n], **hyper)
+
+
 class LR(Transform):
     r"""Multiply the update by the learning rate: $u \leftarrow \text{lr}\cdot u$.
 
@@ -154,10 +196,19 @@ class SGD(_FusedOptimizer):
     $$
 
     Exposes `lr`, `momentum`, `dampening`, `nesterov`, `weight_decay` as group keys.
+
+    A step the device skips (`nonfinite="skip"`) leaves the parameters and the buffers as they
+    were, with no host sync, in every setting. Without dampening a momentum buffer starts at
+    zero, which the first step fills exactly as torch's (`momentum * 0 + g`): as the last
+    transform, torch's fused kernel skips on the device (`found_inf`). With dampening torch's
+    first buffer is `g`, not `(1 - dampening) g`: a buffer the device path creates gets a
+    saved `started` flag (a 0-d bool), and while it has one its step runs torch's foreach
+    formulas with `where(started, momentum b + (1 - dampening) g, g)`: one more pass over the
+    buffers than the fused kernel path, plus one op per step for the flags.
     """
 
     positional = "lr"
-    device_skip = True  # without dampening (skips_on_device)
+    device_skip = True  # keeps its state on a step the device skips (dampening: the started flags)
 
     lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
@@ -165,7 +216,8 @@ class SGD(_FusedOptimizer):
     nesterov: bool = False
     weight_decay: NonNegativeFloat = 0.0
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
-    state_buffers: ClassVar[dict] = {"momentum_buffer": "param"}
+    # "started": see `STARTED` (only buffers the device path created with dampening have one)
+    state_buffers: ClassVar[dict] = {"momentum_buffer": "param", "started": STARTED}
 
     @model_validator(mode="after")
     def _nesterov(self):
@@ -173,14 +225,26 @@ class SGD(_FusedOptimizer):
             raise ValueError("nesterov requires momentum > 0 and dampening = 0 (as torch.optim.SGD)")
         return self
 
-    def skips_on_device(self, groups=None):
-        # torch's first step starts the momentum buffer as the gradient. Started at zero instead, and
-        # updated as `mu * 0 + (1 - dampening) * g`, it is the same bit for bit only without dampening:
-        # a skipped first step then leaves a zero buffer that the next step fills exactly as torch does
-        def plain(g):
-            return g.get("momentum", self.momentum) == 0 or g.get("dampening", self.dampening) == 0
-
-        return all(plain(g) for g in (groups if groups is not None else [{}]))
+    def _start(self, ctx, st, a, b, g, bufs, grads):
+        """The `started` flags of `params[a:b]` (None: started, or no flag needed), and whether every
+        flag was created now. On the device path with dampening a missing buffer (in `bufs`) starts
+        as zeros with a False flag (torch's first buffer, `g`, is then chosen on the device)."""
+        flags = started_flags(st, st.step.param_states()[a:b])
+        starts = ctx.skip is not None and g["dampening"] != 0
+        fresh = True
+        if starts or any(f is not None for f in flags):
+            for i, buf in enumerate(bufs):
+                if buf is None and (starts or flags[i] is not None):  # (a flag without a buffer: not started)
+                    bufs[i] = torch.zeros_like(grads[i])
+                    if flags[i] is None:
+                        flags[i] = new_flag(grads[i])
+                        continue
+                fresh = fresh and flags[i] is None
+            k = value_key(st.key, "started")
+            for s, f in zip(st.step.param_states()[a:b], flags):
+                if f is not None:
+                    s[k] = f
+        return flags, fresh
 
     def _buffers(self, st, a, b):
         k = value_key(st.key, "momentum_buffer")
@@ -200,7 +264,24 @@ class SGD(_FusedOptimizer):
         for g, a, b in ctx.per_group():
             mu = g["momentum"]
             bufs = self._buffers(st, a, b) if mu != 0 else []
+            flags, fresh = self._start(ctx, st, a, b, g, bufs, updates[a:b]) if mu != 0 else ([], True)
+            flagged = any(f is not None for f in flags)
             for idx, fused, dtype in _plan(ctx, a, b, "sgd"):
+                if flagged:  # buffers that may not have started (see the class docstring)
+                    sel = range(b - a) if idx is None else idx
+                    mine = [i for i in sel if flags[i] is not None]
+                    if mine:
+                        ps, gs = [ctx.params[a + i] for i in mine], [updates[a + i] for i in mine]
+                        bs, fs = [bufs[i] for i in mine], [flags[i] for i in mine]
+                        hyper = dict(lr=g["lr"], weight_decay=g["weight_decay"], momentum=mu,
+                                     dampening=g["dampening"], nesterov=g["nesterov"])
+                        if fused:
+                            _fused_sgd_started_(ps, gs, bs, fs, skip, same_flags(st, (a, b), fs, fresh), **hyper)
+                        else:
+                            _sgd_started_(ps, gs, bs, fs, skip, **hyper)
+                        idx = [i for i in sel if flags[i] is None]
+                        if not idx:
+                            continue
                 params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
                 hyper = dict(weight_decay=g["weight_decay"], momentum=mu, lr=g["lr"], dampening=g["dampening"],
                              nesterov=g["nesterov"])
@@ -220,7 +301,7 @@ class SGD(_FusedOptimizer):
                     continue
                 sel = list(range(len(params))) if idx is None else idx
                 new = [j for j, i in enumerate(sel) if bufs[i] is None]
-                if new and skip is not None:  # a zero buffer (see skips_on_device): then a step like any other
+                if new and skip is not None:  # a zero buffer (no dampening here): then a step like any other
                     for j in new:
                         bufs[sel[j]] = torch.zeros_like(grads[j])
                     new = []
@@ -238,6 +319,8 @@ class SGD(_FusedOptimizer):
                                       is_first_step=False, grad_scale=None, **hyper)
             if mu != 0:
                 self._save_buffers(st, a, b, bufs)
+            if flagged:
+                settle_flags(st, (a, b), st.step.param_states()[a:b], flags, proceed_flag(ctx), fresh)
         return True
 
     def apply(self, ctx, st, updates):
@@ -252,20 +335,25 @@ class SGD(_FusedOptimizer):
             mu = g["momentum"]
             if mu != 0:
                 bufs = self._buffers(st, a, b)
+                flags, _ = self._start(ctx, st, a, b, g, bufs, grads)
                 for i, (buf, grad) in enumerate(zip(bufs, grads)):
-                    if skip is None:
+                    if skip is None and flags[i] is None:
                         if buf is None:
                             bufs[i] = grad.detach().clone()
                         else:
                             buf.mul_(mu).add_(grad, alpha=1 - g["dampening"])
                         continue
-                    if buf is None:  # a zero buffer (see skips_on_device)
+                    if buf is None:  # a zero buffer, which `mu * 0 + g` fills as torch's first step
                         buf = bufs[i] = torch.zeros_like(grad)
                     # the same in-place arithmetic on a copy (the same rounding as above, in every dtype),
-                    # then the old buffer where the step is skipped
+                    # torch's first buffer (the gradient) where it has not started, and the old buffer
+                    # where the step is skipped
                     new = buf.clone().mul_(mu).add_(grad, alpha=1 - g["dampening"])
+                    if flags[i] is not None:
+                        new = torch.where(flags[i], new, grad)
                     buf.copy_(ctx.keep(new, buf))
                 self._save_buffers(st, a, b, bufs)
+                settle_flags(st, ("apply", a, b), st.step.param_states()[a:b], flags, proceed_flag(ctx))
                 grads = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs
             out.extend(torch._foreach_mul(grads, _lr_value(g["lr"], grads[0])))
         return out
@@ -454,14 +542,34 @@ class AdamW(Adam):
     decoupled: ClassVar[bool] = True
 
 
+class _FirstValues(dict):
+    """A wrapped optimizer's new per-parameter state dict during a step the device decides: it keeps a
+    copy of each tensor as the optimizer first stores it (its initial value, before the update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict = {}
+
+    def __setitem__(self, k, v) -> None:
+        if k not in self.first and isinstance(v, torch.Tensor):
+            self.first[k] = v.clone()
+        super().__setitem__(k, v)
+
+
 class _NamespacedState:
-    """`opt.state`-like view that keeps a wrapped torch optimizer's state under one key per parameter."""
+    """`opt.state`-like view that keeps a wrapped torch optimizer's state under one key per parameter.
+
+    With `recording` (a dict) a parameter without state gets a `_FirstValues` dict, noted there."""
 
     def __init__(self, state, key: str):
         self._state, self._key = state, key
+        self.recording: dict | None = None
 
     def __getitem__(self, p):
-        return self._state[p].setdefault(self._key, {})
+        s = self._state[p].setdefault(self._key, {})
+        if self.recording is not None and not s and not isinstance(s, _FirstValues):
+            s = self._state[p][self._key] = self.recording[p] = _FirstValues()
+        return s
 
     def __setitem__(self, p, value):
         self._state[p][self._key] = value
@@ -501,9 +609,28 @@ class TorchOptimizer(Transform):
     never widens what a config may import, so the config of such an instance
     loads back only after `mo.register_optimizer(TheClass)`.
     Closure-based optimizers (LBFGS) are not supported.
+
+    A step the device skips (`nonfinite="skip"`) leaves the parameters and the wrapped
+    optimizer's state bit for bit as they were, with no host sync, for the `torch.optim`
+    classes whose state is all tensors (`ASGD`, `Adadelta`, `Adafactor`, `Adagrad`, `Adam`,
+    `AdamW`, `Adamax`, `NAdam`, `RAdam`, `RMSprop`, `Rprop`, `SGD`):
+
+    * `Adam`, `AdamW`, `Adagrad` and `SGD` with `fused=True`: torch's fused kernels skip on
+      the device (`found_inf`, as under `GradScaler`); no pass more.
+    * otherwise a snapshot: before the wrapped step a copy of every parameter with a gradient
+      and every tensor of its state (one more pass over them; new state is copied as the
+      optimizer creates it, so a skipped first step leaves the initial values), and after it
+      `where(skip, copy, new)` into each (a second pass). The copies live during the step.
+    * `SGD` with momentum: a missing momentum buffer is created as zeros first, which torch's
+      update fills exactly as its first step (`momentum * 0 + g`) unless `dampening` is set.
+
+    The host decides (one sync per step) for every other class (its state may hold Python
+    numbers, which a device decision cannot keep) and for `SGD` with momentum and dampening
+    (its first buffer is `g`, which a zero buffer does not reproduce).
     """
 
     positional = "cls"
+    device_skip = True  # for the classes in _TENSOR_STATE (skips_on_device)
 
     cls: str
     kwargs: dict[str, Any] = {}
@@ -577,6 +704,15 @@ class TorchOptimizer(Transform):
     def hyperparams(self) -> dict[str, Any]:
         return {**self._signature_defaults(), **self.kwargs}
 
+    def skips_on_device(self, groups=None):
+        if self._cls not in _TENSOR_STATE:
+            return False
+        if self._cls is torch.optim.SGD:  # a zero buffer is torch's first one only without dampening
+            h = self.hyperparams()
+            return all(g.get("momentum", h["momentum"]) == 0 or g.get("dampening", h["dampening"]) == 0
+                       for g in (groups if groups is not None else [{}]))
+        return True
+
     def apply(self, ctx, st, updates):
         raise RuntimeError("TorchOptimizer must be the last transform of a Modular")
 
@@ -594,5 +730,59 @@ class TorchOptimizer(Transform):
         for p, u in zip(ctx.params, updates):
             if p.grad is not u:
                 p.grad = u
-        inner.step()
+        if ctx.skip is None:
+            inner.step()
+        else:
+            _skipping_step(inner, ctx.params, ctx.skip)
         return True
+
+
+#: the torch.optim classes whose state is all tensors, made before the update and updated in place:
+#: a step the device skips can be undone on the device (`TorchOptimizer.skips_on_device`)
+_TENSOR_STATE = frozenset(getattr(torch.optim, n) for n in (
+    "ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD",
+) if hasattr(torch.optim, n))
+#: ... and those whose fused kernels skip on `found_inf` (the attribute `GradScaler` sets)
+_FOUND_INF = frozenset(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adagrad", "SGD"))
+
+
+def _skipping_step(inner: torch.optim.Optimizer, params: list[torch.Tensor], skip: torch.Tensor) -> None:
+    """`inner.step()` on a step whose skip the device decides (`skip`, a 0-d bool tensor): where it is
+    true the parameters and `inner`'s state stay bit for bit as they were (see `TorchOptimizer`)."""
+    ns = inner.state
+    if type(inner) is torch.optim.SGD:  # zero momentum buffers first: torch's first step, skippable
+        for g in inner.param_groups:
+            if g["momentum"] != 0:
+                for p in g["params"]:
+                    if p.grad is not None and ns[p].get("momentum_buffer") is None:
+                        ns[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if type(inner) in _FOUND_INF and all(g.get("fused") for g in inner.param_groups):
+        inner.found_inf = skip.to(torch.float32)  # torch's fused kernels skip where it is 1
+        try:
+            inner.step()
+        finally:
+            del inner.found_inf
+        return
+    # a snapshot of the parameters and every state tensor, then the old values where skipped
+    saved = [(None, None, p) for p in params]
+    for p in params:
+        s = ns._state[p].get(ns._key)
+        if s:
+            saved.extend((s, k, v) for k, v in s.items() if isinstance(v, torch.Tensor))
+    copies = torch._foreach_clone([t for _, _, t in saved]) if saved else []
+    ns.recording = {}
+    try:
+        inner.step()
+    finally:
+        created, ns.recording = ns.recording, None
+    restore = [(t if s is None else s[k], old) for (s, k, t), old in zip(saved, copies)]
+    for p, s in created.items():
+        ns._state[p][ns._key] = dict(s)  # a plain dict again (it is saved)
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                if k not in s.first:  # (written around __setitem__: nothing to restore it to)
+                    raise RuntimeError(f"{type(inner).__name__} created its state {k!r} in a way a step the "
+                                       "device skips cannot undo")
+                restore.append((v, s.first[k]))
+    for new, old in restore:
+        torch.where(skip, old, new, out=new)
