@@ -117,9 +117,9 @@ class Select(BaseModel):
         if self.by_name:
             if name is None:  # checked (with a clear message) by the callers before matching
                 raise ValueError(self._unnamed_message(1))
-            if self.names is not None and not any(fnmatch.fnmatchcase(name, pat) for pat in self.names):
+            if self.names is not None and not _any_match(name, tuple(self.names)):
                 return False
-            if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
+            if _any_match(name, tuple(self.exclude)):
                 return False
         return True
 
@@ -167,6 +167,14 @@ class Select(BaseModel):
         names = step_names(ctx) if self.by_name else [None] * len(ctx.params)
         out = cache[key] = self.mask_of(ctx.params, names, gidx, groups, owner)
         return out
+
+
+@torch.compiler.assume_constant_result
+def _any_match(name: str, patterns: tuple[str, ...]) -> bool:
+    """Does `name` match one of the glob `patterns` (`fnmatch`, case-sensitive)? Traced by `torch.compile`
+    as a constant: it runs when a layout is first seen (its result is cached per layout), and dynamo
+    cannot trace `fnmatch` itself."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
 def group_names(group: dict) -> list | None:

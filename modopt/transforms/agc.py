@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 from typing import Optional
 
-from pydantic import PositiveFloat
+from pydantic import PositiveFloat, model_validator
 
 from ..core.norms import acc_dtype
 from ..core.select import Select
 from ..core.transform import Transform
 
 __all__ = ["AGC"]
+
+#: the `Select(exclude=...)` of each `exclude` list, made when an AGC is built (a compiled step cannot
+#: build a pydantic model; it looks the selector up here)
+_EXCLUDES: dict[tuple[str, ...], Select] = {}
 
 
 def unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -60,6 +64,12 @@ class AGC(Transform):
     eps: PositiveFloat = 1e-3
     exclude: Optional[list[str]] = None
 
+    @model_validator(mode="after")
+    def _selector(self):
+        if self.exclude:
+            _EXCLUDES.setdefault(tuple(self.exclude), Select(exclude=self.exclude))
+        return self
+
     def _included(self, ctx, st) -> list[bool]:
         """Per parameter of the step: not excluded. Cached per layout (the names do not change)."""
         cache = ctx.layout.cache
@@ -69,7 +79,7 @@ class AGC(Transform):
             if not self.exclude:
                 mask = [True] * len(ctx.params)
             else:  # the shorthand of Masked(AGC(...), where=Select(exclude=...)), by the same matcher
-                mask = Select(exclude=self.exclude).mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
+                mask = _EXCLUDES[tuple(self.exclude)].mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
             cache[key] = mask
         return mask
 

@@ -596,6 +596,12 @@ class _NamespacedState:
         return [self[p] for p in self.keys()]
 
 
+#: the class of each `TorchOptimizer.cls` path, as the last built instance resolved it, and its
+#: constructor's defaults (what a compiled step reads: it can neither read a private attribute nor inspect)
+_RESOLVED: dict[str, type] = {}
+_DEFAULTS: dict[str, tuple[type, dict[str, Any]]] = {}
+
+
 class TorchOptimizer(Transform):
     """Any `torch.optim.Optimizer` class as the last transform.
 
@@ -667,6 +673,7 @@ class TorchOptimizer(Transform):
     @model_validator(mode="after")
     def _resolve(self):
         self._cls = resolve_optimizer(self.cls)
+        _RESOLVED[self.cls] = self._cls  # what a compiled step reads (it cannot read a private attribute)
         names = self._signature_defaults()
         bad = sorted(set(self.kwargs) - set(names))
         if bad:
@@ -693,21 +700,26 @@ class TorchOptimizer(Transform):
             self._probe({**self.kwargs, **values})
 
     def _signature_defaults(self) -> dict[str, Any]:
-        sig = inspect.signature(self._cls.__init__)
-        return {
-            n: p.default
-            for n, p in sig.parameters.items()
-            if n not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.default is not inspect.Parameter.empty
-        }
+        """The class's constructor defaults (read once per class path: a compiled step looks them up)."""
+        found = _DEFAULTS.get(self.cls)
+        if found is None or found[0] is not _RESOLVED.get(self.cls):
+            sig = inspect.signature(self._cls.__init__)
+            found = _DEFAULTS[self.cls] = (self._cls, {
+                n: p.default
+                for n, p in sig.parameters.items()
+                if n not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.default is not inspect.Parameter.empty
+            })
+        return found[1]
 
     def hyperparams(self) -> dict[str, Any]:
         return {**self._signature_defaults(), **self.kwargs}
 
     def skips_on_device(self, groups=None):
-        if self._cls not in _TENSOR_STATE:
+        cls = _RESOLVED[self.cls]
+        if cls not in _TENSOR_STATE:
             return False
-        if self._cls is torch.optim.SGD:  # a zero buffer is torch's first one only without dampening
+        if cls is torch.optim.SGD:  # a zero buffer is torch's first one only without dampening
             h = self.hyperparams()
             return all(g.get("momentum", h["momentum"]) == 0 or g.get("dampening", h["dampening"]) == 0
                        for g in (groups if groups is not None else [{}]))
@@ -717,24 +729,42 @@ class TorchOptimizer(Transform):
         raise RuntimeError("TorchOptimizer must be the last transform of a Modular")
 
     def apply_final(self, ctx, st, updates):
-        inner = st.runtime.get("inner")
-        keys = list(self.hyperparams())
-        groups = ctx.host.param_groups
-        if inner is None:
-            inner = self._cls([{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in groups])
-            inner.state = _NamespacedState(ctx.host.state, value_key(st.key, "inner"))
-            st.runtime["inner"] = inner
-        for ig, g in zip(inner.param_groups, groups):
-            for k in keys:
-                ig[k] = g[k]
-        for p, u in zip(ctx.params, updates):
-            if p.grad is not u:
-                p.grad = u
-        if ctx.skip is None:
-            inner.step()
-        else:
-            _skipping_step(inner, ctx.params, ctx.skip)
+        _inner_step(self, ctx, st, updates)
         return True
+
+
+#: what dynamo prints when `fullgraph=True` meets a wrapped torch optimizer
+TORCH_OPTIMIZER_HINT = (
+    "modopt: TorchOptimizer runs the wrapped torch.optim optimizer's own step outside the graph (torch "
+    "builds it and keeps its state in Python objects a graph cannot hold): plain torch.compile(opt.step) "
+    "compiles the transforms before it, with one graph break at the optimizer; for fullgraph=True use "
+    "modopt's own optimizer transforms (Adam, AdamW, SGD, LR)"
+)
+
+
+def _run_inner(self, ctx, st, updates) -> None:
+    """`TorchOptimizer.apply_final`'s work: build the wrapped optimizer once, hand it the group values and
+    the updates as gradients, and step it (on a step the device skips: `_skipping_step`)."""
+    inner = st.runtime.get("inner")
+    keys = list(self.hyperparams())
+    groups = ctx.host.param_groups
+    if inner is None:
+        inner = _RESOLVED[self.cls]([{"params": list(g["params"]), **{k: g[k] for k in keys}} for g in groups])
+        inner.state = _NamespacedState(ctx.host.state, value_key(st.key, "inner"))
+        st.runtime["inner"] = inner
+    for ig, g in zip(inner.param_groups, groups):
+        for k in keys:
+            ig[k] = g[k]
+    for p, u in zip(ctx.params, updates):
+        if p.grad is not u:
+            p.grad = u
+    if ctx.skip is None:
+        inner.step()
+    else:
+        _skipping_step(inner, ctx.params, ctx.skip)
+
+
+_inner_step = torch.compiler.disable(_run_inner, reason=TORCH_OPTIMIZER_HINT)
 
 
 #: the torch.optim classes whose state is all tensors, made before the update and updated in place:
