@@ -7,7 +7,7 @@ import torch
 
 def below_one(ratio: torch.Tensor) -> torch.Tensor:
     """`ratio` where it is < 1, else 1. A NaN ratio (0/0) gives 1: never scales up, never NaN."""
-    return torch.where(ratio < 1, ratio, torch.ones_like(ratio))
+    return torch.where(ratio < 1, ratio, 1.0)
 
 
 def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torch.Tensor:

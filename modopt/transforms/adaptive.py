@@ -61,7 +61,7 @@ class EMACriterion(BaseModel):
 
     def threshold(self, mu: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(triggered, clip value)` for the norm `g` given the statistics."""
-        safe_mu = torch.where(mu > 0, mu, _ones(mu))
+        safe_mu = torch.where(mu > 0, mu, 1.0)
         r = g / safe_mu
         t = self.r_thresh
         if self.rule == "max":
@@ -106,7 +106,7 @@ class ZStatCriterion(BaseModel):
         if self.rule == "max":
             f = torch.full_like(z, t)
         elif self.rule == "reciprocal":
-            f = t * t / torch.where(z != 0, z.abs(), _ones(z))
+            f = t * t / torch.where(z != 0, z.abs(), 1.0)
         else:
             f = torch.zeros_like(z)
         return (mu > 0) & (za > t), mu + f * sd
@@ -124,9 +124,9 @@ Criterion = Annotated[Union[EMACriterion, ZStatCriterion], Field(discriminator="
 def _welford(n, mean, m2, g, ok):
     """One warm-up observation: count, running mean and sum of squared deviations (`g` only where `ok`)."""
     n1 = n + ok.to(n.dtype)
-    delta = torch.where(ok, g - mean, torch.zeros_like(mean))
+    delta = torch.where(ok, g - mean, 0.0)
     mean1 = mean + delta / n1.clamp(min=1)
-    m21 = m2 + delta * torch.where(ok, g - mean1, torch.zeros_like(mean1))
+    m21 = m2 + delta * torch.where(ok, g - mean1, 0.0)
     return n1, mean1, m21
 
 
@@ -201,16 +201,16 @@ class HistClip(Scoped):
 
         def rule(g, n, mu, v):
             n, mu, v = n.to(g.dtype), mu.to(g.dtype), v.to(g.dtype)
-            ok = torch.isfinite(g)
+            ok = g < math.inf  # (a norm: >= 0, and NaN compares false)
             warm = n < W
             # warm-up
             n1, mean1, m21 = _welford(n, mu, v, g, ok)
-            var = torch.where((n1 >= 2) & (m21 > 0), m21 / (n1 - 1).clamp(min=1), _ones(m21))
+            var = torch.where((n1 >= 2) & (m21 > 0), m21 / (n1 - 1).clamp(min=1), 1.0)
             v_w = torch.where(n1 >= W, var, m21)
             scale_w = clip_to(g, wmax, CLIP_EPS) if wmax is not None else _ones(g)
             # after warm-up
             trig, c = crit.threshold(mu, v, g)
-            scale_p = torch.where(trig & (g > c), below_one(c / (g + eps)), _ones(g))
+            scale_p = torch.where(trig & (g > c), below_one(c / (g + eps)), 1.0)
             x = torch.where(trig, torch.minimum(g, c), g) if self.update_stats_with == "clipped" else g
             mu_p, v_p = crit.update(mu, v, x)
             mu_p, v_p = torch.where(ok, mu_p, mu), torch.where(ok, v_p, v)
@@ -289,7 +289,7 @@ class ZClip(Scoped):
 
         def rule(g, n, mu, var):
             n, mu, var = n.to(g.dtype), mu.to(g.dtype), var.to(g.dtype)
-            ok = torch.isfinite(g)
+            ok = g < math.inf  # (a norm: >= 0, and NaN compares false)
             warm = n < W
             n1, mean1, m21 = _welford(n, mu, var, g, ok)
             var_w = torch.where(n1 >= W, m21 / n1.clamp(min=1), m21)
@@ -299,7 +299,7 @@ class ZClip(Scoped):
                 z = (g - mu) / (sigma + self.eps)
                 spike = z > t
                 if self.clip_option == "adaptive_scaling":
-                    safe_z = torch.where(spike, z, _ones(z))
+                    safe_z = torch.where(spike, z, 1.0)
                     c = self.clip_factor * (mu + t * t * sigma / safe_z)
                 else:
                     c = mu
@@ -309,11 +309,11 @@ class ZClip(Scoped):
             limit = torch.where(spike, c, g)
             if M is not None:
                 limit = limit.clamp(max=M)
-            scale_p = torch.where(g > limit, below_one(limit / (g + CLIP_EPS)), _ones(g))
+            scale_p = torch.where(g > limit, below_one(limit / (g + CLIP_EPS)), 1.0)
             x = torch.where(spike, c, g)
             mu_p = a * mu + (1 - a) * x
             var_p = a * var + (1 - a) * (x - mu_p).square()
-            keep = ~ok | (spike if self.skip_update_on_spike else torch.zeros_like(ok))
+            keep = (~ok | spike) if self.skip_update_on_spike else ~ok
             mu_p, var_p = torch.where(keep, mu, mu_p), torch.where(keep, var, var_p)
             return (
                 torch.where(warm, scale_w, scale_p),
@@ -476,7 +476,7 @@ class ZScoreNormalize(Scoped):
         mean = seg.reduce(updates, "mean")
         std = seg.reduce(updates, "std")
         eps = self.eps
-        scale = torch.where(std + eps > 0, 1.0 / (std + eps), torch.ones_like(std))
+        scale = torch.where(std + eps > 0, 1.0 / (std + eps), 1.0)
         seg.sub_(updates, mean)
         seg.mul_(updates, scale)
         return updates

@@ -95,7 +95,7 @@ class AGC(Transform):
             nw = torch.linalg.vector_norm(p.detach(), 2, dim=dims, keepdim=True, dtype=acc_dtype(p.dtype)).to(acc)
             allowed = nw.clamp(min=self.eps) * self.clipping
             over = nu > allowed
-            scale = torch.where(over, allowed / nu.clamp(min=1e-6), torch.ones_like(nu))
+            scale = torch.where(over, allowed / nu.clamp(min=1e-6), 1.0)
             u.mul_(scale.to(u.dtype) if u.dtype != acc else scale)
             counts.append(over.sum())
         if counts:

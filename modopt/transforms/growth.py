@@ -93,12 +93,12 @@ class ClipNormGrowth(Scoped, _Growth):
         started = st.seg_get(seg, "started", 0.0, dtype=n.dtype)
         on = started > 0
         allowed = self._allowed(r)
-        scale = torch.where(on, below_one(allowed / n), torch.ones_like(n))
+        scale = torch.where(on, below_one(allowed / n), 1.0)
         new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
-        ok = torch.isfinite(n)
+        ok = n < math.inf  # (a norm: >= 0, and NaN compares false)
         st.scale_(seg, updates, scale)
         st.seg_set(seg, "prev_norm", torch.where(ok, new_r, r))
-        st.seg_set(seg, "started", torch.where(ok, torch.ones_like(started), started))
+        st.seg_set(seg, "started", torch.where(ok, 1.0, started))
         record_clip(st, n, scale, allowed=allowed)
         return updates
 
