@@ -48,7 +48,7 @@ def test_the_default_clip_and_adam_step_issues_no_more_ops_than_the_careful_torc
 
 def test_the_mission_pipeline_moves_two_passes_more_than_the_careful_loop_and_no_sync():
     """`ClipNormByEMA(), Normalize(), Adam()`: the clip's multiply is cancelled by the Normalize (left out),
-    Normalize reuses the gradients' norms; what remains over the careful loop is the zeroing that keeps
+    Normalize reuses the gradients' norms; what remains over the careful loop is the cleaning that keeps
     the EMA on a step the device skips (one read and one write of the gradients, 2P)."""
     model, make = build_model("mlp", quick=True)
     ours = counted(mo.Modular(model.parameters(), mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()).step, model, make)

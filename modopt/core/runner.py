@@ -85,8 +85,8 @@ class NormMemo:
             self._put(("total", p, acc), tensors, value)
 
     def cleaning(self, tensors: list[torch.Tensor]) -> Callable[[], None]:
-        """Before `Step.clean_` zeroes `tensors` in place: returns the call that, after it, keeps the
-        entries that were valid. The zeroing changes no value on a step that goes ahead, and on a
+        """Before `Step.clean_` cleans `tensors` in place: returns the call that, after it, keeps the
+        entries that were valid. The cleaning changes no value on a step that goes ahead, and on a
         skipped step nothing computed from a norm is kept; a compiled step never checks versions."""
         if torch.compiler.is_compiling() or not self._entries:
             return _nothing
@@ -212,21 +212,34 @@ class Step:
         params = self.params if params is None else params
         if not params:
             return
-        if self.skip is not None and torch.compiler.is_compiling():  # a where fuses into the write
-            updates = [torch.where(self.skip, 0.0, u) for u in updates]
-        else:
-            self.clean_(updates)  # a non-finite update must not reach the parameters, even times 0
-        torch._foreach_sub_(params, updates)
+        if self.skip is None:
+            torch._foreach_sub_(params, updates)
+        elif torch.compiler.is_compiling():  # a where fuses into the write
+            torch._foreach_sub_(params, [torch.where(self.skip, 0.0, u) for u in updates])
+        else:  # p - 1*u exactly as p - u; p - 0*u' = p (u' finite: a non-finite update never reaches p)
+            self.clean_(updates)
+            torch._foreach_addcmul_(params, updates, self.weights(updates), value=-1)
 
     def clean_(self, updates: list[torch.Tensor]) -> None:
-        """Zero `updates` in place on a skipped step, so that a state update can weigh them by 0
-        (`m + 0 * (u - m)` is `m` only for finite `u`). One pass over the updates: only transforms
-        that keep full-size buffers call it, and only when the device decides the skip."""
+        """On a step the device decides, replace every inf/NaN element of `updates` by 0, in place, so
+        that a state update can weigh them by `ctx.weights()` (0 on a skipped step): `m + 0 * (u - m)`
+        is `m` only for finite `u`. The other elements are left as they are (a skipped step's finite
+        elements are weighed by 0 like the rest). One pass over the updates, `nan_to_num_` (about five
+        times faster than a masked fill on a CPU); only transforms that keep full-size buffers call it,
+        and only when the device decides the skip."""
         if self.skip is not None:
             keep_memo = self.memo.cleaning(updates)
             for u in updates:
-                u.masked_fill_(self.skip, 0)
+                torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
             keep_memo()
+
+    def weights(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`~skip` as a 0-d number per tensor of `like` (in its dtype): 1 where the step goes ahead,
+        0 where the device skips it; weigh cleaned updates by it (`_foreach_addcmul_`: `x * 1` is
+        `x` exactly). Only on a step the device decides."""
+        go = self.proceed if self.proceed is not None else ~self.skip
+        by_dtype = {dt: go.to(dt) for dt in {t.dtype for t in like}}
+        return [by_dtype[t.dtype] for t in like]
 
     def keep(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """`new`, or `old` on a skipped step (no host sync)."""

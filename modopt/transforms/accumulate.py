@@ -46,8 +46,9 @@ class Accumulate(Transform):
     LR scheduler stepped on every call. When the host decides (another
     transform needs it), a call it skips is counted the same way
     (`on_host_skip`). The price, only when the device decides: one more pass
-    over the updates on every call (a `masked_fill_` with the on-device flag,
-    which zeroes them on a skipped call; fused into the sum when compiled).
+    over the updates on every call (`nan_to_num_`, which clears inf and NaN
+    elements, and the sum weighs the update by 0 on a skipped call; fused into
+    the sum when compiled).
     `Accumulate` cannot be used with `modopt.attach()` (a
     pre-hook cannot stop the optimizer).
 
@@ -83,13 +84,13 @@ class Accumulate(Transform):
             count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
             if torch.compiler.is_compiling():  # a where fuses into the sum
                 updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
-            else:
-                ctx.clean_(updates)
         same = [i for i, (u, s) in enumerate(zip(updates, sums)) if u.dtype == s.dtype]
-        if len(same) == len(updates):
-            torch._foreach_add_(sums, updates)
-        else:  # half-precision updates accumulate in float32
-            torch._foreach_add_(sums, [u.to(s.dtype) for u, s in zip(updates, sums)])
+        adding = updates if len(same) == len(updates) else [u.to(s.dtype) for u, s in zip(updates, sums)]
+        if ctx.skip is None or torch.compiler.is_compiling():
+            torch._foreach_add_(sums, adding)  # (half-precision updates accumulate in float32)
+        else:  # non-finite elements to 0, then the update weighed by 1, or by 0 on a skipped call
+            ctx.clean_(adding)
+            torch._foreach_addcmul_(sums, adding, ctx.weights(sums))
         calls = int(st.store.get("calls", 0)) + 1
         if calls < self.steps:
             st.store["calls"], st.store["count"] = calls, count
