@@ -509,25 +509,27 @@ class Adam(_FusedOptimizer):
                 grads = torch._foreach_add(grads, torch._foreach_mul(params, [wd] * n))
             keep = None if skip is None else (~skip).to(torch.float32)
             torch._foreach_add_(steps, [torch.ones_like(steps[0]) if keep is None else keep] * n)
-            if skip is not None:  # zeros on a skipped step (new tensors: the gradients stay the user's)
-                grads = [torch.where(skip, 0.0, gi) for gi in grads]
-            m_new = torch._foreach_lerp(m, grads, [1 - b1] * n)
-            v_new = torch._foreach_mul(v, [b2] * n)
-            torch._foreach_addcmul_(v_new, torch._foreach_mul(grads, [1 - b2] * n), grads)
-            distributed.copy_(m, [ctx.keep(new, old) for old, new in zip(m, m_new)])
-            distributed.copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
-            if g["amsgrad"]:
-                torch._foreach_maximum_(vmax, v)
             t = torch.stack(steps)
             step_size = (lr / (1 - b1**t)).unbind(0)
             bc2_sqrt = (1 - b2**t).sqrt().unbind(0)
-            denom = torch._foreach_sqrt(vmax if g["amsgrad"] else v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, [eps] * n)
-            u = torch._foreach_div(m, denom)
-            torch._foreach_mul_(u, step_size)
-            if g["weight_decay"] != 0 and self.decoupled:
-                torch._foreach_add_(u, torch._foreach_mul(params, [lr * wd] * n))
+            u = []
+            # per tensor, plain ops: inductor fuses each tensor's chain into one kernel (lists of 0-d
+            # tensors in foreach ops compiled to code three times slower on a CPU)
+            for i in range(n):
+                gi = grads[i]
+                if skip is not None:  # zeros on a skipped step (a new tensor: the gradient stays the user's)
+                    gi = torch.where(skip, 0.0, gi)
+                m_new = torch.lerp(m[i], gi, 1 - b1)
+                v_new = v[i] * b2 + gi * gi * (1 - b2)
+                m[i].copy_(ctx.keep(m_new, m[i]))
+                v[i].copy_(ctx.keep(v_new, v[i]))
+                if g["amsgrad"]:
+                    torch.maximum(vmax[i], v[i], out=vmax[i])
+                denom = (vmax[i] if g["amsgrad"] else v[i]).sqrt() / bc2_sqrt[i] + eps
+                ui = m[i] / denom * step_size[i]
+                if g["weight_decay"] != 0 and self.decoupled:
+                    ui = ui + params[i] * (lr * wd)
+                u.append(ui)
             out.extend(u)
         return out
 
