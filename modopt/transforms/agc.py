@@ -86,7 +86,9 @@ class AGC(Transform):
     def apply(self, ctx, st, updates):
         mask = self._included(ctx, st)
         counts = []
-        for u, p, on in zip(updates, ctx.params, mask):
+        traced = torch.compiler.is_compiling()
+        updates = list(updates) if traced else updates
+        for i, (u, p, on) in enumerate(zip(updates, ctx.params, mask)):
             if not on or u.numel() == 0:
                 continue
             dims = unit_dims(u)
@@ -96,7 +98,11 @@ class AGC(Transform):
             allowed = nw.clamp(min=self.eps) * self.clipping
             over = nu > allowed
             scale = torch.where(over, allowed / nu.clamp(min=1e-6), 1.0)
-            u.mul_(scale.to(u.dtype) if u.dtype != acc else scale)
+            factor = scale.to(u.dtype) if u.dtype != acc else scale
+            if traced:  # out of place (an in-place write into the gradient here tripped inductor, torch 2.13)
+                updates[i] = u * factor
+            else:
+                u.mul_(factor)
             counts.append(over.sum())
         if counts:
             total = torch.stack(counts).sum()

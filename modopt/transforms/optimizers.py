@@ -512,24 +512,27 @@ class Adam(_FusedOptimizer):
             t = torch.stack(steps)
             step_size = (lr / (1 - b1**t)).unbind(0)
             bc2_sqrt = (1 - b2**t).sqrt().unbind(0)
-            u = []
+            u, new_m, new_v, new_vmax = [], [], [], []
             # per tensor, plain ops: inductor fuses each tensor's chain into one kernel (lists of 0-d
             # tensors in foreach ops compiled to code three times slower on a CPU)
             for i in range(n):
-                gi = grads[i]
-                if skip is not None:  # zeros on a skipped step (a new tensor: the gradient stays the user's)
-                    gi = torch.where(skip, 0.0, gi)
-                m_new = torch.lerp(m[i], gi, 1 - b1)
-                v_new = v[i] * b2 + gi * gi * (1 - b2)
-                m[i].copy_(ctx.keep(m_new, m[i]))
-                v[i].copy_(ctx.keep(v_new, v[i]))
+                gi = grads[i]  # (on a skipped step possibly NaN: the kept m and v never take it in)
+                mi = ctx.keep(torch.lerp(m[i], gi, 1 - b1), m[i])
+                vi = ctx.keep(v[i] * b2 + gi * gi * (1 - b2), v[i])
+                new_m.append(mi)
+                new_v.append(vi)
                 if g["amsgrad"]:
-                    torch.maximum(vmax[i], v[i], out=vmax[i])
-                denom = (vmax[i] if g["amsgrad"] else v[i]).sqrt() / bc2_sqrt[i] + eps
-                ui = m[i] / denom * step_size[i]
+                    vi = torch.maximum(vmax[i], vi)
+                    new_vmax.append(vi)
+                ui = mi / (vi.sqrt() / bc2_sqrt[i] + eps) * step_size[i]
                 if g["weight_decay"] != 0 and self.decoupled:
                     ui = ui + params[i] * (lr * wd)
                 u.append(ui)
+            # the state written once, after the new values are computed (no read of a buffer written above)
+            distributed.copy_(m, new_m)
+            distributed.copy_(v, new_v)
+            if g["amsgrad"]:
+                distributed.copy_(vmax, new_vmax)
             out.extend(u)
         return out
 
