@@ -61,3 +61,66 @@ def _make_needs_the_host():
 
 
 _NeedsTheHost = _make_needs_the_host()
+
+
+def _sync_ops():
+    import torch
+
+    return (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+def _make_syncs():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        """Counts host syncs (`.item()`, `bool(tensor)`: `aten._local_scalar_dense`, `aten.is_nonzero`) in `n`."""
+
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in _sync_ops()
+            return func(*args, **(kwargs or {}))
+
+    return Syncs
+
+
+Syncs = _make_syncs()
+
+
+def flat_state(sd, prefix: str = "") -> dict:
+    """Every tensor and number of a (state) dict, nested dicts included, cloned, by path."""
+    import copy
+
+    out = {}
+    for k, v in sd.items():
+        key = f"{prefix}/{k}"
+        if isinstance(v, dict):
+            out.update(flat_state(v, key))
+        elif isinstance(v, torch.Tensor):
+            out[key] = v.detach().clone()
+        elif k != "params":
+            out[key] = copy.deepcopy(v)
+    return out
+
+
+def saved(opt, params) -> dict:
+    """Every value `opt` saves (its per-parameter state and every transform's store) and every parameter
+    (`params`: a module or a list of tensors), cloned, by path."""
+    ps = list(params.parameters()) if hasattr(params, "parameters") else list(params)
+    sd = opt.state_dict()
+    out = flat_state({"state": sd["state"], "modopt": sd["modopt"]["transforms"]})
+    out.update({f"param{i}": p.detach().clone() for i, p in enumerate(ps)})
+    return out
+
+
+def same(a: dict, b: dict) -> None:
+    """Two `saved()` snapshots hold the same keys and the same bits (dtypes and shapes included)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
+        else:
+            assert x == y, k

@@ -10,25 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
-from checks import needs_the_host
+from checks import Syncs, needs_the_host, same, saved
 from modopt.core.transform import walk
 from examples import base_examples
-
-SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
-
-class Syncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in SYNC_OPS
-        return func(*args, **(kwargs or {}))
-
 
 def model():
     torch.manual_seed(0)
@@ -51,29 +37,6 @@ def backward(m, k, poison=False):
 
 def pipeline_of(t):
     return [t] if t.is_optimizer else [t, mo.Adam(lr=1e-2)]
-
-
-def saved(opt, m):
-    """Every tensor the optimizer saves and every parameter, cloned, by name."""
-    sd = opt.state_dict()
-    out = {f"param{i}": p.detach().clone() for i, p in enumerate(m.parameters())}
-    for i, s in sd["state"].items():
-        for k, v in s.items():
-            out[f"state{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    for key, s in sd["modopt"]["transforms"].items():
-        for k, v in s.items():
-            out[f"{key}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def same(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
-        else:
-            assert x == y, k
 
 
 #: the conformance examples, and the defaults of the transforms whose examples set a field that needs the host
@@ -147,6 +110,8 @@ def test_sgd_in_half_precision_skips_on_the_device_too():
         assert torch.equal(a, b)
 DEVICE = [(n, t) for n, t in EXAMPLES if t.skips_on_device()]
 HOST = [(n, t) for n, t in EXAMPLES if not t.skips_on_device()]
+#: every built-in transform skips on the device: a transform that does not declare it stands for the rest
+HOST = HOST or [("needs-the-host", needs_the_host())]
 
 
 def test_the_benchmark_pipelines_and_most_transforms_skip_on_device():

@@ -12,12 +12,9 @@ import io
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
-
-SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
+from checks import Syncs, same, saved
 
 class _HostDecidesForAccumulate(mo.Transform):
     """Changes nothing and does not declare `skips_on_device()`: a pipeline with it decides on the host."""
@@ -30,16 +27,6 @@ class _HostDecidesForAccumulate(mo.Transform):
 
 #: in front of a pipeline: changes no value, and makes the host decide the skip
 HOST_IDENTITY = [_HostDecidesForAccumulate()]
-
-
-class Syncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in SYNC_OPS
-        return func(*args, **(kwargs or {}))
 
 
 SHAPES = [(5, 3), (5,), (2, 5)]
@@ -67,29 +54,6 @@ def acc_state(opt):
     """Accumulate's transform-wide values (the host's call counter and the device's count)."""
     key = next(k for k in opt._keys if k.endswith(":Accumulate"))
     return dict(opt._store.get(key, {}))
-
-
-def saved(opt, ps):
-    """Every parameter and every saved value, cloned."""
-    sd = opt.state_dict()
-    out = {f"param{i}": p.detach().clone() for i, p in enumerate(ps)}
-    for i, s in sd["state"].items():
-        for k, v in s.items():
-            out[f"state{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    for key, s in sd["modopt"]["transforms"].items():
-        for k, v in s.items():
-            out[f"{key}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def same(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
-        else:
-            assert x == y, k
 
 
 def test_accumulate_skips_on_the_device():

@@ -17,22 +17,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
-
-SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
-
-class Syncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in SYNC_OPS
-        return func(*args, **(kwargs or {}))
-
+from checks import Syncs
 
 def model():
     torch.manual_seed(0)

@@ -16,22 +16,9 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
-
-SYNC_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-
-
-class Syncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in SYNC_OPS
-        return func(*args, **(kwargs or {}))
-
+from checks import Syncs, same, saved
 
 class HostModular(mo.Modular):
     """The same optimizer with the host deciding every step (the path these transforms took before)."""
@@ -60,37 +47,6 @@ def backward(m, k, poison=False):
         list(m.parameters())[2].grad.view(-1)[3] = float("nan")
 
 
-def flat(sd, prefix="") -> dict:
-    """Every tensor and number of a state dict, nested dicts included, cloned, by path."""
-    out = {}
-    for k, v in sd.items():
-        key = f"{prefix}/{k}"
-        if isinstance(v, dict):
-            out.update(flat(v, key))
-        elif isinstance(v, torch.Tensor):
-            out[key] = v.detach().clone()
-        elif k != "params":
-            out[key] = copy.deepcopy(v)
-    return out
-
-
-def saved(opt, m):
-    out = flat({"state": opt.state_dict()["state"], "modopt": opt.state_dict()["modopt"]["transforms"]})
-    out.update({f"param{i}": p.detach().clone() for i, p in enumerate(m.parameters())})
-    return out
-
-
-def same(a, b):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
-        else:
-            assert x == y, k
-
-
-# --- the pipelines --------------------------------------------------------------------------------
 MODOPT = {
     "SGD-dampening": lambda: [mo.SGD(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)],
     "SGD-dampening-followed": lambda: [mo.SGD(lr=0.05, momentum=0.9, dampening=0.3), mo.ClipValue(1e30)],

@@ -105,3 +105,24 @@ def test_skipped_steps_of_an_earlier_step_keep_their_value():
     opt.step()
     assert int(first) == 1 and int(sd["modopt"]["skipped_steps"]) == 1
     assert int(opt.stats["skipped_steps"]) == 2
+
+
+@pytest.mark.parametrize("pipe", __import__("bench").PIPELINES, ids=lambda p: p.name)
+def test_every_benchmark_pipeline_makes_no_host_sync_on_finite_and_nan_steps(pipe):
+    """Each benchmark pipeline with its defaults (the tiny models): no `.item()`/`bool()` in any step, the
+    first (state creation), the steady ones and one whose gradients hold a NaN."""
+    from checks import Syncs
+
+    model, make = build_model("transformer", quick=True)
+    opt = mo.Modular(model.parameters(), *pipe.modopt())
+    g = torch.Generator().manual_seed(0)
+    syncs = Syncs()
+    for k in range(6):
+        model.zero_grad()
+        loss_fn(model, *make(g)).backward()
+        if k == 3:
+            next(iter(model.parameters())).grad.view(-1)[0] = float("nan")
+        with syncs:
+            opt.step()
+    assert syncs.n == 0
+    assert int(opt.stats["skipped_steps"]) == 1
