@@ -275,3 +275,29 @@ def test_fullgraph_compile_equals_eager_with_nan_steps(make):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert int(comp.stats["skipped_steps"]) == 2
+
+
+@pytest.mark.parametrize("scope", ["global", "group", "tensor"])
+def test_a_history_length_beyond_its_buffer_is_refused_and_nothing_changes(scope):
+    """`length` says how many entries of `history` are norms: more than the buffer holds is a damaged
+    checkpoint (`Transform.check_loaded`), refused with a message naming the values, state unchanged."""
+    import copy
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = mo.Modular(m.parameters(), mo.AutoClip(window=5, scope=scope), mo.Adam())
+    for _ in range(3):
+        m.zero_grad()
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for s in [*sd["state"].values(), *sd["modopt"]["transforms"].values()]:
+        for k in list(s):
+            if k.split(".")[-1].split("@")[0] == "length":
+                s[k] = s[k] + 100
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="'length' is 103, more than the 5 entries of its 'history'"):
+        opt.load_state_dict(sd)
+    from checks import assert_same
+
+    assert_same(before, opt.state_dict())

@@ -333,6 +333,12 @@ class StateLoader:
             if b.kind == "fixed" and b.shape is None and isinstance(old, torch.Tensor) and old.shape != v.shape:
                 raise ValueError(f"{what} has shape {tuple(v.shape)}, this optimizer's is {tuple(old.shape)}")
             out[k] = self._value(b, v, p, p.device if b.device == "param" else torch.device("cpu"), what)
+        by_owner: dict[str, dict[str, Any]] = {}
+        for k, v in out.items():
+            prefix, t, name = self._owner(k, where)
+            by_owner.setdefault(prefix, {})[name] = v
+        for prefix, values in by_owner.items():  # relations between one transform's values
+            self.owners[prefix].check_loaded(values, f"{self.who}: the state of {prefix} for {where}")
         return out
 
     def store(self, store: Any, group_devices: list[torch.device]) -> dict[str, dict]:
@@ -369,6 +375,12 @@ class StateLoader:
                     v = _decode_history(v, what)
                 dev = (group_devices[gid] if gid is not None else default) if b.device == "param" else torch.device("cpu")
                 new[name] = self._value(b, v, None, dev, what)
+            by_group: dict[Any, dict[str, Any]] = {}
+            for name, v in new.items():
+                base, gid = split_group_key(name) if isinstance(name, str) else (name, None)
+                by_group.setdefault(gid, {})[base] = v
+            for gid, vals in by_group.items():  # relations between one transform's values
+                t.check_loaded(vals, f"{self.who}: the state of transform {key}" + ("" if gid is None else f", group {gid}"))
             out[key] = new
         return out
 

@@ -275,6 +275,11 @@ class Transform(BaseModel):
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
 
+    def check_loaded(self, values: dict[str, Any], where: str) -> None:
+        """Refuse (`ValueError` starting with `where`) loaded values whose relation this transform's
+        steps rely on: `values` holds one segment's values by declared name (each already checked
+        against its `Buffer`). A host read is fine here (a load, never a step). Default: nothing."""
+
     def on_host_skip(self, ctx: Step, st: TransformState) -> None:
         """The host skipped this step: the chain did not run (`apply` is not called for it).
 

@@ -402,6 +402,14 @@ class AutoClip(Scoped):
         record_clip(st, g, scale, threshold=c)
         return updates
 
+    def check_loaded(self, values, where):
+        hist, n = values.get("history"), values.get("length")
+        if not (isinstance(hist, torch.Tensor) and isinstance(n, torch.Tensor)) or n.is_meta:
+            return  # (a meta copy holds no values: a dry run)
+        if int(n) > hist.numel():
+            raise ValueError(f"{where}: 'length' is {int(n)}, more than the {hist.numel()} entries of its 'history': "
+                             "the checkpoint is damaged or was edited")
+
     def _append(self, hist, n, g, go):
         """The history buffer and its length with the norm `g` (0-d) appended, unless `go` (0-d bool,
         or None: the step goes ahead) is false: then the norms and the length stay as they were.
