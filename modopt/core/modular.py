@@ -36,7 +36,7 @@ from .nonfinite import NonFinite, apply_nonfinite_policy
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .registry import trust_imports as _trust
-from .runner import collect, run_step
+from .runner import TransformState, collect, run_step
 from .select import route_group, routes
 from .transform import Transform, TransformField, plain_input, to_plain, walk
 
@@ -316,8 +316,6 @@ class Modular(torch.optim.Optimizer):
                 else:
                     stats["skipped"] = torch.zeros((), dtype=torch.bool)
             else:  # the host skips it: the chain does not run, each transform hears of the call
-                from .runner import TransformState
-
                 for key, t in walk(self.transforms):
                     t.on_host_skip(ctx, TransformState(ctx, key))
                 stats["skipped_steps"] = self._count_skipped(1)

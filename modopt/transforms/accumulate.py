@@ -84,18 +84,15 @@ class Accumulate(Transform):
             count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
             if torch.compiler.is_compiling():  # a where fuses into the sum
                 updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
-        same = [i for i, (u, s) in enumerate(zip(updates, sums)) if u.dtype == s.dtype]
-        adding = updates if len(same) == len(updates) else [u.to(s.dtype) for u, s in zip(updates, sums)]
+        same = all(u.dtype == s.dtype for u, s in zip(updates, sums))
+        adding = updates if same else [u.to(s.dtype) for u, s in zip(updates, sums)]
         if ctx.skip is None or torch.compiler.is_compiling():
             torch._foreach_add_(sums, adding)  # (half-precision updates accumulate in float32)
         else:  # non-finite elements to 0, then the update weighed by 1, or by 0 on a skipped call
             ctx.clean_(adding)
             torch._foreach_addcmul_(sums, adding, ctx.weights(sums))
-        calls = int(st.store.get("calls", 0)) + 1
-        if calls < self.steps:
-            st.store["calls"], st.store["count"] = calls, count
+        if not self._ends_cycle(st, count):
             return None
-        st.store["calls"] = 0
         # the mean over the calls that added; the same bits as dividing by float(steps) when all did
         # (a correctly rounded division either way). It goes into the update buffers themselves.
         n = count.clamp(min=1)
@@ -111,12 +108,18 @@ class Accumulate(Transform):
     def on_host_skip(self, ctx, st):
         """A call the host skipped: it adds nothing, but counts towards the cycle (and may end it)."""
         count = self._count(st, ctx.params[0].device)
+        if self._ends_cycle(st, count):
+            self._end_cycle(ctx, st, count)
+
+    def _ends_cycle(self, st, count: torch.Tensor) -> bool:
+        """Count this call on the host; True when it is the cycle's last (the caller ends the cycle),
+        else the call's `count` is saved for the next."""
         calls = int(st.store.get("calls", 0)) + 1
         if calls < self.steps:
             st.store["calls"], st.store["count"] = calls, count
-            return
+            return False
         st.store["calls"] = 0
-        self._end_cycle(ctx, st, count)
+        return True
 
     @staticmethod
     def _count(st, device) -> torch.Tensor:
