@@ -78,6 +78,10 @@ def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
 
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
+    if torch.compiler.is_compiling() and all(t.numel() for t in tensors):
+        # inductor has no lowering for `_foreach_norm` (an opaque call, one more pass over memory);
+        # per-tensor norms are reductions it fuses with the ops that produce or read the tensors
+        return [torch.linalg.vector_norm(t, p, dtype=acc_dtype(t.dtype)) for t in tensors]
     dtypes = dtypes_of(tensors)
     if len(dtypes) == 1 and not math.isinf(p):  # the common case: one kernel call, no bookkeeping
         (dtype,) = dtypes

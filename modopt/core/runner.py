@@ -226,8 +226,15 @@ class Step:
         is `m` only for finite `u`. The other elements are left as they are (a skipped step's finite
         elements are weighed by 0 like the rest). One pass over the updates, `nan_to_num_` (about five
         times faster than a masked fill on a CPU); only transforms that keep full-size buffers call it,
-        and only when the device decides the skip."""
-        if self.skip is not None:
+        and only when the device decides the skip. Traced by `torch.compile`, a skipped step's updates
+        all become 0 instead (a select on the step's decision that fuses into the following read: no
+        pass of its own)."""
+        if self.skip is not None and torch.compiler.is_compiling():
+            # traced: a select on the step's decision, a vectorised blend that fuses into the next
+            # read (inductor lowers `isnan` element by element); a skipped step's updates are all 0
+            for u in updates:
+                u.copy_(torch.where(self.skip, 0.0, u))
+        elif self.skip is not None:
             keep_memo = self.memo.cleaning(updates)
             for u in updates:
                 torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)

@@ -69,7 +69,11 @@ class _NormEMA(Scoped, abstract=True):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
-        torch._foreach_lerp_(m, updates, weights)
+        if torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
+            for mi, ui, wi in zip(m, updates, weights):
+                mi.lerp_(ui, wi)
+        else:
+            torch._foreach_lerp_(m, updates, weights)
         if flags is not None:
             settle_flags(st, "ema", ctx.param_states(), flags, proceed_flag(ctx), fresh)
         nm = seg.reduce(m, self.ord)
