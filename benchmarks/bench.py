@@ -387,6 +387,11 @@ PIPELINES = [
              calls=4, limit=25, limit_why="per call the gradient read for the finite check and for the sum, the sum "
              "read and written (4 x 4P); at the end p, m, v read and written, the mean read for its norm and the "
              "update, the sum cleared (9P)"),
+    # a setting, not a default: the clip's scale goes into the fused kernel's grad_scale (not bit-exact)
+    Pipeline("ClipNorm(1.0), Adam(fold_clip=True)", lambda: [mo.ClipNorm(1.0), mo.Adam(fold_clip=True)],
+             torch_clipnorm_adam, "clip_grad_norm_(foreach) + Adam(fused)",
+             limit=8, limit_why="as ClipNorm(1.0), Adam(); the kernel writes the gradients back (1P) when it "
+                                "unscales them"),
 ]
 #: pipelines that also get a `nonfinite="ignore"` row (modopt and torch without the finite check)
 IGNORE_ROWS = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()")

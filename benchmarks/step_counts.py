@@ -41,6 +41,8 @@ def pipelines() -> dict[str, list]:
         "ClipNorm(1.0), Adam()": [mo.ClipNorm(1.0), mo.Adam()],
         "ClipNormByEMA(), Normalize(), Adam()": [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
         "ZClip(), AdamW()": [mo.ZClip(), mo.AdamW()],
+        # a setting, as an extra row: the clip's scale folded into the fused kernel (not bit-exact)
+        "ClipNorm(1.0), Adam(fold_clip=True)": [mo.ClipNorm(1.0), mo.Adam(fold_clip=True)],
     }
 
 

@@ -131,6 +131,38 @@ def cancelled_scales(transforms, nonfinite: str) -> frozenset[str]:
     return frozenset(out)
 
 
+def folded_scale(transforms) -> str | None:
+    """The key of the transform whose scale the final optimizer folds into its fused kernel, or None.
+
+    Only where the last transform asks for it (`Adam(fold_clip=True)`, `AdamW(fold_clip=True)`)
+    and the transform right before it (through those with `update_access = "none"`) is a
+    scale of one factor for all parameters: `positive_scale()` declared, global scope.
+    Raises ValueError, naming the field, when the optimizer asks and there is no such scale.
+    """
+    from .core.transform import walk
+
+    flat = _flatten(transforms)
+    for key, t in walk(transforms):
+        if getattr(t, "fold_clip", False) and (not flat or t is not flat[-1][1]):
+            raise ValueError(f"{key}.fold_clip: only the last transform of the pipeline (its optimizer) can "
+                             "fold a clip's scale into its kernel; set fold_clip=False")
+    if not flat or not getattr(flat[-1][1], "fold_clip", False):
+        return None
+    okey, opt = flat[-1]
+    for key, t in reversed(flat[:-1]):
+        if t.update_access == "none":
+            continue
+        seg = _positive_scale(t)
+        if seg is not None and seg[0] == "global" and seg[1] is None:
+            return key
+        raise ValueError(
+            f"{okey}.fold_clip: the transform before it, {key}, is not a global clip by norm (its "
+            f"scale is not one factor for all parameters), so there is no scale to fold; "
+            f"use a global-scope ClipNorm (or ClipNormByEMA, ...) right before it, or fold_clip=False"
+        )
+    raise ValueError(f"{okey}.fold_clip: no transform before it has a scale to fold; set fold_clip=False")
+
+
 def lint(config) -> list[Finding]:
     """Findings for a `PipelineConfig` (see the module docs)."""
     from . import transforms as T

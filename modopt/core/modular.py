@@ -242,6 +242,8 @@ class Modular(torch.optim.Optimizer):
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         self._keys = [k for k, _ in walk(self.transforms)]
         _check_last(self.transforms)
+        self.__dict__.pop("_folded", None)
+        self.folded_scale  # noqa: B018  (an invalid fold_clip fails here, before anything is built)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}
         self._routes = routes(self.transforms)  # optimizer transforms in Masked branches (None: no routing)
@@ -351,6 +353,16 @@ class Modular(torch.optim.Optimizer):
 
             found = self.__dict__["_cancelled"] = cancelled_scales(self.transforms, self._pipeline.nonfinite)
         return found
+
+    @property
+    def folded_scale(self) -> str | None:
+        """The key of the transform whose global scale the final optimizer's fused kernel takes as its
+        `grad_scale` (`Adam(fold_clip=True)`; `modopt.lint.folded_scale`), or None."""
+        if "_folded" not in self.__dict__:
+            from ..lint import folded_scale
+
+            self.__dict__["_folded"] = folded_scale(self.transforms)
+        return self.__dict__["_folded"]
 
     @property
     def _skip_on_device(self) -> bool:

@@ -157,7 +157,7 @@ class Step:
     """
 
     __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
-                 "memo", "cancelled", "_states")
+                 "memo", "cancelled", "folded", "pending", "_states")
 
     def __init__(self, layout: Layout, host: Any, stats: dict, skip: torch.Tensor | None = None,
                  memo: NormMemo | None = None):
@@ -176,6 +176,12 @@ class Step:
         #: keys of the transforms whose multiply a later normalization cancels (`TransformState.scale_`):
         #: the host's `cancelled_scales` (`modopt.lint.cancelled_scales` of its pipeline), or none
         self.cancelled: frozenset = getattr(host, "cancelled_scales", frozenset())
+        #: the key of the transform whose global scale the final optimizer's fused kernel takes as its
+        #: `grad_scale` (the host's `folded_scale`, `modopt.lint.folded_scale`; `Adam(fold_clip=True)`)
+        self.folded: str | None = getattr(host, "folded_scale", None)
+        #: that transform's `(segments, scale)` on this step, not yet applied (`TransformState.scale_`);
+        #: whatever runs next applies it (`flush_`) unless it is the optimizer kernel that folds it
+        self.pending: tuple | None = None
         self.params, self.groups, self.group_ids = layout.params, layout.groups, layout.group_ids
         self.ranges, self.names = layout.ranges, layout.names
         self._states: list[dict] | None = None
@@ -207,8 +213,17 @@ class Step:
         for g, (a, b) in zip(self.groups, self.ranges):
             yield g, a, b
 
+    def flush_(self, updates: list[torch.Tensor]) -> None:
+        """Apply a pending folded scale (`pending`) to `updates` as its transform would have: the same
+        multiply, so a fold that does not happen changes nothing."""
+        if self.pending is not None:
+            seg, scale = self.pending
+            self.pending = None
+            seg.mul_(updates, scale)
+
     def write_updates(self, updates: list[torch.Tensor], params: list[torch.Tensor] | None = None) -> None:
         """`p -= update` for every parameter of the step, or for `params` (nothing moves on a skipped step)."""
+        self.flush_(updates)
         params = self.params if params is None else params
         if not params:
             return
@@ -269,6 +284,7 @@ class Step:
             self.layout.cache[cache_key] = layout
         sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
         sub.proceed, sub.cancelled = self.proceed, frozenset()  # (the linter does not look inside Masked)
+        sub.folded = None
         return sub
 
 
@@ -321,9 +337,18 @@ class TransformState:
         `cancelled`, from `modopt.lint.cancelled_scales`): the result is the same up to
         rounding, one pass over the updates less, and the norm memo stays valid for the
         normalization (the runner does not close it after this transform).
+
+        Deferred when the final optimizer folds it into its fused kernel (the step's `folded`,
+        `modopt.lint.folded_scale`, a global scale only): the step keeps it as `pending`, and
+        the kernel divides by its reciprocal (`grad_scale`) instead of a multiply here; any
+        other transform that runs first applies it (`Step.flush_`).
         """
-        if self.key not in self.step.cancelled:
-            seg.mul_(updates, scale)
+        if self.key in self.step.cancelled:
+            return
+        if self.key == self.step.folded and seg.kind == "global":
+            self.step.pending = (seg, scale)  # the optimizer's kernel takes it (or the next transform applies it)
+            return
+        seg.mul_(updates, scale)
 
     # --- per-parameter buffers --------------------------------------------
     def buffers(self, name: str, init: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
@@ -400,13 +425,16 @@ def run(transforms, step: Step, updates: list[torch.Tensor], parent: str = "", f
             end -= 1
     for i, t in enumerate(transforms):
         if final and i == end:
-            if not t.apply_final(step, states[i], updates):
+            if not t.apply_final(step, states[i], updates):  # (a fused kernel may take a pending scale)
+                step.flush_(updates)
                 out = t.apply(step, states[i], updates)
                 if out is not None:
                     step.write_updates(out)
             for j in range(i + 1, n):  # they touch no update: run them for their own sake
                 transforms[j].apply(step, states[j], updates)
             return True
+        if t.update_access != "none":
+            step.flush_(updates)
         updates = t.apply(step, states[i], updates)
         if updates is None:
             return None
@@ -429,6 +457,8 @@ def run_step(transforms, step: Step, updates: list[torch.Tensor] | None = None, 
             run(transforms, step, updates, final=True)
             return None
         out = run(transforms, step, updates)
+        if out is not None:
+            step.flush_(out)
         if write and out is not None:
             step.write_updates(out)
             return None

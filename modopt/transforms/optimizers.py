@@ -56,6 +56,21 @@ def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool
     return plan
 
 
+class _PerDevice:
+    """A 0-d tensor for the kernels, copied once to each device that asks for it."""
+
+    __slots__ = ("_by",)
+
+    def __init__(self, by: dict):
+        self._by = by
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self._by.get(device)
+        if t is None:
+            t = self._by[device] = next(iter(self._by.values())).to(device)
+        return t
+
+
 def _lr_value(lr, like: torch.Tensor):
     """`lr` for a foreach multiply. Compiled, a 0-d tensor: a scheduler's new value is then
     a graph input, not a constant that forces a recompile (a Python scalar is specialised)."""
@@ -174,11 +189,12 @@ class LR(Transform):
 class _FusedOptimizer(Transform, abstract=True):
     """An optimizer transform that, as the last one, writes the parameters with torch's fused kernels.
 
-    It never folds a preceding clip's scale into the kernels' `grad_scale`: the kernels divide
-    by `1/scale` where torch's `clip_grad_norm_` multiplies by `scale`, which rounds differently
-    and moves a long run away from torch's (7e-4 after 55 Adam steps of a transformer). The clip
-    multiplies the gradients itself, exactly as `clip_grad_norm_` does: bit for bit torch's
-    trajectory, at the cost of one pass over the gradients.
+    By default it never folds a preceding clip's scale into the kernels' `grad_scale`: the
+    kernels divide by `1/scale` where torch's `clip_grad_norm_` multiplies by `scale`, which
+    rounds differently and moves a long run away from torch's (7e-4 after 55 Adam steps of a
+    transformer). The clip multiplies the gradients itself, exactly as `clip_grad_norm_` does:
+    bit for bit torch's trajectory, at the cost of one pass over the gradients. `Adam` and
+    `AdamW` offer the fold as a setting (`fold_clip=True`).
     """
 
     is_optimizer: ClassVar[bool] = True
@@ -372,6 +388,17 @@ class Adam(_FusedOptimizer):
     with `g = u + weight_decay * p` (L2 penalty) and `v` replaced by its
     running maximum when `amsgrad`. Exposes `lr`, `betas`, `eps`,
     `weight_decay`, `amsgrad` as group keys.
+
+    `fold_clip=True` (default False) folds the scale `c` of a global clip right before it
+    (`ClipNorm`, `ClipNormByEMA`, ...: a transform that declares one positive factor for all
+    parameters) into torch's fused kernel: the kernel divides the gradients by its
+    `grad_scale = 1/c`, as it unscales under `GradScaler`, instead of the clip multiplying
+    them by `c` in a pass of its own. One pass over the gradients less (read and write); the
+    kernel writes the clipped gradients back, so `p.grad` still holds them. Not bit-exact:
+    `g / (1/c)` and `g * c` differ in the last bit of some elements (float32; in float16 and
+    bfloat16 the kernel also skips the rounding of the clipped gradient to the parameters'
+    dtype). Where the kernel is not used (compiled steps, the foreach path, float64, which
+    the kernel's float32 `grad_scale` would round) the clip multiplies as usual.
     """
 
     positional = "lr"
@@ -382,6 +409,7 @@ class Adam(_FusedOptimizer):
     eps: NonNegativeFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.0
     amsgrad: bool = False
+    fold_clip: bool = False
     state_buffers: ClassVar[dict] = {
         "step": Buffer("counter", dtype="float32"),  # torch keeps Adam's step in float32
         "exp_avg": "param",
@@ -420,6 +448,7 @@ class Adam(_FusedOptimizer):
         found_inf = by = None
         if skip is not None:  # the fused kernels skip on the device, as under GradScaler
             found_inf, by = skip.to(torch.float32), ~skip if ctx.proceed is None else ctx.proceed
+        grad_scale = self._folded_scale(ctx, updates)
         for g, a, b in ctx.per_group():
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
@@ -439,9 +468,27 @@ class Adam(_FusedOptimizer):
                 kernels.fused_adam_(
                     params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, lr=g["lr"],
                     beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad,
-                    grad_scale=None, found_inf=found_inf,
+                    grad_scale=None if grad_scale is None else grad_scale.get(params[0].device), found_inf=found_inf,
                 )
         return True
+
+    def _folded_scale(self, ctx, updates):
+        """The pending clip scale `c` (`fold_clip`, `Step.pending`) as the kernels' `grad_scale`, `1/c`
+        (float32, per device), or None; where some parameters do not take the fused kernel, or are
+        float64, the clip's multiply runs instead (`Step.flush_`)."""
+        if ctx.pending is None:
+            return None
+        plans = [p for _, a, b in ctx.per_group() for p in _plan(ctx, a, b, "adamw" if self.decoupled else "adam")]
+        if not all(fused and dtype != torch.float64 for _, fused, dtype in plans):
+            ctx.flush_(updates)
+            return None
+        seg, scale = ctx.pending
+        ctx.pending = None
+        if not seg.active[0]:  # (a global segment below min_size: the clip leaves it as it is)
+            return None
+        inv = scale.reshape(()).reciprocal().to(torch.float32)
+        by_device: dict = {inv.device: inv}
+        return _PerDevice(by_device)
 
     def apply(self, ctx, st, updates):
         if torch.compiler.is_compiling():
