@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def below_one(ratio: torch.Tensor) -> torch.Tensor:
-    """`ratio` where it is < 1, else 1. A NaN ratio (0/0) gives 1: never scales up, never NaN."""
-    return torch.where(ratio < 1, ratio, 1.0)
+    """`ratio` where it is < 1, else 1. A NaN ratio (0/0) gives 1: never scales up, never NaN.
+
+    `min(ratio, 1)` then NaN -> 1: the same values as `where(ratio < 1, ratio, 1)` (signed zeros and
+    -inf included) in two ops where the `where` takes three (its scalar becomes a tensor first)."""
+    return torch.clamp(ratio, max=1.0).nan_to_num_(nan=1.0, posinf=math.inf, neginf=-math.inf)
 
 
 def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torch.Tensor:
