@@ -156,9 +156,9 @@ def folded_scale(transforms) -> str | None:
         if seg is not None and seg[0] == "global" and seg[1] is None:
             return key
         raise ValueError(
-            f"{okey}.fold_clip: the transform before it, {key}, is not a global clip by norm (its "
-            f"scale is not one factor for all parameters), so there is no scale to fold; "
-            f"use a global-scope ClipNorm (or ClipNormByEMA, ...) right before it, or fold_clip=False"
+            f"{okey}.fold_clip: the transform before it, {key}, does not declare one positive scale for "
+            f"all parameters (positive_scale() with scope='global'), so there is no scale to fold; use a "
+            f"global-scope ClipNorm (or ClipNormByRMS, ClipNormByEMA, ...) right before it, or fold_clip=False"
         )
     raise ValueError(f"{okey}.fold_clip: no transform before it has a scale to fold; set fold_clip=False")
 
