@@ -242,7 +242,6 @@ class Modular(torch.optim.Optimizer):
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         self._keys = [k for k, _ in walk(self.transforms)]
         _check_last(self.transforms)
-        self.__dict__.pop("_folded", None)
         self.folded_scale  # noqa: B018  (an invalid fold_clip fails here, before anything is built)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}

@@ -56,21 +56,6 @@ def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool
     return plan
 
 
-class _PerDevice:
-    """A 0-d tensor for the kernels, copied once to each device that asks for it."""
-
-    __slots__ = ("_by",)
-
-    def __init__(self, by: dict):
-        self._by = by
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self._by.get(device)
-        if t is None:
-            t = self._by[device] = next(iter(self._by.values())).to(device)
-        return t
-
-
 def _lr_value(lr, like: torch.Tensor):
     """`lr` for a foreach multiply. Compiled, a 0-d tensor: a scheduler's new value is then
     a graph input, not a constant that forces a recompile (a Python scalar is specialised)."""
@@ -468,13 +453,13 @@ class Adam(_FusedOptimizer):
                 kernels.fused_adam_(
                     params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, lr=g["lr"],
                     beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad,
-                    grad_scale=None if grad_scale is None else grad_scale.get(params[0].device), found_inf=found_inf,
+                    grad_scale=None if grad_scale is None else grad_scale.to(params[0].device), found_inf=found_inf,
                 )
         return True
 
     def _folded_scale(self, ctx, updates):
         """The pending clip scale `c` (`fold_clip`, `Step.pending`) as the kernels' `grad_scale`, `1/c`
-        (float32, per device), or None; where some parameters do not take the fused kernel, or are
+        (float32), or None; where some parameters do not take the fused kernel, or are
         float64, the clip's multiply runs instead (`Step.flush_`)."""
         if ctx.pending is None:
             return None
@@ -486,9 +471,7 @@ class Adam(_FusedOptimizer):
         ctx.pending = None
         if not seg.active[0]:  # (a global segment below min_size: the clip leaves it as it is)
             return None
-        inv = scale.reshape(()).reciprocal().to(torch.float32)
-        by_device: dict = {inv.device: inv}
-        return _PerDevice(by_device)
+        return scale.reshape(()).reciprocal().to(torch.float32)
 
     def apply(self, ctx, st, updates):
         if torch.compiler.is_compiling():
