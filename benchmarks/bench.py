@@ -185,6 +185,20 @@ def torch_clipnorm_adam(model, check):
     return Side(model, step, _opt_state(opt))
 
 
+def torch_clipnorm_adamw_default(model, check):
+    """torch's own default AdamW kernel (`fused=None, foreach=None`: the for-loop kernel on a CPU,
+    foreach on CUDA), against `AdamW(fused=False)`: like against like."""
+    ps = list(model.parameters())
+    opt = torch.optim.AdamW(ps, lr=1e-3)
+
+    def step():
+        n = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        if _finite(n, check):
+            opt.step()
+
+    return Side(model, step, _opt_state(opt))
+
+
 def torch_mission(model, check, beta=0.99, growth=1.5, eps=1e-6):
     """ClipNormByEMA() (global EMA of the update, growth limit 1.5), Normalize() (per tensor), Adam()."""
     ps = list(model.parameters())
@@ -387,6 +401,10 @@ PIPELINES = [
              calls=4, limit=25, limit_why="per call the gradient read for the finite check and for the sum, the sum "
              "read and written (4 x 4P); at the end p, m, v read and written, the mean read for its norm and the "
              "update, the sum cleared (9P)"),
+    # a setting: torch's own default kernel (the for-loop kernel on a CPU), the host decides the skip
+    Pipeline("ClipNorm(1.0), AdamW(fused=False)", lambda: [mo.ClipNorm(1.0), mo.AdamW(fused=False)],
+             torch_clipnorm_adamw_default, "clip_grad_norm_(foreach) + AdamW() (torch's default kernel)",
+             limit=8, limit_why="as ClipNorm(1.0), Adam()"),
     # a setting, not a default: the clip's scale goes into the fused kernel's grad_scale (not bit-exact)
     Pipeline("ClipNorm(1.0), Adam(fold_clip=True)", lambda: [mo.ClipNorm(1.0), mo.Adam(fold_clip=True)],
              torch_clipnorm_adam, "clip_grad_norm_(foreach) + Adam(fused)",

@@ -83,9 +83,11 @@ def clip_grad_norm_(
     As in torch: `norm_type` is accepted as another name of `ord`, and
     either may be a string torch accepts (`"inf"`); an empty generator of
     parameters warns; `error_if_nonfinite` raises torch's error. With float32
-    gradients and `ord=2` the returned norm and the clipped gradients equal
-    torch's bit for bit. `foreach` is accepted for compatibility (modopt
-    always uses the multi-tensor kernels).
+    gradients, `ord=2` and the same `parameters` in the same order, the
+    returned norm and the clipped gradients equal torch's bit for bit (the
+    total adds the per-tensor norms in the order given, as torch does; another
+    order can change its last bit). `foreach` is accepted for compatibility
+    (modopt always uses the multi-tensor kernels).
 
     ```pycon
     >>> import torch, modopt as mo

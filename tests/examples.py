@@ -35,9 +35,20 @@ NON_DEFAULT = {
     "SGD": [
         mo.SGD(lr=0.02, momentum=0.8, dampening=0.0, nesterov=True, weight_decay=1e-3),
         mo.SGD(lr=0.03, momentum=0.5, dampening=0.1, nesterov=False, weight_decay=1e-3),
+        mo.SGD(lr=0.01, momentum=0.9, maximize=True, fused=False, foreach=True),  # torch's foreach kernel
+        mo.SGD(lr=0.01, fused=True),
     ],
-    "Adam": mo.Adam(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=1e-3, amsgrad=True),
-    "AdamW": mo.AdamW(lr=2e-3, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05, amsgrad=True),
+    "Adam": [
+        mo.Adam(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=1e-3, amsgrad=True),
+        # torch's for-loop kernel; it computes in the parameters' dtype, where eps=1e-8 rounds to 0 in float16
+        mo.Adam(lr=2e-3, eps=1e-4, maximize=True, fused=False, foreach=False, decoupled_weight_decay=True),
+        mo.Adam(lr=2e-3, fused=True),
+    ],
+    "AdamW": [
+        mo.AdamW(lr=2e-3, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05, amsgrad=True),
+        mo.AdamW(lr=2e-3, eps=1e-4, maximize=True, foreach=True),  # torch's foreach kernel (as above)
+        mo.AdamW(lr=2e-3, fused=True),
+    ],
     # eps representable in fp16, so the half-precision checks test modopt rather than RMSprop's fp16 underflow
     "TorchOptimizer": mo.TorchOptimizer(torch.optim.RMSprop, lr=3e-3, alpha=0.95, eps=1e-4),
     # the module families (issue 3)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 from torch.optim.adam import adam as _torch_adam
-from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_fused_kernels_supported_devices
 from torch.optim.sgd import sgd as _torch_sgd
 
 from . import distributed
 
-__all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_adam_"]
+__all__ = ["KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_adam_",
+           "torch_default_foreach", "torch_adam_", "torch_sgd_"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -52,17 +53,17 @@ def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: boo
 
 
 def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale,
-               found_inf=None):
+               found_inf=None, maximize=False):
     """`torch._fused_sgd_` (in place on `params` and `bufs`; divides the gradients by `grad_scale`;
     with `found_inf` nonzero, a 0-d float32 tensor, it leaves everything as it is)."""
     torch._fused_sgd_(
         params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-        nesterov=nesterov, maximize=False, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
+        nesterov=nesterov, maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
     )
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
-                weight_decay, eps, amsgrad, grad_scale, found_inf=None):
+                weight_decay, eps, amsgrad, grad_scale, found_inf=None, maximize=False):
     """`torch._fused_adamw_` (decoupled decay) or `torch._fused_adam_`; the step tensors must
     already be incremented (the kernels read them, torch.optim bumps them first). With `found_inf`
     (a 0-d float32 tensor on the parameters' device) the kernel leaves everything as it is where
@@ -70,26 +71,28 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False, grad_scale=grad_scale,
+        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
         found_inf=found_inf,
     )
 
 
-def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov):
+def foreach_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, maximize=False):
     """torch.optim.SGD's foreach implementation; `bufs` entries that are None are filled in."""
     _torch_sgd(
         params, grads, bufs, foreach=True, fused=False, weight_decay=weight_decay, momentum=momentum, lr=lr,
-        dampening=dampening, nesterov=nesterov, maximize=False,
+        dampening=dampening, nesterov=nesterov, maximize=maximize,
     )
 
 
-def foreach_sgd_skip_(params, grads, bufs, skip, *, lr, weight_decay, momentum, dampening, nesterov):
+def foreach_sgd_skip_(params, grads, bufs, skip, *, lr, weight_decay, momentum, dampening, nesterov, maximize=False):
     """torch.optim.SGD's foreach formulas op for op (so bit for bit with `foreach_sgd_` on a step that
     goes ahead), on a step whose skip the device decides (`skip`, a 0-d bool tensor): on a skipped
     step the parameters and the momentum buffers keep their values. `bufs` entries that are None are
     filled: a zero buffer, which the step fills exactly as torch's first step (`momentum * 0 + g`),
     so `dampening` must be 0 there. The new buffers are computed out of place and chosen with a
     `where`, so rounding is torch's: two more passes over the buffers than `foreach_sgd_`."""
+    if maximize:
+        grads = torch._foreach_neg(grads)
     if weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
     if momentum != 0:
@@ -105,10 +108,42 @@ def foreach_sgd_skip_(params, grads, bufs, skip, *, lr, weight_decay, momentum, 
 
 
 def foreach_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled, lr, beta1, beta2,
-                  weight_decay, eps, amsgrad):
+                  weight_decay, eps, amsgrad, maximize=False):
     """torch.optim.Adam's (or AdamW's, `decoupled`) foreach implementation; it increments `steps`."""
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=True, fused=False,
         decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
-        weight_decay=weight_decay, eps=eps, maximize=False,
+        weight_decay=weight_decay, eps=eps, maximize=maximize,
+    )
+
+
+# torch's own kernel choice (`fused=False` / `foreach=`): torch.optim's functional step, as is ---------------
+
+
+def torch_default_foreach(params: list[torch.Tensor]) -> bool:
+    """Whether torch.optim, given `foreach=None, fused=None`, runs its foreach kernel on `params`
+    (torch's own rule: foreach on CUDA and other native accelerators, the for-loop kernel on a CPU)."""
+    return bool(params) and _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1]
+
+
+def torch_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, foreach, capturable, decoupled, lr,
+                beta1, beta2, weight_decay, eps, amsgrad, maximize):
+    """`torch.optim.Adam`'s (`decoupled`: `AdamW`'s) functional step with torch's non-fused kernels:
+    the foreach kernel (`foreach=True`), the for-loop kernel (`foreach=False`) or torch's default
+    for these tensors (`foreach=None`). It increments `steps` itself (0-d float32 tensors: on the CPU
+    unless `capturable`, where torch keeps them). The same call `torch.optim.Adam.step` makes, so the
+    same bits by construction on every device."""
+    _torch_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=foreach, capturable=capturable,
+        differentiable=False, fused=None, decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1,
+        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
+    )
+
+
+def torch_sgd_(params, grads, bufs, *, foreach, lr, weight_decay, momentum, dampening, nesterov, maximize):
+    """`torch.optim.SGD`'s functional step with torch's non-fused kernels (`foreach` as in
+    `torch_adam_`); `bufs` entries that are None become torch's first buffers (the gradient)."""
+    _torch_sgd(
+        params, grads, bufs, foreach=foreach, fused=None, weight_decay=weight_decay, momentum=momentum, lr=lr,
+        dampening=dampening, nesterov=nesterov, maximize=maximize,
     )

@@ -78,7 +78,11 @@ class ClipNorm(Scoped):
     $$
 
     Defaults: `ord=2`, `scope="global"`, `eps=1e-6`. With these it equals
-    `torch.nn.utils.clip_grad_norm_(params, max_norm)`; with `eps=0` it is
+    `torch.nn.utils.clip_grad_norm_(params, max_norm)` when `params` is the
+    optimizer's parameters in its order (param group by param group: the
+    global norm adds the per-tensor norms in that order; over
+    `model.parameters()` in another order torch's total can differ in the last
+    bit, see docs/migration.md); with `eps=0` it is
     declearn's `L2GlobalClipping` (and, with `scope="tensor"`, its
     `L2Clipping`). torchzero's `ClipNorm`.
 

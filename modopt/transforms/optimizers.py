@@ -20,6 +20,7 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from ..core import distributed, kernels
 from ..core.distributed import is_sharded
+from torch.optim.optimizer import _get_capturable_supported_devices as _capturable_devices
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
@@ -31,18 +32,49 @@ __all__ = ["LR", "SGD", "Adam", "AdamW", "TorchOptimizer"]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-def _step_tensor(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=p.device)
+_CPU = torch.device("cpu")
 
 
-def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool, torch.dtype]]:
+def _step_tensor(p: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=p.device if device is None else device)
+
+
+def _placed(st, a: int, b: int, steps: list[torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
+    """`steps` of `params[a:b]` on `device` (None: each parameter's own), where the kernel reads them:
+    torch's non-fused kernels keep the step count on the CPU unless `capturable` (they read it on the
+    host), the fused ones on the parameter's device. A step tensor saved by the other layout (a
+    checkpoint of the other kernel, a torch optimizer's) moves once, in the state itself."""
+    params = st.step.params[a:b]
+    bad = [i for i, (t, p) in enumerate(zip(steps, params)) if t.device != (p.device if device is None else device)]
+    if bad:
+        k, states = value_key(st.key, "step"), st.step.param_states()[a:b]
+        for i in bad:
+            steps[i] = states[i][k] = steps[i].to(params[i].device if device is None else device)
+    return steps
+
+
+def _check_capturable(ctx) -> None:
+    """`capturable=True` with torch's non-fused kernels: refuse parameters on a device torch cannot
+    capture on (a CPU), naming one, as a `ValueError` before anything moves."""
+    ok = _capturable_devices()
+    for i, p in enumerate(ctx.params):
+        if p.device.type not in ok:
+            name = ctx.names[i] or f"parameter {i}"
+            raise ValueError(f"capturable=True: torch's non-fused kernels capture only on {', '.join(ok)}, and "
+                             f"{name} is on {p.device.type}; use capturable=False there")
+
+
+def _plan(ctx, a: int, b: int, kernel: str, required: bool = False) -> list[tuple[list[int] | None, bool, torch.dtype]]:
     """How `ctx.params[a:b]` split into (device, dtype) sub-groups for the kernels, cached per layout.
 
     Each entry: the indices into `[a:b]` (None: all of them), whether torch's
     fused `kernel` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
+    With `required` (`fused=True`), parameters torch has no fused kernel for are refused, as
+    torch.optim refuses them (a `ValueError` that names one); a combination `kernels.KNOWN_BAD`
+    lists, and a DTensor, take the foreach path instead (see `modopt.core.kernels`).
     """
     cache = ctx.layout.cache
-    key = ("optimizer_plan", a, b, kernel)
+    key = ("optimizer_plan", a, b, kernel, required)
     plan = cache.get(key)
     if plan is None:
         by: dict[tuple, list[int]] = {}
@@ -52,6 +84,12 @@ def _plan(ctx, a: int, b: int, kernel: str) -> list[tuple[list[int] | None, bool
             (None if len(by) == 1 else idx, kernels.fused_ok(kernel, dev, dtype, sharded), dtype)
             for (dev, dtype, sharded), idx in by.items()
         ]
+        for (dev, dtype, sharded), idx in by.items() if required else ():
+            if not sharded and (kernel, dev.type, dtype) not in kernels.KNOWN_BAD \
+                    and not kernels.fused_ok(kernel, dev, dtype, sharded):
+                name = ctx.names[a + idx[0]] or f"parameter {a + idx[0]}"
+                raise ValueError(f"fused=True: torch has no fused {kernel} kernel for {name} ({dtype} on "
+                                 f"{dev.type}); use fused=None (modopt's default) or fused=False")
         cache[key] = plan
     return plan
 
@@ -75,13 +113,15 @@ def _pick(xs: list, idx: list[int] | None) -> list:
     return xs if idx is None else [xs[i] for i in idx]
 
 
-def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict], by=1) -> None:
+def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict], by=1,
+                device: torch.device | None = None) -> None:
     """`step += by` (1, or a 0-d tensor: 0 on a step the device skips) for every step tensor of a
     sub-group, as one kernel.
 
     The per-parameter `step` tensors (torch's state layout, saved per
     parameter) are made views of one packed 1-D tensor the first time a
     layout is seen, so the increment is one op instead of one per tensor.
+    Step tensors not on `device` (the kernel's) move there first.
     """
     if not steps:
         return
@@ -91,6 +131,10 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     if ent is not None and len(ent[1]) == len(steps) and all(x is y for x, y in zip(ent[1], steps)):
         ent[0].add_(by)
         return
+    if device is not None and any(s.device != device for s in steps):  # (saved by a non-fused layout)
+        k = value_key(st.key, "step")
+        for i, s in enumerate(param_states):
+            steps[i] = s[k] = steps[i].to(device)
     s0 = steps[0]
     if any(s.dim() != 0 or s.dtype != s0.dtype or s.device != s0.device for s in steps):
         torch._foreach_add_(steps, by)
@@ -105,11 +149,14 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     flat.add_(by)
 
 
-def _sgd_started_(params, grads, bufs, started, skip, *, lr, weight_decay, momentum, dampening, nesterov):
+def _sgd_started_(params, grads, bufs, started, skip, *, lr, weight_decay, momentum, dampening, nesterov,
+                  maximize=False):
     """torch.optim.SGD's foreach formulas op for op (as `kernels.foreach_sgd_skip_`) for momentum buffers
     with a `started` flag: where a flag is False the new buffer is the gradient, torch's first step,
     else `momentum * b + (1 - dampening) * g`. With `skip` (a 0-d bool tensor) a skipped step keeps the
     parameters and buffers. One more pass over the buffers than `foreach_sgd_skip_` (the flag's `where`)."""
+    if maximize:
+        grads = torch._foreach_neg(grads)
     if weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
     new = [b.clone() for b in bufs]  # in place on copies: torch's rounding in every dtype
@@ -126,7 +173,7 @@ def _sgd_started_(params, grads, bufs, started, skip, *, lr, weight_decay, momen
 
 
 def _fused_sgd_started_(params, grads, bufs, started, skip, same: bool, *, lr, weight_decay, momentum, dampening,
-                        nesterov):
+                        nesterov, maximize=False):
     """torch's fused SGD kernel for momentum buffers with a `started` flag: per flag value, one call as
     a later step (`is_first_step=False`) where it is True and one as torch's first step (the buffer
     becomes the gradient) where it is False, each made a no-op on the device by `found_inf` where it
@@ -134,7 +181,7 @@ def _fused_sgd_started_(params, grads, bufs, started, skip, same: bool, *, lr, w
     nothing: no pass more than the plain fused step, one kernel call more. With `same` (the flags are
     known to be equal) one pair of calls serves them all; else one pair per parameter."""
     hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                 grad_scale=None)
+                 grad_scale=None, maximize=maximize)
     flags = started[0].reshape(1) if same else torch.stack(started)
     later, first = ~flags, flags  # 1: that call leaves everything as it is
     if skip is not None:
@@ -183,10 +230,32 @@ class _FusedOptimizer(Transform, abstract=True):
     """
 
     is_optimizer: ClassVar[bool] = True
+    #: the name of torch's kernel family (`"sgd"`, `"adam"`, `"adamw"`) for `kernels.fused_ok`
+    kernel: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _kernel_choice(self):
+        if self.fused and self.foreach:
+            raise ValueError("fused and foreach cannot both be True (as in torch.optim)")
+        if self.differentiable:
+            raise ValueError("differentiable=True is not supported: modopt's step runs under torch.no_grad() "
+                             "(use torch.optim directly to differentiate through an optimizer step)")
+        return self
+
+    def torch_kernel(self) -> bool:
+        """True when torch's own non-fused step writes the parameters: `fused=False`, or `foreach`
+        given without `fused` (torch's meanings: `foreach=True` the foreach kernel, `False` the
+        for-loop kernel, None torch's default for the device: for-loop on a CPU, foreach on CUDA)."""
+        return self.fused is False or (self.fused is None and self.foreach is not None)
+
+    def skips_on_device(self, groups=None):
+        # torch's non-fused kernels take no `found_inf` and read the step count on the host: the host
+        # decides the skip for them (one sync per step); the fused kernels skip on the device
+        return not self.torch_kernel() and super().skips_on_device(groups)
 
 
 class SGD(_FusedOptimizer):
-    r"""Stochastic gradient descent, identical to `torch.optim.SGD`.
+    r"""Stochastic gradient descent: `torch.optim.SGD` with the same kernel, bit for bit.
 
     $$
     \begin{aligned}
@@ -196,7 +265,13 @@ class SGD(_FusedOptimizer):
     \end{aligned}
     $$
 
-    Exposes `lr`, `momentum`, `dampening`, `nesterov`, `weight_decay` as group keys.
+    Exposes `lr`, `momentum`, `dampening`, `nesterov`, `weight_decay`, `maximize` as group keys.
+
+    The kernel (as the last transform): by default torch's fused kernel, so it equals
+    `torch.optim.SGD(..., fused=True)`; `fused=False` runs torch's own default
+    (`torch.optim.SGD(...)`: the for-loop kernel on a CPU, foreach on CUDA), `foreach=True`/`False`
+    torch's foreach/for-loop kernel. With a non-fused kernel the host decides a skip (one sync
+    per step). See docs/modules/optimizers.md, "Which kernel runs".
 
     A step the device skips (`nonfinite="skip"`) leaves the parameters and the buffers as they
     were, with no host sync, in every setting. Without dampening a momentum buffer starts at
@@ -216,7 +291,13 @@ class SGD(_FusedOptimizer):
     dampening: FiniteFloat = 0.0
     nesterov: bool = False
     weight_decay: NonNegativeFloat = 0.0
-    group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
+    maximize: bool = False
+    #: torch's kernel choice, with torch's meanings (see the class docstring): None keeps modopt's default
+    fused: bool | None = None
+    foreach: bool | None = None
+    differentiable: bool = False
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
+    kernel: ClassVar[str] = "sgd"
     # "started": see `STARTED` (only buffers the device path created with dampening have one)
     state_buffers: ClassVar[dict] = {"momentum_buffer": "param", "started": STARTED}
 
@@ -260,6 +341,8 @@ class SGD(_FusedOptimizer):
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+        if self.torch_kernel():
+            return self._torch_step(ctx, st, updates)
         skip = ctx.skip
         found_inf = None if skip is None else skip.to(torch.float32)
         for g, a, b in ctx.per_group():
@@ -267,7 +350,7 @@ class SGD(_FusedOptimizer):
             bufs = self._buffers(st, a, b) if mu != 0 else []
             flags, fresh = self._start(ctx, st, a, b, g, bufs, updates[a:b]) if mu != 0 else ([], True)
             flagged = any(f is not None for f in flags)
-            for idx, fused, dtype in _plan(ctx, a, b, "sgd"):
+            for idx, fused, dtype in _plan(ctx, a, b, "sgd", self.fused is True):
                 if flagged:  # buffers that may not have started (see the class docstring)
                     sel = range(b - a) if idx is None else idx
                     mine = [i for i in sel if flags[i] is not None]
@@ -275,7 +358,7 @@ class SGD(_FusedOptimizer):
                         ps, gs = [ctx.params[a + i] for i in mine], [updates[a + i] for i in mine]
                         bs, fs = [bufs[i] for i in mine], [flags[i] for i in mine]
                         hyper = dict(lr=g["lr"], weight_decay=g["weight_decay"], momentum=mu,
-                                     dampening=g["dampening"], nesterov=g["nesterov"])
+                                     dampening=g["dampening"], nesterov=g["nesterov"], maximize=g["maximize"])
                         if fused:
                             _fused_sgd_started_(ps, gs, bs, fs, skip, same_flags(st, (a, b), fs, fresh), **hyper)
                         else:
@@ -285,7 +368,7 @@ class SGD(_FusedOptimizer):
                             continue
                 params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
                 hyper = dict(weight_decay=g["weight_decay"], momentum=mu, lr=g["lr"], dampening=g["dampening"],
-                             nesterov=g["nesterov"])
+                             nesterov=g["nesterov"], maximize=g["maximize"])
                 if not fused:
                     sub_bufs = _pick(bufs, idx)
                     if skip is None:
@@ -324,10 +407,25 @@ class SGD(_FusedOptimizer):
                 settle_flags(st, (a, b), st.step.param_states()[a:b], flags, proceed_flag(ctx), fresh)
         return True
 
+    def _torch_step(self, ctx, st, updates):
+        """`fused=False` / `foreach`: torch.optim.SGD's own non-fused step per param group (the host
+        has decided the skip: `skips_on_device` is False)."""
+        for g, a, b in ctx.per_group():
+            mu = g["momentum"]
+            bufs = self._buffers(st, a, b) if mu != 0 else [None] * (b - a)
+            kernels.torch_sgd_(ctx.params[a:b], updates[a:b], bufs, foreach=self.foreach, lr=g["lr"],
+                               weight_decay=g["weight_decay"], momentum=mu, dampening=g["dampening"],
+                               nesterov=g["nesterov"], maximize=g["maximize"])
+            if mu != 0:
+                self._save_buffers(st, a, b, bufs)
+        return True
+
     def apply(self, ctx, st, updates):
         out: list[torch.Tensor] = []
         for g, a, b in ctx.per_group():
             grads = updates[a:b]
+            if g["maximize"]:
+                grads = torch._foreach_neg(grads)
             if g["weight_decay"] != 0:
                 grads = torch._foreach_add(grads, ctx.params[a:b], alpha=g["weight_decay"])
             skip = ctx.skip
@@ -361,7 +459,7 @@ class SGD(_FusedOptimizer):
 
 
 class Adam(_FusedOptimizer):
-    r"""Adam, identical to `torch.optim.Adam` (eps added after the bias-corrected square root).
+    r"""Adam: `torch.optim.Adam` with the same kernel, bit for bit (eps after the bias-corrected square root).
 
     $$
     \begin{aligned}
@@ -372,7 +470,15 @@ class Adam(_FusedOptimizer):
 
     with `g = u + weight_decay * p` (L2 penalty) and `v` replaced by its
     running maximum when `amsgrad`. Exposes `lr`, `betas`, `eps`,
-    `weight_decay`, `amsgrad` as group keys.
+    `weight_decay`, `amsgrad`, `maximize` as group keys.
+
+    The kernel (as the last transform): by default torch's fused kernel, so it equals
+    `torch.optim.Adam(..., fused=True)`, not torch's default. `fused=False` runs torch's own
+    default (`torch.optim.Adam(...)`: the for-loop kernel on a CPU, foreach on CUDA);
+    `foreach=True`/`False` torch's foreach/for-loop kernel; `capturable` as in torch (for the
+    non-fused kernels). With a non-fused kernel the host decides a skip (one sync per step:
+    torch's non-fused kernels read the step count on the host). `decoupled_weight_decay=True`
+    makes it `AdamW`. See docs/modules/optimizers.md, "Which kernel runs".
 
     `fold_clip=True` (default False) folds the scale `c` of a global clip right before it
     (`ClipNorm`, `ClipNormByEMA`, ...: a transform that declares one positive factor for all
@@ -395,14 +501,36 @@ class Adam(_FusedOptimizer):
     weight_decay: NonNegativeFloat = 0.0
     amsgrad: bool = False
     fold_clip: bool = False
+    maximize: bool = False
+    #: torch's kernel choice and step layout, with torch's meanings (see the class docstring)
+    fused: bool | None = None
+    foreach: bool | None = None
+    capturable: bool = False
+    differentiable: bool = False
+    decoupled_weight_decay: bool = False
     state_buffers: ClassVar[dict] = {
         "step": Buffer("counter", dtype="float32"),  # torch keeps Adam's step in float32
         "exp_avg": "param",
         "exp_avg_sq": Buffer("param", low=0, finite=False),  # squares: +inf after gradients of 1e20
         "max_exp_avg_sq": Buffer("param", low=0, finite=False),
     }
-    group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-    decoupled: ClassVar[bool] = False
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the weight decay is AdamW's, decoupled (`decoupled_weight_decay`, always for `AdamW`)."""
+        return self.decoupled_weight_decay
+
+    @property
+    def kernel(self) -> str:  # type: ignore[override]
+        return "adamw" if self.decoupled else "adam"
+
+    @model_validator(mode="after")
+    def _fold_needs_fused(self):
+        if self.fold_clip and self.torch_kernel():
+            raise ValueError("fold_clip=True needs torch's fused kernel (its grad_scale), but fused=False or foreach "
+                             "was given: drop one of them")
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -412,9 +540,9 @@ class Adam(_FusedOptimizer):
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
         return v
 
-    def _state(self, st, a, b, amsgrad):
+    def _state(self, st, a, b, amsgrad, steps_on: torch.device | None = None):
         sl = slice(a, b)
-        steps = st.buffers("step", lambda i, p: _step_tensor(p))[sl]
+        steps = st.buffers("step", lambda i, p: _step_tensor(p, steps_on))[sl]
         m = st.buffers("exp_avg", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[sl]
         v = st.buffers("exp_avg_sq", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[sl]
         vmax = (
@@ -426,9 +554,11 @@ class Adam(_FusedOptimizer):
     def apply_final(self, ctx, st, updates):
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+        if self.torch_kernel():
+            return self._torch_step(ctx, st, updates)
         skip = ctx.skip
         if skip is not None and not all(fused for _, a, b in ctx.per_group()
-                                        for _, fused, _ in _plan(ctx, a, b, "adamw" if self.decoupled else "adam")):
+                                        for _, fused, _ in _plan(ctx, a, b, self.kernel, self.fused is True)):
             return False  # torch's foreach kernel cannot skip on the device: the foreach math below can
         found_inf = by = None
         if skip is not None:  # the fused kernels skip on the device, as under GradScaler
@@ -438,7 +568,7 @@ class Adam(_FusedOptimizer):
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
             beta1, beta2 = g["betas"]
-            for idx, fused, dtype in _plan(ctx, a, b, "adamw" if self.decoupled else "adam"):
+            for idx, fused, dtype in _plan(ctx, a, b, self.kernel, self.fused is True):
                 params, grads = _pick(ctx.params[a:b], idx), _pick(updates[a:b], idx)
                 sub_m, sub_v, sub_vmax = _pick(m, idx), _pick(v, idx), _pick(vmax, idx) if amsgrad else []
                 sub_steps = _pick(steps, idx)
@@ -446,15 +576,36 @@ class Adam(_FusedOptimizer):
                     kernels.foreach_adam_(
                         params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, amsgrad=amsgrad,
                         beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+                        maximize=g["maximize"],
                     )
                     continue
                 states = _pick(ctx.param_states()[a:b], idx)
-                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states, 1 if by is None else by)
+                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states, 1 if by is None else by,
+                            params[0].device)
                 kernels.fused_adam_(
                     params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, lr=g["lr"],
                     beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=amsgrad,
                     grad_scale=None if grad_scale is None else grad_scale.to(params[0].device), found_inf=found_inf,
+                    maximize=g["maximize"],
                 )
+        return True
+
+    def _torch_step(self, ctx, st, updates):
+        """`fused=False` / `foreach`: torch.optim.Adam's own non-fused step per param group, with
+        its step layout (the counts on the CPU unless `capturable`). The host has decided the skip
+        (`skips_on_device` is False), so a step that gets here goes ahead."""
+        ctx.flush_(updates)  # (nothing folds into these kernels; `fold_clip` is refused with them)
+        if self.capturable:
+            _check_capturable(ctx)
+        steps_on = None if self.capturable else _CPU
+        for g, a, b in ctx.per_group():
+            steps, m, v, vmax = self._state(st, a, b, g["amsgrad"], steps_on)
+            beta1, beta2 = g["betas"]
+            kernels.torch_adam_(
+                ctx.params[a:b], updates[a:b], m, v, vmax, _placed(st, a, b, steps, steps_on), foreach=self.foreach,
+                capturable=self.capturable, decoupled=self.decoupled, lr=g["lr"], beta1=beta1, beta2=beta2,
+                weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
+            )
         return True
 
     def _folded_scale(self, ctx, updates):
@@ -463,7 +614,7 @@ class Adam(_FusedOptimizer):
         float64, the clip's multiply runs instead (`Step.flush_`)."""
         if ctx.pending is None:
             return None
-        plans = [p for _, a, b in ctx.per_group() for p in _plan(ctx, a, b, "adamw" if self.decoupled else "adam")]
+        plans = [p for _, a, b in ctx.per_group() for p in _plan(ctx, a, b, self.kernel, self.fused is True)]
         if not all(fused and dtype != torch.float64 for _, fused, dtype in plans):
             ctx.flush_(updates)
             return None
@@ -483,6 +634,8 @@ class Adam(_FusedOptimizer):
             beta1, beta2 = g["betas"]
             lr, wd = g["lr"], g["weight_decay"]
             grads = updates[a:b]
+            if g["maximize"]:
+                grads = torch._foreach_neg(grads)
             if wd != 0 and not self.decoupled:
                 grads = torch._foreach_add(grads, params, alpha=wd)
             if ctx.skip is None:
@@ -535,6 +688,8 @@ class Adam(_FusedOptimizer):
             steps, m, v, vmax = self._state(st, a, b, g["amsgrad"])
             n = len(params)
             lr, b1, b2, eps, wd = (_traced(x, params[0]) for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
+            if g["maximize"]:
+                grads = torch._foreach_neg(grads)
             if g["weight_decay"] != 0 and not self.decoupled:
                 grads = torch._foreach_add(grads, torch._foreach_mul(params, [wd] * n))
             keep = None if skip is None else (~skip).to(torch.float32)
@@ -568,13 +723,22 @@ class Adam(_FusedOptimizer):
 
 
 class AdamW(Adam):
-    r"""AdamW, identical to `torch.optim.AdamW`: Adam with decoupled weight decay
-    `p <- p - lr * weight_decay * p` (default `weight_decay=1e-2`)."""
+    r"""AdamW: Adam with decoupled weight decay `p <- p - lr * weight_decay * p` (default
+    `weight_decay=1e-2`); `torch.optim.AdamW` with the same kernel, bit for bit. The default
+    kernel is torch's fused one (`torch.optim.AdamW(..., fused=True)`); `fused=False` is
+    `torch.optim.AdamW(...)` (see `Adam`)."""
 
     positional = "lr"
 
     weight_decay: NonNegativeFloat = 1e-2
-    decoupled: ClassVar[bool] = True
+    decoupled_weight_decay: bool = True
+
+    @field_validator("decoupled_weight_decay")
+    @classmethod
+    def _always_decoupled(cls, v):
+        if not v:
+            raise ValueError("AdamW always decouples its weight decay: use Adam for the L2 penalty")
+        return v
 
 
 class _FirstValues(dict):
