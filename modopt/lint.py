@@ -71,8 +71,12 @@ def _segments(t) -> tuple:
 
 
 def _contains(outer: tuple, inner: tuple) -> bool:
-    """Every segment of scope `inner` lies inside one segment of scope `outer`."""
+    """Every segment of scope `inner` lies inside one segment of scope `outer`, and `inner` leaves no
+    tensor alone that `outer` changes (a slicing may leave a tensor with no slice dim alone, e.g. a
+    bias under `dim=0, inverse_dims=True`: then only the same slicing is provably the same)."""
     o, i = outer, inner
+    if _may_leave_alone(i):
+        return o == i
     if o[0] == "global":
         return True
     if o[0] == "group":
@@ -80,6 +84,19 @@ def _contains(outer: tuple, inner: tuple) -> bool:
     if o[1] is None and not o[2]:  # whole tensors
         return i[0] == "tensor"
     return o == i  # slices: only the same slicing is provably the same
+
+
+def _may_leave_alone(seg: tuple) -> bool:
+    """Whether the slicing `(scope, dim, inverse_dims)` leaves some tensor shape with no slice dim
+    (`modopt.core.scope.slice_dims`); tensors with more dims than any listed dim reaches never are."""
+    from .core.scope import slice_dims
+
+    scope, dim, inverse = seg
+    if scope != "tensor" or (dim is None and not inverse):
+        return False
+    listed = (dim,) if isinstance(dim, int) else tuple(dim or ())
+    reach = max([abs(d) for d in listed] + [0]) + 2
+    return any(slice_dims(ndim, dim, inverse) is None for ndim in range(reach))
 
 
 def _positive_scale(t) -> tuple | None:

@@ -36,7 +36,7 @@ NON_DEFAULT = {
         mo.SGD(lr=0.02, momentum=0.8, dampening=0.0, nesterov=True, weight_decay=1e-3),
         mo.SGD(lr=0.03, momentum=0.5, dampening=0.1, nesterov=False, weight_decay=1e-3),
         mo.SGD(lr=0.01, momentum=0.9, maximize=True, fused=False, foreach=True),  # torch's foreach kernel
-        mo.SGD(lr=0.01, fused=True),
+        mo.SGD(lr=0.01, momentum=0.5, fused=True),
     ],
     "Adam": [
         mo.Adam(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=1e-3, amsgrad=True),

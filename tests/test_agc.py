@@ -93,9 +93,8 @@ def test_exclude_needs_names():
     m = model()
     for p in m.parameters():
         p.grad = torch.ones_like(p)
-    opt = mo.Modular(m.parameters(), mo.AGC(exclude=["2.*"]), mo.LR(1.0))
-    with pytest.raises(ValueError, match="named_parameters"):
-        opt.step()
+    with pytest.raises(ValueError, match="named_parameters"):  # when the optimizer is built
+        mo.Modular(m.parameters(), mo.AGC(exclude=["2.*"]), mo.LR(1.0))
     mo.Modular(m.parameters(), mo.AGC(exclude=[]), mo.LR(1.0)).step()  # nothing to match: fine
 
 

@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 from collections import Counter
 
 import pydantic
@@ -139,7 +140,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_random_pipelines_on_hostile_gradients(pipe, policy, n_groups, plan, plan2, seed):
     COUNTS["pipelines run"] += 1
     ps, groups = make_params(n_groups)
-    opt = mo.Modular(groups, *pipe, nonfinite=policy)
+    try:
+        opt = mo.Modular(groups, *pipe, nonfinite=policy)
+    except ValueError as e:  # a perturbed Masked(where=...) naming no parameter, or capturable=True with
+        # torch's non-fused kernels on CPU parameters: refused when built
+        assert re.search(r"selects parameters by name, but names pattern '.*' matches none|capturable=True: "
+                         r"torch's non-fused kernels capture only on", str(e)), e
+        COUNTS["documented error (a name no parameter has, at build)"] += 1
+        return
     # config round trip: dict, JSON and YAML give back the same pipeline
     cfg = opt.config
     assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -10,17 +11,25 @@ import torch
 from .modular import PipelineConfig
 from .nonfinite import apply_nonfinite_policy
 from .runner import collect, run_step
+from .state import declared_buffers
+from .torch_checkpoint import caller_stacklevel
 from .transform import Transform, walk
+
+#: `AttachHandle._pending` after a load of a state dict without the handle's entry: start fresh
+_FRESH = object()
 
 
 class AttachHandle:
     """What `attach()` returns: holds the transforms' state; `remove()` detaches them.
 
     The attached transforms' state travels inside the optimizer's own
-    `optimizer.state_dict()` (under the key `"modopt_attach"`) and is restored by
-    `optimizer.load_state_dict()` once the handle is attached again, so the
-    checkpoints of Lightning, HF Trainer and accelerate carry it with no extra
-    code. `handle.state_dict()` / `handle.load_state_dict()` save it on its own.
+    `optimizer.state_dict()` (under the key `"modopt_attach"`, at the top and
+    in `param_groups[0]`), so the checkpoints of Lightning, HF Trainer and
+    accelerate carry it with no extra code. It comes back in either order:
+    `optimizer.load_state_dict()` after `attach` restores it at once; a load
+    before `attach` leaves it in `optimizer.param_groups[0]` (torch keeps a
+    group's keys and drops the others), where `attach` picks it up.
+    `handle.state_dict()` / `handle.load_state_dict()` save it on its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, transforms: tuple[Transform, ...], nonfinite: str):
@@ -42,6 +51,7 @@ class AttachHandle:
             n += 1
         #: the key of this handle's entry in `optimizer.state_dict()`
         self._key = f"modopt_attach.{n}" if n else "modopt_attach"
+        self._restore_loaded()  # (before anything is registered: a refusal leaves the optimizer as it was)
         optimizer._modopt_attach_keys = live | {self._key}
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
@@ -57,6 +67,42 @@ class AttachHandle:
             parts.append(f"nonfinite={self.nonfinite!r}")
         removed = not getattr(self, "_hooks", None)
         return f"AttachHandle({', '.join(parts)}{'; removed' if removed else ''})"
+
+    def _stateful(self) -> list[str]:
+        """The keys of the attached transforms that keep state (what a load without theirs resets)."""
+        return [k for k, t in walk(self.transforms) if declared_buffers(t)]
+
+    def _restore_loaded(self) -> None:
+        """At attach: the state a checkpoint loaded before `attach` left in `param_groups[0]`, restored
+        (and taken out of the group); without one, a warning when the optimizer already holds state
+        the attached transforms have none of (they start fresh)."""
+        optimizer = self.optimizer
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        entry = group.get(self._key)
+        if entry is not None:
+            try:
+                self.load_state_dict(entry)
+            except ValueError as e:
+                raise ValueError(
+                    f"mo.attach: the checkpoint loaded into this {type(optimizer).__name__} before attach carries "
+                    f"state for other transforms (optimizer.param_groups[0][{self._key!r}]): {e}. Attach the "
+                    f"transforms it was saved with, or `del optimizer.param_groups[0][{self._key!r}]` to start "
+                    "these fresh"
+                ) from None
+            del group[self._key]
+            return
+        stateful = self._stateful()
+        if stateful and any(optimizer.state.values()):
+            warnings.warn(
+                f"mo.attach: this {type(optimizer).__name__} already holds state (it has stepped, or loaded a "
+                f"checkpoint) and none for the attached {', '.join(stateful)}: "
+                f"{'it starts' if len(stateful) == 1 else 'they start'} fresh. If the checkpoint was saved with "
+                "these transforms attached by an earlier modopt (its state only under the state dict's top-level "
+                f"{self._key!r} key, which torch's load_state_dict drops), load it again now that they are "
+                "attached: optimizer.load_state_dict(checkpoint)",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def transform_store(self, key: str) -> dict:
         return self._store.setdefault(key, {})
@@ -113,14 +159,23 @@ class AttachHandle:
 
     # --- the handle's state inside the optimizer's own state_dict ----------------
     def _sd_post(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        sd[self._key] = self.state_dict()
+        entry = self.state_dict()
+        sd[self._key] = entry
+        # also in the first param group (the same objects: saved once): torch keeps a group's keys when
+        # it loads, so a load *before* attach keeps the entry for attach to pick up (_restore_loaded)
+        if isinstance(sd.get("param_groups"), list) and sd["param_groups"]:
+            sd["param_groups"][0] = {**sd["param_groups"][0], self._key: entry}
         return sd
 
     def _load_pre(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any] | None:
         self._pending = None
-        if self._key not in sd:  # a checkpoint saved without this handle: its state stays as it is
+        groups = sd.get("param_groups")
+        first = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else {}
+        if self._key not in sd and self._key not in first:
+            # a checkpoint saved without this handle (a plain torch run's): the attached transforms start fresh
+            self._pending = _FRESH
             return None
-        entry = sd[self._key]
+        entry = sd[self._key] if self._key in sd else first[self._key]
         # check it now, before the optimizer loads anything: a bad entry leaves both as they were
         saved_state = {p: dict(s) for p, s in self.state.items()}
         saved_store = self._store
@@ -131,11 +186,27 @@ class AttachHandle:
             self.state.update(saved_state)
             self._store = saved_store
         self._pending = entry
-        return {k: v for k, v in sd.items() if k != self._key}
+        out = {k: v for k, v in sd.items() if k != self._key}
+        if self._key in first:  # (not into the optimizer's groups: the handle holds it)
+            out["param_groups"] = [{k: v for k, v in first.items() if k != self._key}, *groups[1:]]
+        return out
 
     def _load_post(self, optimizer: torch.optim.Optimizer) -> None:
         entry, self._pending = self._pending, None
-        if entry is not None:
+        if entry is _FRESH:
+            self.state.clear()
+            self._store = {}
+            self._runtime.clear()
+            stateful = self._stateful()
+            if stateful:
+                warnings.warn(
+                    f"{type(optimizer).__name__}.load_state_dict: the state dict carries no state for "
+                    f"{', '.join(stateful)} attached by mo.attach (it was saved without them, e.g. by a plain "
+                    f"torch run): {'it starts' if len(stateful) == 1 else 'they start'} fresh",
+                    UserWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+        elif entry is not None:
             self.load_state_dict(entry)
 
     def remove(self) -> None:
@@ -224,8 +295,10 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     reads them. An optimizer that calls its closure more than once per step
     (`torch.optim.LBFGS`) is refused with an error at that second call.
 
-    Checkpoints: attach first, then `optimizer.load_state_dict(sd)` restores
-    the transforms' state along with the optimizer's.
+    Checkpoints: `optimizer.load_state_dict(sd)` restores the transforms'
+    state along with the optimizer's, called before or after `attach`. A
+    state dict saved without these transforms (a plain torch run's) leaves
+    them to start fresh, with a warning that names them.
     """
 
     PipelineConfig(transforms=list(transforms), nonfinite=nonfinite)  # validate

@@ -35,9 +35,10 @@ from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, form
 from .nonfinite import NonFinite, apply_nonfinite_policy
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
+from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
 from .registry import trust_imports as _trust
 from .runner import TransformState, collect, run_step
-from .select import route_group, routes
+from .select import check_selections, route_group, routes
 from .transform import Transform, TransformField, plain_input, to_plain, walk
 
 class PipelineConfig(BaseModel):
@@ -268,7 +269,16 @@ class Modular(torch.optim.Optimizer):
         self._last = _LastStep()
         self._group_defaults = dict(group_defaults)
         self._gate = GroupGate(self.transforms)
+        self._selections_checked = False  # add_param_group leaves the names to the check below
         super().__init__(params, {**hyper, **group_defaults})
+        # the names the selections (Masked's where, AGC's exclude) ask for, against every group's parameter
+        # names at once, before any state exists: a typo fails here, not at the first step (check_selections)
+        check_selections(self.transforms, list(enumerate(self.param_groups)))
+        self._selections_checked = True
+        named = [(n, p) for g in self.param_groups
+                 for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
+        for t in self.transforms:  # what a transform can refuse about the parameters (a device, a dtype)
+            t.check_params(named)
 
     # --- torch.optim.Optimizer contract -------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -290,6 +300,9 @@ class Modular(torch.optim.Optimizer):
                 route_group(self._routes, self.param_groups[-1], len(self.param_groups) - 1,
                             given | set(self._group_defaults))
             self._gate.check(self.param_groups[-1], len(self.param_groups) - 1, given)
+            if self.__dict__.get("_selections_checked", True):  # a group added after the build: its names
+                check_selections(self.transforms, [(len(self.param_groups) - 1, self.param_groups[-1])],
+                                 patterns=False)
         except Exception:
             self.param_groups.pop()
             raise
@@ -462,7 +475,12 @@ class Modular(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        fresh = None
+        if is_torch_state_dict(state_dict):  # a plain torch.optim checkpoint: continue a torch run
+            state_dict, fresh = as_modular_state_dict(state_dict, self, FORMAT_VERSION)
         new_state, new_groups, new_store, skipped, notes = self._prepare_load(state_dict)
+        if fresh:  # (only once everything was checked: a refused load warns about nothing)
+            warnings.warn(fresh, UserWarning, stacklevel=caller_stacklevel())
         if notes:
             warnings.warn(
                 "load_state_dict: the checkpoint's hyperparameters differ from this optimizer's:\n  "

@@ -25,15 +25,25 @@ import operator
 from typing import Annotated, Union
 
 import torch
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator
 
 NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
 NAMED_STATS = ("mad", "std", "var", "sum")
 ORD_NAMES = tuple(NAMED_P) + NAMED_STATS
 
 
+#: the strings that mean `p = inf` besides `"linf"`: torch's (`float(norm_type)`: `"inf"`) and
+#: its other spellings, any case. A field stores them (and a float `inf`, YAML's `.inf`) as `"linf"`.
+INF_SPELLINGS = frozenset({"inf", "+inf", "infinity", "+infinity"})
+#: the same for `p = -inf` (torch's min-abs "norm"): refused, there is no min-norm `ord`
+_MINUS_INF_SPELLINGS = frozenset({"-inf", "-infinity"})
+
+
 def parse_ord(ord: float | str) -> float | str:
-    """Canonical form of an `ord`: a float `p` or one of `mad std var sum`."""
+    """Canonical form of an `ord`: a float `p` or one of `mad std var sum`.
+
+    `"inf"` (any case, `"infinity"`, `"+inf"`) is `p = inf`, the same as `"linf"`.
+    """
     if isinstance(ord, bool):
         raise ValueError("ord must be a number or one of " + ", ".join(ORD_NAMES))
     if isinstance(ord, str):
@@ -41,11 +51,32 @@ def parse_ord(ord: float | str) -> float | str:
             return NAMED_P[ord]
         if ord in NAMED_STATS:
             return ord
-        raise ValueError(f"unknown ord {ord!r}; use a real p >= 0 or one of {', '.join(ORD_NAMES)}")
+        if ord.lower() in INF_SPELLINGS:
+            return math.inf
+        if ord.lower() in _MINUS_INF_SPELLINGS:
+            raise ValueError(
+                f"ord must be a real p >= 0 (or one of {', '.join(ORD_NAMES)}), got {ord!r}: "
+                "there is no min-norm ord (-inf)"
+            )
+        raise ValueError(f"unknown ord {ord!r}; use a real p >= 0, 'inf', or one of {', '.join(ORD_NAMES)}")
     p = float(ord)
     if math.isnan(p) or p < 0:
-        raise ValueError(f"ord must be a real p >= 0 (or one of {', '.join(ORD_NAMES)}), got {ord!r}")
+        extra = ": there is no min-norm ord (-inf)" if p == -math.inf else ""
+        raise ValueError(f"ord must be a real p >= 0 (or one of {', '.join(ORD_NAMES)}), got {ord!r}{extra}")
     return p
+
+
+def canonical_ord(v: float | str) -> float | str:
+    """The form an `ord` field stores (and configs write): every spelling of `p = inf` (`"inf"`,
+    `float("inf")`, YAML's `.inf`) is `"linf"`; anything else is kept as written (`"l2"` stays `"l2"`,
+    `2` stays `2`). Values that are not an `ord` pass through, for `parse_ord` to refuse."""
+    if isinstance(v, bool):  # before pydantic's float would take True as 1.0
+        parse_ord(v)
+    if isinstance(v, str) and v.lower() in INF_SPELLINGS:
+        return "linf"
+    if isinstance(v, float) and v == math.inf:
+        return "linf"
+    return v
 
 
 def _check_ord(v: float | str) -> float | str:
@@ -53,8 +84,9 @@ def _check_ord(v: float | str) -> float | str:
     return v
 
 
-#: pydantic field type for `ord`; keeps the value as written (`"l2"` stays `"l2"`)
-Ord = Annotated[Union[float, str], AfterValidator(_check_ord)]
+#: pydantic field type for `ord`: keeps the value as written (`"l2"` stays `"l2"`), except that
+#: every spelling of `p = inf` becomes `"linf"` (`canonical_ord`), so a dumped config is stable
+Ord = Annotated[Union[float, str], BeforeValidator(canonical_ord), AfterValidator(_check_ord)]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

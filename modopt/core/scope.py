@@ -17,10 +17,14 @@ their math with plain torch ops on these vectors and apply it with
 its values in a shape that broadcasts against it, and `Segments.slots()` says
 where a saved per-segment value lives.
 
-Dims: negative dims count from the end; dims outside a tensor's range are
-ignored; if none of `dim` applies to a tensor (and `inverse_dims` is False)
-the whole tensor is one slice. Slices (or segments) with fewer than
-`min_size` elements are left unchanged.
+Dims (`slice_dims`, the one rule, documented in docs/concepts.md, "Slices"):
+a tensor is reduced over its *slice dims*, the listed dims it has (negative
+dims count from the end, dims it does not have are ignored) or, with
+`inverse_dims=True`, the dims it has that are not listed; a 0-d tensor counts
+as 1-D with one element. A tensor left with no slice dim (a bias under
+`dim=0, inverse_dims=True` or under `dim=1`) is left unchanged, as torchzero
+does. Slices (or segments) with fewer than `min_size` elements are left
+unchanged too.
 """
 
 from __future__ import annotations
@@ -75,12 +79,37 @@ class Scoped(Transform, abstract=True):
         return seg
 
 
-def _reduce_dims(ndim: int, dim: Dims, inverse: bool) -> tuple[int, ...]:
+def slice_dims(ndim: int, dim: Dims, inverse_dims: bool) -> tuple[int, ...] | None:
+    """The dims a tensor with `ndim` dims is reduced over under `dim` / `inverse_dims`, or None when it
+    has none left: the tensor is then left unchanged (every transform; docs/concepts.md, "Slices").
+
+    The listed dims the tensor has (negative dims count from the end; the others are ignored), or with
+    `inverse_dims` the dims it has that are not listed. A 0-d tensor counts as 1-D with one element
+    (its slice is the tensor, `()`). torchzero's `ClipNorm`, `Normalize` and `Centralize` skip a
+    tensor with no dim left the same way (its `if len(real_dim) == 0: continue`).
+    """
+    n = max(ndim, 1)
     listed = (dim,) if isinstance(dim, int) else tuple(dim or ())
-    valid = sorted({d % ndim for d in listed if -ndim <= d < ndim}) if ndim else []
-    if inverse:
-        return tuple(d for d in range(ndim) if d not in valid)
-    return tuple(valid) if valid else tuple(range(ndim))
+    valid = {d % n for d in listed if -n <= d < n}
+    dims = tuple([d for d in range(n) if (d in valid) != inverse_dims])
+    if not dims:
+        return None
+    return dims if ndim else ()
+
+
+def _layout_dims(ndim: int, dim: Dims, inverse_dims: bool) -> tuple[tuple[int, ...], bool]:
+    """`(dims, applies)`: the slice dims of a tensor and whether the transform changes it.
+
+    A tensor with no slice dim (`slice_dims` is None) is left unchanged, but still has slices in the
+    layout: the ones earlier versions gave it (one per element under `inverse_dims`, the whole tensor
+    otherwise), so that the per-slice values of checkpoints saved then keep their shapes and load.
+    Their statistics are computed and their values kept, as for slices under `min_size`; nothing is
+    applied to the tensor.
+    """
+    dims = slice_dims(ndim, dim, inverse_dims)
+    if dims is not None:
+        return dims, True
+    return (() if inverse_dims else tuple(range(ndim))), False
 
 
 @dataclass
@@ -90,8 +119,10 @@ class Segments:
     kind: str  # "global" | "group" | "tensor" | "slices"
     ranges: list[tuple[int, int]]  # global/group/tensor: the tensor index range of each segment
     counts: list[int]  # elements per segment (slices: per slice, one entry per tensor)
-    active: list[bool]  # per tensor: its segment/slice has at least min_size elements
-    dims: list[tuple[int, ...]] | None = None  # slices: the reduced dims of each tensor
+    #: per tensor: the transform changes it (its segment/slices have at least min_size elements and,
+    #: slices, it has a slice dim: `slice_dims`)
+    active: list[bool]
+    dims: list[tuple[int, ...]] | None = None  # slices: the reduced dims of each tensor (left alone: `_layout_dims`)
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # slices: each tensor's keepdim stat shape
     #: the norm memo of the step that asked for these segments last (`Scoped.segments` sets it; see
     #: `modopt.core.runner.NormMemo`); None for segments made outside a step
@@ -251,7 +282,7 @@ def segment_shape(p: torch.Tensor, scope: str, dim: Dims, inverse_dims: bool) ->
         return None
     if dim is None and not inverse_dims:
         return ()
-    ds = _reduce_dims(p.dim(), dim, inverse_dims)
+    ds, _ = _layout_dims(p.dim(), dim, inverse_dims)
     return tuple([1 if d in ds else n for d, n in enumerate(p.shape)]) if ds else tuple(p.shape)
 
 
@@ -273,11 +304,13 @@ def make_segments(
         return Segments("group", list(ranges), counts, active)
     if dim is None and not inverse_dims:
         return Segments("tensor", [(i, i + 1) for i in range(len(tensors))], numels, [n >= min_size for n in numels])
-    dims = [_reduce_dims(t.dim(), dim, inverse_dims) for t in tensors]
+    layout = [_layout_dims(t.dim(), dim, inverse_dims) for t in tensors]
+    dims = [ds for ds, _ in layout]
     if any_sharded(tensors):
         distributed.check_slices(tensors, dims, names or [])
     # (list comprehensions, not generators: dynamo traces this when a compiled step builds its layout)
     sizes = [math.prod([t.shape[d] for d in ds]) for t, ds in zip(tensors, dims)]
     shapes = [tuple([1 if d in ds else n for d, n in enumerate(t.shape)]) if ds else tuple(t.shape)
               for t, ds in zip(tensors, dims)]
-    return Segments("slices", [], sizes, [s >= min_size for s in sizes], dims, shapes)
+    active = [applies and s >= min_size for (_, applies), s in zip(layout, sizes)]
+    return Segments("slices", [], sizes, active, dims, shapes)

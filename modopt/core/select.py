@@ -14,6 +14,12 @@ A plain string is shorthand for `names=[string]`; a list of strings for
 param group's `"param_names"` (or `"names"`) list. Selecting by name when a
 parameter has no name is an error.
 
+The names are checked when the `Modular` is built (`check_selections`): every
+`names` pattern must match the name of some parameter of the optimizer (a
+typo is an error naming the pattern), and selecting by name where the
+parameters have no names is refused then, not at the first step. `exclude`
+patterns may name parameters the model lacks (shared exclude lists do).
+
     ```pycon
     >>> import modopt as mo
     >>> mo.Select("*.weight", min_ndim=2)
@@ -136,21 +142,68 @@ class Select(BaseModel):
             return False
         return True
 
+    def _name_message(self, problem: str, owner: str | None = None) -> str:
+        """The one text of every error about the names a selection asks for (at build or at a step)."""
+        return f"{owner or self.describe()} selects parameters by name, but {problem}"
+
     def _unnamed_message(self, count: int, owner: str | None = None) -> str:
-        return (
-            f"{owner or self.describe()} selects parameters by name, but {count} parameter(s) have no name: "
+        return self._name_message(
+            f"{count} parameter(s) have no name: "
             "build the optimizer from model.named_parameters(), or give each param group a 'param_names' "
-            "list (or select by groups/min_ndim/max_ndim instead)"
+            "list (or select by groups/min_ndim/max_ndim instead)",
+            owner,
         )
 
-    def mask_of(self, params: list, names: list, group_indices: list[int], groups: list[dict],
-                owner: str | None = None) -> list[bool]:
-        """Per parameter: selected or not. `group_indices[i]` / `groups[i]`: the group of `params[i]`."""
+    def _unmatched_message(self, bad: list[tuple[str, str]], known: list[str], owner: str | None = None) -> str:
+        from .transform import did_you_mean
+
+        listed = "; ".join(f"{field} pattern {pat!r}{did_you_mean(pat, known)}" for field, pat in bad)
+        shown = ", ".join(repr(n) for n in known[:6]) + (f", ... ({len(known) - 6} more)" if len(known) > 6 else "")
+        return self._name_message(
+            f"{listed} {'matches' if len(bad) == 1 else 'match'} none of the {len(known)} parameter name(s) "
+            f"of the optimizer ({shown}); patterns are fnmatch globs, case sensitive, and `*` also matches dots",
+            owner,
+        )
+
+    def check_names(self, entries: list[tuple], known: list[str] | None = None, owner: str | None = None,
+                    selected: bool = True) -> list[tuple]:
+        """Check the names this selection asks for over `entries` (`(param, name, group_index, group)`)
+        as a step would, and, given `known` (every parameter name of the optimizer), more:
+
+        * a name selection over unnamed entries raises the step's error (`_unnamed_message`);
+        * with no names at all (`known == []`), asking for names is that same error;
+        * a `names` pattern that matches none of `known` (a typo) raises naming it. `exclude`
+          patterns are not checked this way: excluding a name the model lacks takes nothing away
+          (shared exclude lists name parameters some models do not have).
+
+        Returns the entries the selection takes (`selected=False`: not computed, `[]`)."""
+        if not entries:
+            return []
+        params, names, gidx, groups = (list(x) for x in zip(*entries))
+        self._check_named(params, names, gidx, groups, owner)  # the step's check
+        if known is not None and self.by_name:
+            if not known:
+                raise ValueError(self._unnamed_message(len(entries), owner))
+            bad = [("names", pat) for pat in (self.names or ()) if not any(fnmatch.fnmatchcase(n, pat) for n in known)]
+            if bad:
+                raise ValueError(self._unmatched_message(bad, known, owner))
+        if not selected:
+            return []
+        return [e for e in entries if self.matches(e[1], e[0], e[2], e[3])]
+
+    def _check_named(self, params: list, names: list, group_indices: list[int], groups: list[dict],
+                     owner: str | None = None) -> None:
+        """A selection by name needs the names of the parameters its other criteria take."""
         if self.by_name:  # names are needed only where the other criteria hold
             unnamed = sum(1 for p, n, gi, g in zip(params, names, group_indices, groups)
                           if n is None and self._pre(p, gi, g))
             if unnamed:
                 raise ValueError(self._unnamed_message(unnamed, owner))
+
+    def mask_of(self, params: list, names: list, group_indices: list[int], groups: list[dict],
+                owner: str | None = None) -> list[bool]:
+        """Per parameter: selected or not. `group_indices[i]` / `groups[i]`: the group of `params[i]`."""
+        self._check_named(params, names, group_indices, groups, owner)
         return [self.matches(n, p, gi, g) for p, n, gi, g in zip(params, names, group_indices, groups)]
 
     def mask(self, ctx: Any, owner: str | None = None) -> list[bool]:
@@ -197,6 +250,47 @@ def step_names(ctx: Any) -> list:
             if names[i] is None:
                 names[i] = by_id.get(id(ctx.params[i]))
     return names
+
+
+# --- the names, checked when the optimizer is built ------------------------------------
+def check_selections(transforms, groups: list[tuple[int, dict]], patterns: bool = True) -> None:
+    """Check the names the transforms' selections ask for against the parameters of `groups`
+    (`(index, param group)` pairs), as `Modular` does when it is built (and, `patterns=False`, for a
+    group added later: only the step's check of unnamed parameters). See `Select.check_names`.
+    Raises `ValueError` with the text a step would give.
+
+    Every `names` pattern is checked against every parameter name of `groups` (a typo names no
+    parameter at all; a pattern that names parameters outside an enclosing selection is not an
+    error); `exclude` patterns are not. The check of unnamed parameters sees what a step would: the
+    parameters the enclosing selections take.
+
+    A transform takes part through `name_selection(key)`, returning `(select, owner)` (or None):
+    `owner` is the label its step's errors use, and the selection restricts what its children
+    see (`Masked`; AGC's `exclude` has no children). The parameters' names are their group's
+    `"param_names"` (or `"names"`) list, as at a step.
+    """
+    entries: list[tuple] = []
+    for gi, g in groups:
+        ps = list(g["params"])
+        names = (group_names(g) or [])[: len(ps)]
+        names += [None] * (len(ps) - len(names))
+        entries.extend(zip(ps, names, [gi] * len(ps), [g] * len(ps)))
+    known = [e[1] for e in entries if e[1] is not None] if patterns else None
+    _check_tree(transforms, "", entries, known)
+
+
+def _check_tree(transforms, prefix: str, entries: list[tuple], known: list[str] | None) -> None:
+    for i, t in enumerate(transforms):
+        key = transform_key(i, type(t).__name__, prefix)
+        found = getattr(t, "name_selection", None)
+        sel = found(key) if found is not None else None
+        inner = entries
+        if sel is not None:
+            select, owner = sel
+            inner = select.check_names(entries, known, owner, selected=bool(t.children()))
+        kids = t.children()
+        if kids:
+            _check_tree(kids, key, inner, known)
 
 
 # --- routing: optimizer transforms in masked branches -----------------------------------

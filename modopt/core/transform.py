@@ -310,6 +310,13 @@ class Transform(BaseModel):
         """
         return self.device_skip and all(c.skips_on_device(groups) for c in self.children())
 
+    def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
+        """Refuse parameters this transform cannot step (`ValueError` naming one), when `Modular` is
+        built, before any state exists; `named` holds `(name or None, parameter)` in the optimizer's
+        order. The default asks the sub-transforms."""
+        for c in self.children():
+            c.check_params(named)
+
     def positive_scale(self) -> tuple[str, Any, bool] | None:
         """`(scope, dim, inverse_dims)` when this transform only multiplies each segment of that
         scope by a factor > 0 (for finite gradients) and does nothing else; None otherwise.

@@ -5,6 +5,11 @@ is a list of `(tensor index, flat element indices)`; its values are gathered
 into one float64 vector, a rule maps that vector to a new one, and the result
 is scattered back. Segments with fewer than `min_size` elements are left as
 they are.
+
+With `dim` / `inverse_dims` a tensor's segments are its slices over its slice
+dims (`slice_dims`); a tensor left with no slice dim (a bias under
+`dim=0, inverse_dims=True`) is in no segment: nothing reduces over it and it
+is left as it is (docs/concepts.md, "Slices").
 """
 
 from __future__ import annotations
@@ -17,19 +22,24 @@ import torch
 Segment = list[tuple[int, torch.Tensor]]
 
 
-def reduce_dims(ndim: int, dim, inverse_dims: bool) -> list[int]:
-    """The dims a slice spans. Dims outside the tensor are ignored; if no listed
-    dim applies (and not inverse), the slice is the whole tensor."""
+def slice_dims(ndim: int, dim, inverse_dims: bool) -> list[int] | None:
+    """The dims a slice spans: the listed dims the tensor has (negative dims count
+    from the end; dims it does not have are ignored), or with `inverse_dims` the
+    dims it has that are not listed. A 0-d tensor counts as 1-D with one element.
+    None when no dim is left: the tensor is left as it is."""
+    n = max(ndim, 1)
     listed = [dim] if isinstance(dim, int) else list(dim or [])
     valid = []
     for d in listed:
-        if -ndim <= d < ndim:
-            d = d + ndim if d < 0 else d
+        if -n <= d < n:
+            d = d + n if d < 0 else d
             if d not in valid:
                 valid.append(d)
     if inverse_dims:
-        return [d for d in range(ndim) if d not in valid]
-    return sorted(valid) if valid else list(range(ndim))
+        dims = [d for d in range(n) if d not in valid]
+    else:
+        dims = sorted(valid)
+    return dims if dims else None
 
 
 def tensor_slices(shape, dims: list[int]) -> list[torch.Tensor]:
@@ -54,7 +64,13 @@ def segments(tensors, group_of: list[int], scope: str, dim=None, inverse_dims: b
         return [[(i, torch.arange(t.numel()))] for i, t in enumerate(tensors)]
     segs = []
     for i, t in enumerate(tensors):
-        for idx in tensor_slices(tuple(t.shape), reduce_dims(t.dim(), dim, inverse_dims)):
+        dims = slice_dims(t.dim(), dim, inverse_dims)
+        if dims is None:  # no dim left: in no segment, left as it is
+            continue
+        if t.dim() == 0:  # 1-D with one element: its one slice is the tensor
+            segs.append([(i, torch.arange(1))])
+            continue
+        for idx in tensor_slices(tuple(t.shape), dims):
             segs.append([(i, idx)])
     return segs
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
+from typing import Annotated
 
 
 def below_one(ratio: torch.Tensor) -> torch.Tensor:
@@ -27,3 +29,7 @@ def record_clip(st, norm: torch.Tensor, scale: torch.Tensor, **extra: torch.Tens
     st.record("clipped", scale < 1)
     for k, v in extra.items():
         st.record(k, v)
+
+
+#: a finite number >= 0 (pydantic's `NonNegativeFloat` takes inf, which turns a floor into inf)
+FiniteNonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]

@@ -37,7 +37,8 @@ class AGC(Transform):
     `clipping` is $\lambda$. `exclude` lists `fnmatch` patterns of
     parameter names left unclipped (the paper leaves the final classifier
     alone); names come from `Modular(model.named_parameters(), ...)`, and a
-    non-empty `exclude` with unnamed parameters is an error. `exclude` is a
+    non-empty `exclude` with unnamed parameters is an error when the `Modular`
+    is built (a pattern that names no parameter excludes nothing). `exclude` is a
     shorthand of `mo.Masked(mo.AGC(...), where=mo.Select(exclude=[...]))`
     (same patterns, same matcher); use `Masked` for any other selection. Defaults:
     `clipping=0.01`, `eps=1e-3`, `exclude=None` (same as `[]`: nothing excluded). Reproduces AGC of
@@ -70,6 +71,15 @@ class AGC(Transform):
             _EXCLUDES.setdefault(tuple(self.exclude), Select(exclude=self.exclude))
         return self
 
+    def name_selection(self, key: str) -> tuple[Select, str] | None:
+        """The `exclude` selection and the label its errors use (`modopt.core.select.check_selections`,
+        when the `Modular` is built, and the step's own check); None without `exclude`."""
+        if not self.exclude:
+            return None
+        key = tuple(self.exclude)
+        select = _EXCLUDES[key] if key in _EXCLUDES else _EXCLUDES.setdefault(key, Select(exclude=self.exclude))
+        return select, f"AGC(exclude={self.exclude!r})"
+
     def _included(self, ctx, st) -> list[bool]:
         """Per parameter of the step: not excluded. Cached per layout (the names do not change)."""
         cache = ctx.layout.cache
@@ -79,7 +89,8 @@ class AGC(Transform):
             if not self.exclude:
                 mask = [True] * len(ctx.params)
             else:  # the shorthand of Masked(AGC(...), where=Select(exclude=...)), by the same matcher
-                mask = _EXCLUDES[tuple(self.exclude)].mask(ctx, owner=f"AGC(exclude={self.exclude!r})")
+                select, owner = self.name_selection(st.key)
+                mask = select.mask(ctx, owner=owner)
             cache[key] = mask
         return mask
 

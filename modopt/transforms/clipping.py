@@ -84,7 +84,11 @@ class ClipNorm(Scoped):
     `model.parameters()` in another order torch's total can differ in the last
     bit, see docs/migration.md); with `eps=0` it is
     declearn's `L2GlobalClipping` (and, with `scope="tensor"`, its
-    `L2Clipping`). torchzero's `ClipNorm`.
+    `L2Clipping`). torchzero's `ClipNorm` (equal with `eps=0`,
+    `scope="tensor"` and the same `dim`, `inverse_dims`, `min_size`). With
+    `dim` / `inverse_dims`, $n$ is taken per slice over each tensor's slice
+    dims, and a tensor with none (a bias under `dim=0, inverse_dims=True`) is
+    left unchanged, not clipped element by element (docs/concepts.md, "Slices").
 
     Telemetry: `norm` (pre-clip), `scale` and `clipped` per segment.
 

@@ -24,7 +24,7 @@ from ..core.norms import Ord
 from ..core.scope import Scoped, ScopeName
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
-from ._util import below_one, record_clip
+from ._util import FiniteNonNegativeFloat, below_one, record_clip
 
 __all__ = ["ClipNormByEMA", "NormalizeByEMA", "ClipValueByEMA"]
 
@@ -34,7 +34,7 @@ EmaInit = Literal["zeros", "update"]
 class _NormEMA(Scoped, abstract=True):
     beta: float = Field(0.99, ge=0.0, lt=1.0)
     ord: Ord = 2.0
-    eps: NonNegativeFloat = 1e-6
+    eps: FiniteNonNegativeFloat = 1e-6  # (inf would make every floor, and the update, inf)
     max_ema_growth: Optional[PositiveFloat] = 1.5
     ema_init: EmaInit = "zeros"
     # "started": ema_init="update" only, see `_ema_from_update`

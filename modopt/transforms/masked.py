@@ -30,7 +30,10 @@ class Masked(Transform):
     $$
 
     State and telemetry keys nest as in `Chain` (`"0:Masked/0:ClipNorm"`);
-    `Masked` may be nested and may hold a `Chain`. A selection that matches
+    `Masked` may be nested and may hold a `Chain`. The names `where` asks for
+    are checked when the `Modular` is built: a `names` pattern that matches no
+    parameter name of the optimizer (a typo), or a selection by name over
+    unnamed parameters, is a `ValueError` then. A selection that matches
     none of the parameters with a gradient is reported once per parameter
     layout (a `UserWarning` naming the selector) and the updates pass through.
     If an inner transform stops the step (`Accumulate` between cycles, a
@@ -91,6 +94,11 @@ class Masked(Transform):
         inner = [repr(t) for t in self.transforms]
         return f"Masked({', '.join(inner + [f'where={self.where!r}'])})"
 
+    def name_selection(self, key: str) -> tuple[Select, str]:
+        """`where` and the label its errors use (`modopt.core.select.check_selections`, when the
+        `Modular` is built, and the step's own check)."""
+        return self.where, f"{key} (where={self.where.describe()})"
+
     # --- the step -------------------------------------------------------------
     def selection(self, ctx, st):
         """The indices of the step's parameters that `where` selects and the sub-step over them (None
@@ -99,7 +107,7 @@ class Masked(Transform):
         key = ("modopt.Masked", self.where.cache_key())
         idx = ctx.layout.cache.get(key)
         if idx is None:
-            mask = self.where.mask(ctx, owner=f"{st.key} (where={self.where.describe()})")
+            mask = self.where.mask(ctx, owner=self.name_selection(st.key)[1])
             idx = ctx.layout.cache[key] = [i for i, m in enumerate(mask) if m]
             if not idx:
                 warnings.warn(

@@ -31,9 +31,13 @@ class Normalize(Scoped):
     u \leftarrow u \cdot \frac{\text{norm\_value}}{n(u) + \varepsilon} \quad (n(u) > 0)
     $$
 
-    A slice whose norm is 0 is left unchanged (it stays zero). Defaults:
-    `norm_value=1`, `ord=2`, `scope="tensor"`, `eps=0`; `eps=1e-8`
-    reproduces drytorch's `GradParamNormalizer`. torchzero's `Normalize`.
+    A slice whose norm is 0 is left unchanged (it stays zero). With `dim` /
+    `inverse_dims`, $n$ is taken per slice over each tensor's slice dims, and a
+    tensor with none (a bias under `dim=0, inverse_dims=True`) is left unchanged
+    (docs/concepts.md, "Slices"). Defaults: `norm_value=1`, `ord=2`,
+    `scope="tensor"`, `eps=0`; `eps=1e-8` reproduces drytorch's
+    `GradParamNormalizer`. torchzero's `Normalize` (equal with the same `dim`,
+    `inverse_dims`, `min_size`).
 
     ```pycon
     >>> import torch, modopt as mo
@@ -69,8 +73,12 @@ class Centralize(Scoped):
     u \leftarrow u - \operatorname{mean}(u)
     $$
 
-    Defaults: `scope="tensor"`, `min_size=2` (a one-element slice is left
-    alone). torchzero's `Centralize`; see `GradientCentralization`.
+    With `dim` / `inverse_dims` the mean is per slice, over each tensor's slice
+    dims; a tensor with none (a bias under `dim=0, inverse_dims=True`) is left
+    unchanged (docs/concepts.md, "Slices"). Defaults: `scope="tensor"`,
+    `min_size=2` (a one-element slice is left alone). torchzero's `Centralize`
+    (equal with the same `dim`, `inverse_dims`, `min_size`); see
+    `GradientCentralization`.
     """
 
     positional = None
@@ -89,7 +97,13 @@ class GradientCentralization(Centralize):
     r"""Gradient centralization (Yong et al. 2020): for each output unit, subtract
     the mean over all dims but the first; tensors with one dim (biases) are left alone.
 
-    Equal to `Centralize(dim=0, inverse_dims=True)`.
+    $$
+    u_i \leftarrow u_i - \operatorname{mean}(u_i)
+    $$
+
+    for each slice $u_i$ along dim 0 of a tensor with two or more dims. Equal to
+    `Centralize(dim=0, inverse_dims=True)`: a 1-D tensor has no slice dim left, so
+    it is left alone whatever `min_size` (docs/concepts.md, "Slices").
     """
 
     positional = None

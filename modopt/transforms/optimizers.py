@@ -53,15 +53,14 @@ def _placed(st, a: int, b: int, steps: list[torch.Tensor], device: torch.device 
     return steps
 
 
-def _check_capturable(ctx) -> None:
+def _check_capturable(named) -> None:
     """`capturable=True` with torch's non-fused kernels: refuse parameters on a device torch cannot
     capture on (a CPU), naming one, as a `ValueError` before anything moves."""
     ok = _capturable_devices()
-    for i, p in enumerate(ctx.params):
+    for i, (name, p) in enumerate(named):
         if p.device.type not in ok:
-            name = ctx.names[i] or f"parameter {i}"
             raise ValueError(f"capturable=True: torch's non-fused kernels capture only on {', '.join(ok)}, and "
-                             f"{name} is on {p.device.type}; use capturable=False there")
+                             f"{name or f'parameter {i}'} is on {p.device.type}; use capturable=False there")
 
 
 def _plan(ctx, a: int, b: int, kernel: str, required: bool = False) -> list[tuple[list[int] | None, bool, torch.dtype]]:
@@ -525,6 +524,10 @@ class Adam(_FusedOptimizer):
     def kernel(self) -> str:  # type: ignore[override]
         return "adamw" if self.decoupled else "adam"
 
+    def check_params(self, named):
+        if self.capturable and self.torch_kernel():
+            _check_capturable(named)
+
     @model_validator(mode="after")
     def _fold_needs_fused(self):
         if self.fold_clip and self.torch_kernel():
@@ -595,8 +598,8 @@ class Adam(_FusedOptimizer):
         its step layout (the counts on the CPU unless `capturable`). The host has decided the skip
         (`skips_on_device` is False), so a step that gets here goes ahead."""
         ctx.flush_(updates)  # (nothing folds into these kernels; `fold_clip` is refused with them)
-        if self.capturable:
-            _check_capturable(ctx)
+        if self.capturable:  # (checked when built too: this is for a param group added later)
+            _check_capturable(list(zip(ctx.names, ctx.params)))
         steps_on = None if self.capturable else _CPU
         for g, a, b in ctx.per_group():
             steps, m, v, vmax = self._state(st, a, b, g["amsgrad"], steps_on)

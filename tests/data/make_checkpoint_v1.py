@@ -9,6 +9,13 @@ pipeline config, the 3 batches of the resumed steps and the parameters after
 them (``expected``). tests/test_checkpoint_compat.py loads it with the
 current code, resumes, and compares. Never regenerate it to make that test
 pass: it stands for checkpoints users already have on disk.
+
+Its ``expected`` is what the code computed before the one-D rule (docs/concepts.md,
+"Slices"): ``ClipNormByEMA(scope="tensor", dim=0, inverse_dims=True)`` then clipped each
+bias element as a slice of its own; now the biases are left alone. The parameters the
+resumed steps give under the rule are in ``checkpoint_v1_one_d.pt``, written by
+``python tests/data/make_checkpoint_v1.py --one-d`` at c984f1c (the code before the rule;
+see ``record_one_d``); the fixture itself was not rewritten.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 import modopt as mo
 
 OUT = Path(__file__).with_name("checkpoint_v1.pt")
+ONE_D = Path(__file__).with_name("checkpoint_v1_one_d.pt")
 
 
 def model() -> torch.nn.Module:
@@ -69,5 +77,33 @@ def main() -> None:
     print(f"wrote {OUT}")
 
 
+def one_d_pipeline() -> list:
+    """`pipeline()` with the ClipNormByEMA leaving the biases alone by `min_size=2` (their slices had one
+    element each before the one-D rule): what the code before the rule computed for `pipeline()` under
+    it. The weights' slices (4 and 6 elements) and the checkpoint's state layout are the same."""
+    pipe = pipeline()
+    pipe[1] = mo.ClipNormByEMA(beta=0.9, scope="tensor", dim=0, inverse_dims=True, min_size=2)
+    return pipe
+
+
+def record_one_d() -> None:
+    """Write checkpoint_v1_one_d.pt: the parameters after the fixture's resumed steps under the one-D
+    rule, computed by the code before the rule (run at c984f1c) through `one_d_pipeline()`."""
+    import warnings
+
+    ck = torch.load(OUT, weights_only=True)
+    m = model()
+    m.load_state_dict(ck["model"])
+    opt = mo.Modular(groups(m), *one_d_pipeline())
+    with warnings.catch_warnings():  # min_size: 1 in the checkpoint, 2 here
+        warnings.simplefilter("ignore", UserWarning)
+        opt.load_state_dict(ck["optimizer"])
+    train(m, opt, ck["resume_batches"])
+    torch.save([p.detach().clone() for p in m.parameters()], ONE_D)
+    print(f"wrote {ONE_D}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    record_one_d() if "--one-d" in sys.argv else main()

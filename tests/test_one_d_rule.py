@@ -1,0 +1,326 @@
+"""The slice rule under `dim` / `inverse_dims`: a tensor left with no slice dim is left alone.
+
+One rule (`modopt.core.scope.slice_dims`, its spec `modopt.spec.scope.slice_dims`, documented in
+docs/concepts.md, "Slices"): a tensor is reduced over the listed dims it has, or with
+`inverse_dims=True` over the dims it has that are not listed (a 0-d tensor counts as 1-D with
+one element); with no such dim it is left unchanged. A bias under `dim=0, inverse_dims=True`
+is the common case: before the rule each of its elements was a slice of its own, which turned
+a norm clip into a value clip.
+
+Checked here: (1) modopt's `ClipNorm`, `Normalize` and `Centralize` equal torchzero's (0.4.4,
+from the registry; the `dev` extra installs it) on a model with biases, a LayerNorm, a conv and
+a scalar, for several `dim` / `inverse_dims` and seeds, and on drawn shapes; (2) runtime ==
+spec on the same tensors for every transform that takes `dim` (the EMA, growth and statistical
+families are stateful: several steps); (3) the runtime and spec rules agree.
+
+Tolerance against torchzero: both sides compute the same float32 ops (a float32 norm or mean over
+the same dims, then one multiply or subtract), so they can differ only by the order of a
+reduction, a few ulp of the statistic: `rtol = atol / max|u| = 4 * 2**-23` (4 float32 ulp), with
+the absolute part relative to the tensor's largest input because a centralized value is a
+difference of nearly equal numbers (its error scales with the input, not the output). In practice
+the two sides agree bit for bit on these tensors (see `test_bit_for_bit_on_the_model`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import modopt as mo
+from modopt.core.scope import slice_dims
+from modopt.spec import adaptive as spec_adaptive
+from modopt.spec import core as spec_core
+from modopt.spec import ema as spec_ema
+from modopt.spec import growth as spec_growth
+from modopt.spec import percentile as spec_percentile
+from modopt.spec.scope import slice_dims as spec_slice_dims
+from families import close, run_vs_spec
+from harness import Harness
+
+F32_ULP = 2.0**-23
+TOL = 4 * F32_ULP
+
+
+# --- a small model with biases --------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    """conv (4-D weight, bias), Linear, LayerNorm (1-D weight and bias), Linear, and a 0-d scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+            torch.nn.Linear(64, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 3),
+        )
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+def model_grads(seed: int) -> list[torch.Tensor]:
+    """The gradients of one batch (float32), in parameter order."""
+    torch.manual_seed(seed)
+    m = Net()
+    x, y = torch.randn(8, 3, 6, 6), torch.randn(8, 3)
+    ((m(x) - y) ** 2).mean().backward()
+    return [p.grad.detach().clone() for p in m.parameters()]
+
+
+SHAPES = [tuple(g.shape) for g in model_grads(0)]
+assert {len(s) for s in SHAPES} == {0, 1, 2, 4}  # a scalar, biases and LayerNorm, Linear weights, a conv weight
+
+#: (dim, inverse_dims); each leaves some tensors alone (the comment says which) and slices the others
+DIMS = [
+    (0, True),        # per output unit; 1-D and 0-d alone (gradient centralization's setting)
+    (0, False),       # over dim 0: every tensor has it (a 1-D tensor is one slice)
+    (1, False),       # per row of a weight; 1-D and 0-d alone
+    (1, True),        # everything but dim 1; a 1-D tensor is one slice
+    ((0, 1), True),   # spatial slices of the conv; 2-D, 1-D and 0-d alone
+    ((2, 3), False),  # the conv's kernels; the rest alone
+    (-1, False),      # over the last dim: every tensor has it
+    ((1, 2, 3), False),
+]
+
+
+def torchzero():
+    return pytest.importorskip("torchzero")
+
+
+def through_torchzero(module, grads):
+    """torchzero's output: parameters at 0 take `p <- 0 - update`, which is exact."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torchzero().Optimizer(params, module).step()
+    return [-p.detach() for p in params]
+
+
+def through_modopt(transform, grads):
+    """modopt's output through `Modular.step` (`LR(1)` and parameters at 0: exact)."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    mo.Modular(params, transform, mo.LR(1.0)).step()
+    return [-p.detach() for p in params]
+
+
+def pair(name: str, dim, inverse: bool, max_norm: float = 0.8, ord=2.0, min_size=None):
+    """The modopt transform and the torchzero module with the same settings (torchzero's defaults
+    otherwise). `ClipNorm` takes `eps=0`: torchzero adds nothing to the norm."""
+    tz = torchzero()
+    size = {} if min_size is None else {"min_size": min_size}
+    if name == "ClipNorm":
+        return (mo.ClipNorm(max_norm, ord=ord, eps=0.0, scope="tensor", dim=dim, inverse_dims=inverse, **size),
+                tz.m.ClipNorm(max_norm, ord=ord, dim=dim, inverse_dims=inverse, **size))
+    if name == "Normalize":
+        return (mo.Normalize(ord=ord, scope="tensor", dim=dim, inverse_dims=inverse, **size),
+                tz.m.Normalize(ord=ord, dim=dim, inverse_dims=inverse, **size))
+    return (mo.Centralize(scope="tensor", dim=dim, inverse_dims=inverse, **size),
+            tz.m.Centralize(dim=dim, inverse_dims=inverse, **size))
+
+
+def assert_matches(out, ref, inputs):
+    for o, r, u in zip(out, ref, inputs):
+        mag = u.abs().max().item() if u.numel() else 0.0
+        torch.testing.assert_close(o, r, rtol=TOL, atol=TOL * mag)
+
+
+# --- (1) torchzero ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("dim,inverse", DIMS, ids=[f"dim={d}-inv={i}" for d, i in DIMS])
+@pytest.mark.parametrize("name", ["ClipNorm", "Normalize", "Centralize"])
+def test_equals_torchzero_on_a_model_with_biases(name, dim, inverse, seed):
+    grads = model_grads(seed)
+    if name == "Centralize":
+        # torchzero's Centralize does not count a 0-d tensor as 1-D (its ClipNorm and Normalize do) and
+        # fails on one under a negative dim; with `min_size=2` (the default of both) it is left alone
+        scalar = [i for i, g in enumerate(grads) if g.dim() == 0]
+        out = through_modopt(pair(name, dim, inverse)[0], grads)
+        assert scalar and all(torch.equal(out[i], grads[i]) for i in scalar)
+        grads = [g for g in grads if g.dim()]
+    t, z = pair(name, dim, inverse)
+    out, ref = through_modopt(t, grads), through_torchzero(z, grads)
+    assert_matches(out, ref, grads)
+    for g, o in zip(grads, out):  # the rule itself: no slice dim, no change (bit for bit)
+        if slice_dims(g.dim(), dim, inverse) is None:
+            assert torch.equal(o, g)
+
+
+def test_the_model_exercises_both_sides_of_the_rule():
+    """ClipNorm(0.8) under dim=0, inverse_dims=True clips some output units and leaves others, and
+    the biases, the LayerNorm and the scalar are left alone (before the rule each of their elements
+    was clipped to 0.8 in magnitude: a value clip)."""
+    grads = model_grads(0)
+    out = through_modopt(pair("ClipNorm", 0, True)[0], grads)
+    changed = [not torch.equal(o, g) for o, g in zip(out, grads)]
+    assert changed == [g.dim() >= 2 for g in grads]
+    w = next(g for g in grads if g.shape == (16, 64))  # the first Linear's weight: rows on both sides of 0.8
+    rows = torch.linalg.vector_norm(w, dim=1)
+    assert (rows > 0.8).any() and (rows < 0.8).any()
+    assert any(g.dim() == 1 and g.abs().max() > 0.8 for g in grads)  # a value clip would have changed it
+
+
+def test_bit_for_bit_on_the_model():
+    """What the tolerance above allows is not used here: the same float32 ops give the same bits."""
+    grads = model_grads(0)
+    for name in ("ClipNorm", "Normalize", "Centralize"):
+        for dim, inverse in DIMS:
+            t, z = pair(name, dim, inverse)
+            gs = [g for g in grads if g.dim()] if name == "Centralize" else grads  # (as above)
+            for o, r in zip(through_modopt(t, gs), through_torchzero(z, gs)):
+                assert torch.equal(o, r), (name, dim, inverse)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_equals_torchzero_on_drawn_shapes(data):
+    """Drawn shapes (0-d to 4-D), non-negative dims (torchzero does not resolve negative dims under
+    `inverse_dims`, see docs/migration.md), `ord` and `min_size`."""
+    torchzero()
+    n = data.draw(st.integers(1, 4))
+    shapes = [tuple(data.draw(st.lists(st.integers(1, 4), min_size=0, max_size=4))) for _ in range(n)]
+    name = data.draw(st.sampled_from(["ClipNorm", "Normalize", "Centralize"]))
+    if name == "Centralize":  # torchzero skips 0-d tensors there only; modopt counts them as 1-D (see the docs)
+        shapes = [s or (1,) for s in shapes]
+    dim = data.draw(st.one_of(st.integers(0, 4), st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True)
+                              .map(tuple)))
+    inverse = data.draw(st.booleans())
+    ord = data.draw(st.sampled_from([1.0, 2.0, math.inf]))
+    min_size = data.draw(st.sampled_from([1, 2, 3]))
+    seed = data.draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    t, z = pair(name, dim, inverse, max_norm=0.7, ord=ord, min_size=min_size)
+    assert_matches(through_modopt(t, grads), through_torchzero(z, grads), grads)
+
+
+# --- (2) runtime == spec on the model's shapes ------------------------------------------------------
+
+
+ONE_STEP = {
+    "ClipNorm": lambda kw: (mo.ClipNorm(0.8, eps=0.0, **kw),
+                            lambda us, go: spec_core.clip_norm(us, go, 0.8, eps=0.0, **kw)),
+    "Normalize": lambda kw: (mo.Normalize(**kw), lambda us, go: spec_core.normalize(us, go, **kw)),
+    "Centralize": lambda kw: (mo.Centralize(min_size=1, **kw),
+                              lambda us, go: spec_core.centralize(us, go, min_size=1, **kw)),
+    "ClipNormByRMS": lambda kw: (mo.ClipNormByRMS(0.1, **kw),
+                                 lambda us, go: spec_core.clip_norm_by_rms(us, go, 0.1, **kw)),
+    "ZScoreNormalize": lambda kw: (mo.ZScoreNormalize(**kw),
+                                   lambda us, go: spec_adaptive.z_score_normalize(us, go, **kw)),
+    "ClipValueByPercentile": lambda kw: (mo.ClipValueByPercentile(50, **kw),
+                                         lambda us, go: spec_percentile.clip_value_by_percentile(us, go, 50, **kw)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dim,inverse", DIMS, ids=[f"dim={d}-inv={i}" for d, i in DIMS])
+@pytest.mark.parametrize("name", list(ONE_STEP))
+def test_runtime_equals_spec_one_step(name, dim, inverse, dtype):
+    kw = {"scope": "tensor", "dim": dim, "inverse_dims": inverse}
+    t, ref_of = ONE_STEP[name](kw)
+    grads = [g.to(dtype) for g in model_grads(1)]
+    group_of = [0] * len(grads)
+    out = Harness(t, [torch.zeros_like(g) for g in grads], group_of).step(grads)
+    ref = ref_of([g.double() for g in grads], group_of)
+    for o, r, g in zip(out, ref, grads):
+        mag = g.double().abs().max().item()
+        rel = 1e-12 if dtype == torch.float64 else 1e-5
+        assert torch.allclose(o.double(), r, rtol=rel, atol=rel * mag), (name, o, r)
+        if slice_dims(g.dim(), dim, inverse) is None:
+            assert torch.equal(o, g) and torch.equal(r, g.double())
+
+
+STATEFUL = {
+    "ClipNormByEMA": lambda go, kw: (mo.ClipNormByEMA(beta=0.9, **kw), spec_ema.ClipNormByEMA(go, beta=0.9, **kw)),
+    "NormalizeByEMA": lambda go, kw: (mo.NormalizeByEMA(beta=0.9, **kw), spec_ema.NormalizeByEMA(go, beta=0.9, **kw)),
+    "ClipNormGrowth": lambda go, kw: (mo.ClipNormGrowth(**kw), spec_growth.ClipNormGrowth(go, **kw)),
+    "HistClip": lambda go, kw: (mo.HistClip(warmup_steps=3, **kw), spec_adaptive.HistClip(go, warmup_steps=3, **kw)),
+    "ZClip": lambda go, kw: (mo.ZClip(warmup_steps=3, **kw), spec_adaptive.ZClip(go, warmup_steps=3, **kw)),
+}
+
+
+@pytest.mark.parametrize("dim,inverse", [(0, True), (1, False), ((0, 1), True)])
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_runtime_equals_spec_stateful(name, dim, inverse):
+    """50 steps (zeros, a spike, alternating signs) on the model's shapes, float64; the tensors with
+    no slice dim come back unchanged at every step."""
+    group_of = [0] * 4 + [1] * (len(SHAPES) - 4)
+    kw = {"scope": "tensor", "dim": dim, "inverse_dims": inverse}
+    t, ref = STATEFUL[name](group_of, kw)
+    h = run_vs_spec(t, ref, SHAPES, group_of, torch.float64, seed=3)
+    us = [torch.randn(s, dtype=torch.float64) * 100 for s in SHAPES]
+    out = h.step(us)
+    close(out, ref.step(us), torch.float64, rel=1e-9, floor=1e-9)
+    for u, o in zip(us, out):
+        if slice_dims(u.dim(), dim, inverse) is None:
+            assert torch.equal(o, u)
+
+
+# --- (3) the rule, runtime == spec --------------------------------------------------------------------
+
+
+@given(ndim=st.integers(0, 5), dim=st.one_of(st.none(), st.integers(-6, 6), st.lists(st.integers(-6, 6), max_size=4)
+                                               .map(tuple)), inverse=st.booleans())
+def test_runtime_and_spec_slice_dims_agree(ndim, dim, inverse):
+    a, b = slice_dims(ndim, dim, inverse), spec_slice_dims(ndim, dim, inverse)
+    if ndim == 0:  # a 0-d tensor's one slice is the tensor: no dims to pass to a reduction
+        assert (a is None) == (b is None) and a in (None, ()) and b in (None, [0])
+    else:
+        assert a == (tuple(b) if b is not None else None)
+
+
+def test_the_rule_by_example():
+    assert slice_dims(1, 0, True) is None            # a bias per output unit: alone
+    assert slice_dims(1, 1, False) is None           # a bias has no dim 1: alone
+    assert slice_dims(1, 0, False) == (0,)           # a bias over its only dim: one slice
+    assert slice_dims(2, 0, True) == (1,)            # a weight per output unit
+    assert slice_dims(2, (0, 1), True) is None       # every dim listed: alone
+    assert slice_dims(4, (0, 1), True) == (2, 3)     # a conv's kernels
+    assert slice_dims(2, -1, True) == (0,)           # negative dims are resolved first
+    assert slice_dims(2, 5, False) is None           # no listed dim exists
+    assert slice_dims(3, None, True) == (0, 1, 2)    # nothing listed, inverted: the whole tensor
+    assert slice_dims(0, 0, False) == () and slice_dims(0, 0, True) is None  # 0-d: 1-D with one element
+    assert mo.GradientCentralization().model_dump()["dim"] == 0  # Centralize(dim=0, inverse_dims=True)
+
+
+def test_gradient_centralization_leaves_biases_alone_whatever_min_size():
+    """GC (Yong et al. 2020) skips 1-D tensors; before the rule it did so only through `min_size=2`
+    (each bias element was its own slice; `min_size=1` zeroed the bias)."""
+    grads = model_grads(2)
+    for t in (mo.GradientCentralization(), mo.GradientCentralization(min_size=1)):
+        out = through_modopt(t, grads)
+        for g, o in zip(grads, out):
+            if g.dim() < 2:
+                assert torch.equal(o, g)
+            else:
+                means = o.double().mean(dim=tuple(range(1, g.dim())))
+                assert torch.allclose(means, torch.zeros_like(means), atol=1e-6 * g.abs().max().item())
+
+
+def test_a_scale_before_a_slicing_normalize_is_kept_on_the_tensors_it_leaves_alone():
+    """`Normalize` undoes a positive scale before it only on the tensors it changes, so the runner may
+    leave out the scale (`modopt.lint.cancelled_scales`) only when no tensor is left alone by the one
+    and changed by the other: the same slicing, or a slicing that leaves no tensor alone."""
+    from modopt.lint import cancelled_scales
+
+    per_unit = mo.Normalize(scope="tensor", dim=0, inverse_dims=True)
+    assert cancelled_scales([mo.ClipNorm(1.0), per_unit], "skip") == frozenset()
+    same = mo.ClipNorm(1.0, scope="tensor", dim=0, inverse_dims=True)
+    assert cancelled_scales([same, per_unit], "skip") == {"0:ClipNorm"}
+    assert cancelled_scales([mo.ClipNorm(1.0), mo.Normalize(scope="tensor", dim=0)], "skip") == {"0:ClipNorm"}
+    grads = model_grads(0)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    mo.Modular(params, mo.ClipNorm(0.5, eps=0.0), per_unit, mo.LR(1.0)).step()
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for p, g in zip(params, grads):
+        if g.dim() < 2:  # left alone by Normalize: the global clip's scale stays
+            torch.testing.assert_close(-p.detach(), g * (0.5 / total), rtol=TOL, atol=0.0)
