@@ -238,3 +238,12 @@ def test_check_selections_on_a_torch_optimizers_groups():
     check_selections([mo.Masked(mo.ClipNorm(1.0), where="fc.*")], list(enumerate(opt.param_groups)))
     with pytest.raises(ValueError, match=r"names pattern 'nope' matches none"):
         check_selections([mo.Masked(mo.ClipNorm(1.0), where="nope")], list(enumerate(opt.param_groups)))
+
+
+def test_attach_checks_the_names_when_attached():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="names pattern 'nope' matches none"):
+        mo.attach(opt, mo.Masked(mo.ClipNorm(1.0), where=mo.Select(names=["nope"])))
+    handle = mo.attach(opt, mo.Masked(mo.ClipNorm(1.0), where=mo.Select(names=["0.weight"])))
+    handle.remove()

@@ -11,6 +11,7 @@ import torch
 from .modular import PipelineConfig
 from .nonfinite import apply_nonfinite_policy
 from .runner import collect, run_step
+from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
 from .transform import Transform, walk
@@ -302,6 +303,8 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     """
 
     PipelineConfig(transforms=list(transforms), nonfinite=nonfinite)  # validate
+    # the names a selection asks for, against the optimizer's `param_names`, before any hook exists
+    check_selections(list(transforms), list(enumerate(optimizer.param_groups)))
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "mo.attach: LBFGS evaluates its closure several times per step; attached transforms run once per "
