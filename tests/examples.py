@@ -19,6 +19,7 @@ import modopt as mo
 from modopt.spec import adaptive as spec_adaptive
 from modopt.spec import core as spec_core
 from modopt.spec import guards as spec_guards
+from modopt.spec import orthogonal as spec_orthogonal
 from modopt.spec import percentile as spec_percentile
 
 # name -> an instance, or a list of instances, that together set every field away from its default
@@ -86,6 +87,23 @@ NON_DEFAULT = {
         mo.ClipNorm(0.5), mo.Masked(mo.Normalize(0.5), where=mo.Select(max_ndim=1)),
         where=mo.Select(names=["*"], exclude=["0.weight"], min_ndim=1, max_ndim=2, groups=[0, 1]),
     ),
+    # the orthogonal family: float32/float64 Newton-Schulz here (the shared compile test compares with eager to
+    # 1e-5; the bfloat16 default is checked against torch.optim.Muon and compiled in tests/test_orthogonal.py)
+    "Orthogonalize": [
+        mo.Orthogonalize(ns_coefficients=list(spec_orthogonal.TORCHZERO_COEFFICIENTS), eps=1e-6,
+                         adjust_lr="match_rms_adamw", ns_dtype="float32"),
+        mo.Orthogonalize(ns_steps=3, adjust_lr="original", ns_dtype="float64"),
+    ],
+    "OrthoGrad": [
+        mo.OrthoGrad(eps=1e-6, renormalize=False, scope="tensor", dim=0, inverse_dims=True, min_size=3),
+        mo.OrthoGrad(scope="global"),  # torchzero's OrthoGrad()
+    ],
+    "Momentum": mo.Momentum(0.9, nesterov=False),
+    "Muon": [
+        mo.Muon(lr=0.02, weight_decay=0.01, momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=6,
+                eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
+        mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64"),
+    ],
 }
 
 
@@ -124,6 +142,10 @@ SPECS = {
     "AutoClip": "tests/test_statistical.py::test_autoclip_matches_spec",
     "AGC": "tests/test_agc.py::test_matches_formula_per_unit",  # its spec also reads the parameters
     "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
+    "Orthogonalize": "tests/test_orthogonal.py::test_orthogonalize_matches_spec",  # float64 NS; bf16 within a bound
+    "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
+    "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
+    "Muon": "tests/test_orthogonal.py::test_muon_matches_spec",  # and torch.optim.Muon, bit for bit
 }
 
 # name -> why the transform has no float64 spec, and what checks it instead

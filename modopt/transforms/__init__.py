@@ -10,7 +10,8 @@ every name without running the package.
 
 from __future__ import annotations
 
-from . import accumulate, adaptive, agc, clipping, ema, growth, guards, masked, normalization, optimizers, percentile
+from . import (accumulate, adaptive, agc, clipping, ema, growth, guards, masked, normalization, optimizers, orthogonal,
+               percentile)
 from .accumulate import *  # noqa: F403
 from .adaptive import *  # noqa: F403
 from .agc import *  # noqa: F403
@@ -21,6 +22,7 @@ from .guards import *  # noqa: F403
 from .masked import *  # noqa: F403
 from .normalization import *  # noqa: F403
 from .optimizers import *  # noqa: F403
+from .orthogonal import *  # noqa: F403
 from .percentile import *  # noqa: F403
 
 __all__: list[str] = []
@@ -34,4 +36,5 @@ __all__ += guards.__all__
 __all__ += masked.__all__
 __all__ += normalization.__all__
 __all__ += optimizers.__all__
+__all__ += orthogonal.__all__
 __all__ += percentile.__all__

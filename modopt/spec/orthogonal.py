@@ -1,0 +1,235 @@
+"""Spec of the orthogonal family (float64, one tensor or segment at a time).
+
+The definition is the exact polar factor: for a matrix `X = U S V^T` (thin SVD),
+`polar(X) = U V^T`, the semi-orthogonal matrix nearest to `X` in the Frobenius
+norm (the rank-deficient case keeps only the singular vectors of the nonzero
+singular values). `Orthogonalize` and `Muon` do not compute it: they run a fixed
+number of Newton-Schulz steps whose singular values land near 1, not at 1.
+`newton_schulz` is that iteration in float64, the oracle of the runtime's
+arithmetic; `spread` measures how far it lands from `polar`.
+
+`spread_table()` returns the table of docs/modules/orthogonal.md:
+`python -c "from modopt.spec.orthogonal import spread_table; print(spread_table())"`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .scope import gather, scatter, segments
+
+#: torch.optim.Muon's quintic coefficients (Keller Jordan's)
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+#: torchzero's `Orthogonalize` default: one triple per step (five steps)
+TORCHZERO_COEFFICIENTS = [
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+]
+
+
+def matrix_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The float64 matrix a tensor is orthogonalized as: `(shape[0], prod(shape[1:]))`, or None for
+    fewer than 2 dims or no elements (the tensor is left as it is)."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    return t.detach().to(torch.float64).reshape(t.shape[0], -1)
+
+
+def polar(x: torch.Tensor) -> torch.Tensor:
+    """The polar factor `U V^T` of a matrix, through its SVD in float64. Singular values below
+    `max(rows, cols) * eps(float64) * s_max` count as zero (numpy's rank rule): their vectors are left
+    out, so a zero matrix maps to zero."""
+    x = x.to(torch.float64)
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    if s.numel() == 0:
+        return torch.zeros_like(x)
+    tol = max(x.shape) * torch.finfo(torch.float64).eps * float(s.max())
+    keep = (s > tol).to(torch.float64)
+    return (u * keep) @ vh
+
+
+def steps_of(coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """One `(a, b, c)` per step: one triple for every step, or a list of triples as given."""
+    if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
+        return [tuple(coefficients)] * steps
+    return [tuple(c) for c in coefficients]
+
+
+def newton_schulz(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """`steps` quintic Newton-Schulz steps on the matrix `x`, in float64.
+
+    Wide orientation (a tall matrix is transposed, and transposed back at the end);
+    `x0 = x / max(||x||_F, eps)` (every singular value at most 1); then with `A = x x^T`:
+    `x <- a x + b A x + c A A x`. Each singular value s goes through `a s + b s^3 + c s^5`,
+    the singular vectors stay.
+    """
+    x = x.to(torch.float64)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / max(float(torch.linalg.matrix_norm(x)), eps)
+    for a, b, c in steps_of(coefficients, steps):
+        gram = x @ x.T
+        x = a * x + b * (gram @ x) + c * (gram @ (gram @ x))
+    return x.T if tall else x
+
+
+def adjust_ratio(rows: int, cols: int, rule) -> float:
+    """torch.optim.Muon's learning-rate factor of a `rows x cols` matrix (`"none"`: 1)."""
+    if rule is None or rule == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+def orthogonalize(updates, ns_coefficients=NS_COEFFICIENTS, ns_steps=5, eps=1e-7, adjust_lr="none",
+                  ns_dtype="bfloat16", exact=False):
+    """`Orthogonalize`: each tensor with 2+ dims replaced by the Newton-Schulz iteration of its matrix
+    (`exact=True`: by its polar factor), times the `adjust_lr` factor; others unchanged. `ns_dtype` is
+    the runtime's working precision: the spec is float64 whatever it says."""
+    out = []
+    for u in updates:
+        m = matrix_of(u)
+        if m is None:
+            out.append(u.detach().to(torch.float64).clone())
+            continue
+        o = polar(m) if exact else newton_schulz(m, ns_coefficients, ns_steps, eps)
+        out.append((o * adjust_ratio(m.shape[0], m.shape[1], adjust_lr)).reshape(u.shape))
+    return out
+
+
+def ortho_grad(updates, params, group_of, eps=1e-8, renormalize=True, scope="tensor", dim=None, inverse_dims=False,
+               min_size=2):
+    """`OrthoGrad`, per segment: `u - <w, u> / (<w, w> + eps) * w` (no projection where the denominator
+    is 0), then, with `renormalize`, rescaled to the segment's old 2-norm where the new one is > 0.
+    Segments with fewer than `min_size` elements are left as they are."""
+    out = [u.detach().to(torch.float64).clone() for u in updates]
+    ws = [p.detach().to(torch.float64) for p in params]
+    for seg in segments(out, group_of, scope, dim, inverse_dims):
+        x, w = gather(out, seg), gather(ws, seg)
+        if x.numel() < min_size:
+            continue
+        den = float(w @ w) + eps
+        y = x - (float(w @ x) / den) * w if den > 0 else x.clone()
+        if renormalize:
+            before, after = float(x.norm()), float(y.norm())
+            if after > 0:
+                y = y * (before / after)
+        scatter(out, seg, y)
+    return out
+
+
+class Momentum:
+    """`Momentum`: `b <- beta b + (1 - beta) u` (from zeros); `u <- (1 - beta) u + beta b` (Nesterov) or `b`."""
+
+    def __init__(self, beta=0.95, nesterov=True):
+        self.beta, self.nesterov = beta, nesterov
+        self.b = None
+
+    def step(self, updates):
+        us = [u.detach().to(torch.float64) for u in updates]
+        if self.b is None:
+            self.b = [torch.zeros_like(u) for u in us]
+        self.b = [self.beta * b + (1 - self.beta) * u for b, u in zip(self.b, us)]
+        if self.nesterov:
+            return [(1 - self.beta) * u + self.beta * b for u, b in zip(us, self.b)]
+        return [b.clone() for b in self.b]
+
+
+class Muon:
+    """`Muon` (and torch.optim.Muon), as a parameter trajectory in float64: `step(params, grads, lr)`
+    returns the new parameters `p (1 - lr wd) - lr r O`, with `O` the Newton-Schulz iteration of the
+    momentum direction (`exact=True`: its polar factor) and `r` the `adjust_lr_fn` factor; tensors with
+    fewer than 2 dims take the momentum direction itself, `r = 1`."""
+
+    def __init__(self, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS, ns_steps=5,
+                 eps=1e-7, adjust_lr_fn=None, exact=False, **_runtime_only):
+        self.wd = weight_decay
+        self.momentum = Momentum(momentum, nesterov)
+        self.ns = dict(ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, exact=exact)
+        self.adjust = adjust_lr_fn
+
+    def step(self, params, grads, lr):
+        out = []
+        for p, d in zip(params, self.momentum.step(grads)):
+            p = p.detach().to(torch.float64)
+            m = matrix_of(d)
+            r = 1.0 if m is None else adjust_ratio(m.shape[0], m.shape[1], self.adjust)
+            (o,) = orthogonalize([d], **self.ns)
+            out.append(p * (1 - lr * self.wd) - (lr * r) * o)
+        return out
+
+
+# --- how far Newton-Schulz lands from the polar factor ---------------------------------------------
+#: where five steps of torch's coefficients put a singular value s of `x0` (`scalar_map`): every
+#: s in [BAND_FROM, 1] lands in BAND (measured on a grid of 200001 points, log-spaced over [1e-6, 1]);
+#: a smaller s is multiplied by about a**5 = 485 and stays below the band
+BAND_FROM = 1.5e-3
+BAND = (0.680, 1.203)
+
+
+def scalar_map(s: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5) -> torch.Tensor:
+    """What the iteration does to one singular value of `x0` (in [0, 1]): `s <- a s + b s^3 + c s^5`."""
+    s = s.to(torch.float64)
+    for a, b, c in steps_of(coefficients, steps):
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+def matrices(seed: int = 0, n: int = 128):
+    """The test matrices of the spread table, `(label, matrix)` in float64: Gaussian ones (square ones
+    have singular values down to about 0, rectangular ones are well conditioned), `n x n` ones with
+    singular values log-spaced from 1 down to `1/cond`, and a rank-deficient one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in ((64, 64), (256, 64), (64, 256), (n, n)):
+        out.append((f"Gaussian {shape[0]}x{shape[1]}", torch.randn(shape, generator=g, dtype=torch.float64)))
+    for cond in (1e2, 1e3, 1e4, 1e6):
+        q1, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+        q2, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+        s = torch.logspace(0, -math.log10(cond), n, dtype=torch.float64)
+        out.append((f"cond {cond:.0e}, {n}x{n}", (q1 * s) @ q2.T))
+    a, b = torch.randn(64, 8, generator=g, dtype=torch.float64), torch.randn(8, 64, generator=g, dtype=torch.float64)
+    out.append(("rank 8, 64x64", a @ b))  # a gradient over a batch of 8: 56 singular values are 0
+    return out
+
+
+def spread(o: torch.Tensor, x: torch.Tensor) -> dict[str, float]:
+    """How far `o` (an orthogonalization of `x`) is from `polar(x)`, whose singular values are all 1:
+    the smallest and largest singular values of `o`, the fraction of them in `BAND`, and
+    `||o - polar(x)||` in the spectral norm and relative to `||polar(x)||_F`."""
+    o = o.to(torch.float64)
+    ref = polar(x)
+    s = torch.linalg.svdvals(o)
+    return {
+        "s_min": float(s.min()),
+        "s_max": float(s.max()),
+        "in_band": float(((s >= BAND[0] - 0.005) & (s <= BAND[1] + 0.005)).to(torch.float64).mean()),
+        "spectral": float(torch.linalg.matrix_norm(o - ref, ord=2)),
+        "frobenius_rel": float(torch.linalg.matrix_norm(o - ref) / torch.linalg.matrix_norm(ref)),
+    }
+
+
+def spread_table() -> str:  # pragma: no cover - the table docs/modules/orthogonal.md quotes
+    """The spread of five torch-coefficient steps on `matrices()`, in float64 (`newton_schulz`) and as
+    the runtime computes it by default (bfloat16), as a Markdown table."""
+    from ..transforms.orthogonal import newton_schulz as runtime_ns
+
+    rows = ["| matrix | precision | min s | max s | s within [0.68, 1.21] | ‖O − UVᵀ‖₂ "
+            "| ‖O − UVᵀ‖_F / ‖UVᵀ‖_F |",
+            "|---|---|---|---|---|---|---|"]
+    for label, x in matrices():
+        for prec, o in (
+            ("float64", newton_schulz(x)),
+            ("bfloat16", runtime_ns(x.float(), [NS_COEFFICIENTS] * 5, 1e-7, torch.bfloat16).double()),
+        ):
+            r = spread(o, x)
+            rows.append(f"| {label} | {prec} | {r['s_min']:.3f} | {r['s_max']:.3f} | {100 * r['in_band']:.0f}% | "
+                        f"{r['spectral']:.3f} | {r['frobenius_rel']:.3f} |")
+    return "\n".join(rows)

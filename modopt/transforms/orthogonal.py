@@ -1,0 +1,428 @@
+"""Orthogonalized updates: Newton-Schulz orthogonalization and Muon, OrthoGrad, and Muon's momentum.
+
+`Orthogonalize` replaces each matrix-shaped update by an approximation of its
+polar factor (the nearest semi-orthogonal matrix), computed with a few
+Newton-Schulz iterations as `torch.optim.Muon` computes it. `Momentum` is the
+exponential moving average (optionally Nesterov) that Muon applies first, and
+`Muon` is the two of them followed by the learning rate and a decoupled weight
+decay, written as the last transform in torch's own order of operations.
+`OrthoGrad` removes the part of each update that is parallel to its weight.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, ClassVar, Literal, Optional, Union
+
+import torch
+from pydantic import Field, model_validator
+
+from ..core.norms import acc_dtype
+from ..core.scope import Scoped, ScopeName
+from ..core.transform import Transform
+
+__all__ = ["Orthogonalize", "OrthoGrad", "Momentum", "Muon"]
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: one quintic step `x <- a x + b (x x^T) x + c (x x^T)^2 x`, as `(a, b, c)`
+Coefficients = tuple[FiniteFloat, FiniteFloat, FiniteFloat]
+#: `torch.optim.Muon`'s coefficients (Keller Jordan's), used for every step
+NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+NSDtype = Literal["bfloat16", "float32", "float64"]
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+AdjustLR = Literal["none", "original", "match_rms_adamw"]
+
+
+# --- the math, shared by the transforms -------------------------------------------------------------
+def as_matrix(t: torch.Tensor) -> torch.Tensor | None:
+    """The matrix a tensor is orthogonalized as: itself for 2 dims, `t.reshape(t.shape[0], -1)` for
+    more (a conv weight `(out, in, kh, kw)` becomes `(out, in * kh * kw)`), None for 0 or 1 dims and
+    for empty tensors (left as they are)."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+
+
+def adjust_ratio(rows: int, cols: int, rule: str | None) -> float:
+    """The learning-rate factor of a `rows x cols` matrix, as torch.optim.Muon computes it:
+    `"original"` (and None) `sqrt(max(1, rows / cols))`, `"match_rms_adamw"` `0.2 * sqrt(max(rows, cols))`,
+    `"none"` 1."""
+    if rule is None or rule == "original":
+        return math.sqrt(max(1, rows / cols))
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+def coefficient_steps(coefficients, steps: int) -> list[tuple[float, float, float]]:
+    """One `(a, b, c)` per iteration: a single triple repeated `steps` times, or the list as given."""
+    if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
+        return [tuple(coefficients)] * steps
+    return [tuple(c) for c in coefficients]
+
+
+def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz orthogonalization of the 2-D `m`, in `dtype`, op for op as torch.optim.Muon.
+
+    Work on the wide orientation (transpose a tall matrix), divide by `max(||m||_F, eps)` so that
+    every singular value is at most 1, then per step with `A = x x^T`:
+    `x <- a x + (b A + c A A) x` (two `addmm`). The input is never written (torch divides in place,
+    which for an input already in `dtype` is the caller's tensor; here the division makes a new one).
+    """
+    x = m.to(dtype)
+    tall = m.size(0) > m.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for a, b, c in steps:
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def momentum_(ctx, bufs: list[torch.Tensor], updates: list[torch.Tensor], beta: float, nesterov: bool,
+              copy: bool = True) -> list[torch.Tensor]:
+    """torch.optim.Muon's momentum, per tensor: `b <- lerp(b, u, 1 - beta)`; the direction is
+    `lerp(u, b, beta)` (Nesterov) or `b` (a copy unless `copy=False`). On a step the device skips
+    (`ctx.skip`) every buffer keeps its old value (`where`; a non-finite `u` never enters it)."""
+    out = []
+    for b, u in zip(bufs, updates):
+        if ctx.skip is None:
+            b.lerp_(u, 1 - beta)
+        else:  # the same lerp on a new tensor (bit for bit the in-place one), the old buffer where skipped
+            b.copy_(torch.where(ctx.skip, b, torch.lerp(b, u, 1 - beta)))
+        if nesterov:
+            out.append(u.lerp(b, beta))
+        else:
+            out.append(b.clone() if copy else b)
+    return out
+
+
+def laid_out_like(u: torch.Tensor, o: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`o` (the orthogonalized matrix of `u`, possibly a transposed view) as a new tensor with `u`'s shape,
+    dtype and memory layout, times `scale`. Never a transposed view: torch's fused optimizer kernels read
+    a gradient's memory as if it had the parameter's strides (torch 2.13), so a view would be misread."""
+    out = torch.empty_like(u)
+    out.copy_(o.reshape(u.shape))
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
+        out.mul_(scale)
+    return out
+
+
+def _zeros_like_update(updates):
+    return lambda i, p: torch.zeros_like(updates[i], memory_format=torch.preserve_format)
+
+
+class _NewtonSchulz(Transform, abstract=True):
+    """The Newton-Schulz fields shared by `Orthogonalize` and `Muon`."""
+
+    ns_coefficients: Union[Coefficients, list[Coefficients]] = NS_COEFFICIENTS
+    ns_steps: int = Field(5, ge=0, lt=100)
+    eps: PositiveFloat = 1e-7
+    ns_dtype: NSDtype = "bfloat16"
+
+    @model_validator(mode="after")
+    def _one_triple_per_step(self):
+        c = self.ns_coefficients
+        if isinstance(c, list) and len(c) != self.ns_steps:
+            raise ValueError(f"ns_coefficients lists {len(c)} (a, b, c) triples, one per step, but ns_steps is "
+                             f"{self.ns_steps}: give one triple (used for every step) or ns_steps={len(c)}")
+        return self
+
+    def orthogonalized(self, m: torch.Tensor) -> torch.Tensor:
+        """Newton-Schulz of the matrix `m`, in `ns_dtype` (torch.optim.Muon's op order)."""
+        return newton_schulz(m, coefficient_steps(self.ns_coefficients, self.ns_steps), self.eps,
+                             _DTYPES[self.ns_dtype])
+
+
+class Orthogonalize(_NewtonSchulz):
+    r"""Replace each matrix-shaped update by its Newton-Schulz orthogonalization (Muon's step direction).
+
+    With $X$ the update as a matrix, transposed to be wide if it is tall, and
+    $A = X X^\top$:
+
+    $$
+    X_0 = \frac{X}{\max(\lVert X \rVert_F, \varepsilon)}, \qquad
+    X_{k+1} = a X_k + (b A_k + c A_k^2) X_k, \qquad
+    u \leftarrow r \cdot X_{\text{ns\_steps}}
+    $$
+
+    which maps each singular value $\sigma \le 1$ of $X_0$ through the odd
+    polynomial $a\sigma + b\sigma^3 + c\sigma^5$, `ns_steps` times, and keeps the
+    singular vectors: it approximates the polar factor $U V^\top$ of
+    $X = U \Sigma V^\top$. With torch's coefficients five steps leave the
+    singular values between about 0.7 and 1.2, not at 1 (see
+    docs/modules/orthogonal.md for the measured spread).
+
+    Defaults: torch.optim.Muon's `ns_coefficients=(3.4445, -4.775, 2.0315)`
+    (one triple for every step, or a list of `ns_steps` triples, one per step),
+    `ns_steps=5`, `eps=1e-7`, computed in `ns_dtype="bfloat16"` (torch's and
+    Keller Jordan's choice; `"float32"`/`"float64"` for accuracy) and cast back
+    to the update's dtype. `adjust_lr` scales the result by torch.optim.Muon's
+    per-shape factor $r$ of a `rows x cols` matrix: `"none"` (default, 1),
+    `"original"` $\sqrt{\max(1, \text{rows}/\text{cols})}$, `"match_rms_adamw"`
+    $0.2\sqrt{\max(\text{rows}, \text{cols})}$ (Moonlight).
+
+    Shapes: a tensor with more than 2 dims is orthogonalized as
+    `reshape(shape[0], -1)` (a conv weight `(out, in, kh, kw)` as
+    `(out, in*kh*kw)`, Keller Jordan's rule; torchzero batches over the trailing
+    dims instead). Tensors with 0 or 1 dims (biases, gains, scalars) and empty
+    tensors pass through unchanged: route them to another optimizer with
+    `mo.Masked`. The rule is scale-invariant (up to `eps`): a positive scale of
+    the whole update before it (a norm clip) has no effect. Reproduces the
+    orthogonalization of torch.optim.Muon (bit for bit in the default bfloat16)
+    and, with torchzero's per-step coefficients, torchzero's `Orthogonalize`.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2, 2)); p.grad = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    >>> opt = mo.Modular([p], mo.Orthogonalize(), mo.LR(1.0)); opt.step()
+    >>> (-p.data).diag()   # singular values 3 and 1 both moved near 1 (the polar factor U V^T is I)
+    tensor([0.7500, 1.1328])
+
+    ```
+    """
+
+    positional = None
+    device_skip = True  # stateless: keeps its (no) state on a step the device skips
+
+    adjust_lr: AdjustLR = "none"
+
+    def apply(self, ctx, st, updates):
+        out = list(updates)
+        for i, u in enumerate(updates):
+            m = as_matrix(u)
+            if m is None:
+                continue
+            r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr)
+            out[i] = laid_out_like(u, self.orthogonalized(m), r)  # cast to u's dtype, then times r
+        return out
+
+
+class Momentum(Transform):
+    r"""Exponential moving average of the updates, with Nesterov's look-ahead: torch.optim.Muon's momentum.
+
+    $$
+    b \leftarrow \beta b + (1-\beta) u, \qquad
+    u \leftarrow \begin{cases} (1-\beta) u + \beta b & \text{nesterov} \\ b & \text{otherwise} \end{cases}
+    $$
+
+    computed as torch does (`b.lerp_(u, 1 - beta)`, then `u.lerp(b, beta)`),
+    with `b` starting at zero and kept per parameter (`momentum_buffer`).
+    Defaults: `beta=0.95`, `nesterov=True` (torch.optim.Muon's and Keller
+    Jordan's). The EMA form is `(1 - beta)` times SGD's heavy-ball buffer
+    `b <- beta b + u` (Moonlight's Muon); in front of `Orthogonalize`, which is
+    scale-invariant, the two give the same direction.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(1)); p.grad = torch.tensor([1.0])
+    >>> opt = mo.Modular([p], mo.Momentum(0.5, nesterov=False), mo.LR(1.0))
+    >>> opt.step(); opt.step(); p.data   # b = 0.5, then 0.75
+    tensor([-1.2500])
+
+    ```
+    """
+
+    positional = "beta"
+    device_skip = True  # keeps its buffers on a step the device skips (a where; zeros start like torch's)
+
+    beta: float = Field(0.95, ge=0.0, lt=1.0)
+    nesterov: bool = True
+    state_buffers: ClassVar[dict] = {"momentum_buffer": "param"}
+
+    def apply(self, ctx, st, updates):
+        bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))
+        return momentum_(ctx, bufs, updates, self.beta, self.nesterov)
+
+
+class OrthoGrad(Scoped):
+    r"""Remove the component of the update parallel to its weight, then restore the update's norm (⊥Grad).
+
+    Per segment of the scope, with $w$ the parameters' values:
+
+    $$
+    u_\perp = u - \frac{\langle w, u \rangle}{\langle w, w \rangle + \varepsilon}\, w, \qquad
+    u \leftarrow u_\perp \cdot \frac{\lVert u \rVert_2}{\lVert u_\perp \rVert_2}
+    $$
+
+    (the rescale only with `renormalize=True`). A segment whose $u_\perp$ is
+    zero (a zero update, or one parallel to the weight) becomes zero instead of
+    NaN. Defaults: `eps=1e-8` (torchzero's `OrthoGrad`; the paper's
+    implementation uses 1e-30), `renormalize=True`, `scope="tensor"` (one
+    projection per parameter tensor, as in Prieto et al. 2025, "Grokking at the
+    Edge of Numerical Stability", arXiv:2501.04697); `scope="global"` is
+    torchzero's `OrthoGrad()`, which projects the concatenation of all
+    parameters. Every scope works, `dim` too (one projection per slice). Dot
+    products and norms accumulate in at least float32.
+
+    `min_size=2`: a one-element segment (a scalar parameter) is left as it is.
+    Its update is always parallel to its weight, so the exact rule returns it
+    unchanged when `eps > 0` (the remainder `u eps / (w^2 + eps)` rescaled to
+    `|u|`); computed, that remainder is rounding noise. Close to parallel, in
+    general, the rescale magnifies rounding by `|u| / |u_perp|`. A dot product or
+    norm that overflows its accumulation dtype (float32 for float32 and half
+    tensors: values beyond about 1e19) leaves the segment unprojected, or not
+    rescaled, instead of NaN.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.tensor([1.0, 0.0])); p.grad = torch.tensor([3.0, 4.0])
+    >>> opt = mo.Modular([p], mo.OrthoGrad(), mo.LR(1.0)); opt.step(); p.data   # u_perp = (0, 4), norm 5
+    tensor([ 1., -5.])
+
+    ```
+    """
+
+    positional = None
+    device_skip = True  # stateless
+
+    eps: NonNegativeFloat = 1e-8
+    renormalize: bool = True
+    scope: ScopeName = "tensor"
+    min_size: int = Field(2, ge=1)
+
+    def apply(self, ctx, st, updates):
+        seg = self.segments(ctx, st)
+        params = [p.detach() for p in ctx.params]
+
+        def products(xs, ys):  # elementwise products in the accumulation dtype (no half-precision rounding)
+            return [x.to(acc_dtype(x.dtype)) * y.to(acc_dtype(x.dtype)) for x, y in zip(xs, ys)]
+
+        dot = seg.reduce(products(updates, params), "sum")
+        ww = seg.reduce(products(params, params), "sum")
+        coef = dot / (ww + self.eps)
+        coef = torch.where(torch.isfinite(coef), coef, 0.0)  # 0/0 (a zero weight, eps=0) or an overflow: 0
+        out = list(updates)
+        for i, c in enumerate(seg.expand(coef)):
+            if seg.active[i]:
+                u = updates[i]
+                out[i] = torch.addcmul(u.to(c.dtype), params[i].to(c.dtype), -c).to(u.dtype)
+        if self.renormalize:
+            before = seg.reduce(updates, 2.0)
+            after = seg.reduce(out, 2.0)  # (new tensors: never a norm memo entry of the updates)
+            scale = before / after  # 0/0 (nothing left), x/0, or norms that overflowed: no rescale
+            seg.mul_(out, torch.where(torch.isfinite(scale), scale, 1.0))
+        return out
+
+
+class Muon(_NewtonSchulz):
+    r"""Muon: momentum, Newton-Schulz orthogonalization and a decoupled weight decay; `torch.optim.Muon`, bit for bit.
+
+    Per parameter, with $g$ the update entering it (the gradient):
+
+    $$
+    \begin{aligned}
+    b &\leftarrow \mu b + (1-\mu) g, \qquad d = (1-\mu) g + \mu b \ \text{(nesterov) or } b \\
+    O &= \operatorname{NS}(d) \quad \text{(as `Orthogonalize`)} \\
+    p &\leftarrow p\,(1 - \text{lr}\,\lambda) - \text{lr}\cdot r(\text{shape})\; O
+    \end{aligned}
+    $$
+
+    that is `Chain(Momentum(momentum, nesterov), Orthogonalize(adjust_lr=...), LR(lr))`
+    plus the decoupled weight decay $\lambda$ (`weight_decay`), which uses the
+    unadjusted lr. `adjust_lr_fn` is torch's: None or `"original"`
+    ($r = \sqrt{\max(1, \text{rows}/\text{cols})}$), `"match_rms_adamw"`
+    ($r = 0.2\sqrt{\max(\text{rows}, \text{cols})}$: Moonlight's rule, which lets
+    Muon reuse AdamW's lr and weight decay). Defaults are torch.optim.Muon's:
+    `lr=1e-3`, `weight_decay=0.1`, `momentum=0.95`, `nesterov=True`, the
+    Newton-Schulz fields of `Orthogonalize` (`ns_dtype="bfloat16"`).
+    Exposes `lr`, `momentum`, `weight_decay`, `nesterov` as group keys.
+
+    As the last transform it writes the parameters in torch's order of operations
+    (`p.mul_(1 - lr * wd)`, then `p.add_(O, alpha=-lr * r)`), so it equals
+    `torch.optim.Muon` with the same arguments bit for bit (float32, bfloat16 and
+    float64 parameters, schedulers included; except bfloat16 with
+    `nesterov=False`, where torch divides its momentum buffer in place by its
+    norm and modopt keeps the moving average). A step the device skips leaves the
+    parameters and the momentum buffers bit for bit as they were, with no host
+    sync (the new values are computed aside and kept with a `where`: one pass
+    over the parameters and buffers more than torch's in-place step). Elsewhere
+    in a chain (and compiled) it returns the update `lr r O + lr λ p`.
+
+    Muon is meant for the hidden 2-D weights: torch refuses other shapes. Here a
+    tensor with more than 2 dims is orthogonalized as `reshape(shape[0], -1)`, and
+    a tensor with 0 or 1 dims gets the momentum step without orthogonalization
+    ($r = 1$). Route embeddings, the head, norms and biases to `AdamW` with
+    `mo.Masked` (docs/modules/orthogonal.md has the recipe).
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.ones(2, 2)); p.grad = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
+    >>> ref = torch.nn.Parameter(torch.ones(2, 2)); ref.grad = p.grad.clone()
+    >>> mo.Modular([p], mo.Muon(0.02)).step(); torch.optim.Muon([ref], lr=0.02).step()
+    >>> torch.equal(p, ref)
+    True
+
+    ```
+    """
+
+    positional = "lr"
+    device_skip = True  # keeps its buffers and the parameters on a step the device skips (where)
+
+    lr: NonNegativeFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.1
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    nesterov: bool = True
+    adjust_lr_fn: Optional[Literal["original", "match_rms_adamw"]] = None
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay", "nesterov")
+    is_optimizer: ClassVar[bool] = True
+    state_buffers: ClassVar[dict] = {"momentum_buffer": "param"}
+
+    def _directions(self, ctx, st, updates, g, a, b):
+        bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
+        return momentum_(ctx, bufs, updates[a:b], g["momentum"], g["nesterov"], copy=False)
+
+    def apply_final(self, ctx, st, updates):
+        if torch.compiler.is_compiling():
+            return False  # `apply`: the update, which the runner writes (lr a graph input, not a constant)
+        if any(isinstance(g["lr"], torch.Tensor) for g in ctx.groups):
+            return False  # a tensor lr: the update path, which multiplies by it
+        skip = ctx.skip
+        for g, a, b in ctx.per_group():
+            lr, wd = g["lr"], g["weight_decay"]
+            for p, d in zip(ctx.params[a:b], self._directions(ctx, st, updates, g, a, b)):
+                m = as_matrix(d)
+                if m is None:
+                    o, step = d, lr * 1.0
+                else:
+                    o = self.orthogonalized(m)
+                    step = lr * adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
+                    if o.shape != p.shape:
+                        o = o.reshape(p.shape)
+                if skip is None:  # torch's in-place step
+                    if wd != 0:
+                        p.mul_(1 - lr * wd)
+                    p.add_(o, alpha=-step)
+                    continue
+                # the same two ops on a new tensor (bit for bit the in-place ones), the old values where skipped
+                if wd != 0:
+                    new = p.mul(1 - lr * wd)
+                    new.add_(o, alpha=-step)
+                else:
+                    new = torch.add(p, o, alpha=-step)
+                p.copy_(torch.where(skip, p, new))
+        return True
+
+    def apply(self, ctx, st, updates):
+        from .optimizers import _lr_value
+
+        out: list[torch.Tensor] = []
+        for g, a, b in ctx.per_group():
+            lr = _lr_value(g["lr"], updates[a]) if b > a else g["lr"]
+            wd = g["weight_decay"]
+            for p, d in zip(ctx.params[a:b], self._directions(ctx, st, updates, g, a, b)):
+                m = as_matrix(d)
+                if m is None:
+                    u = d * lr
+                else:
+                    r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
+                    u = laid_out_like(d, self.orthogonalized(m), lr * r)
+                if wd != 0:
+                    u = u + p.detach() * (lr * wd)
+                out.append(u)
+        return out
