@@ -316,3 +316,20 @@ def test_fused_true_refuses_parameters_torch_has_no_fused_kernel_for(monkeypatch
     opt2 = mo.Modular({"layer.w": p}.items(), mo.AdamW())  # the default falls back instead
     opt2.step()
     assert not torch.equal(p, before)
+
+
+@pytest.mark.parametrize("make", [lambda: mo.AdamW(lr=0.1), lambda: mo.SGD(0.1, momentum=0.9)], ids=["AdamW", "SGD"])
+def test_a_gradient_laid_out_unlike_its_parameter_steps_right(make):
+    """torch 2.13's fused CPU kernels read a transposed-view gradient in the parameter's order (wrong, and
+    `torch.optim.Adam(fused=True)` is wrong the same way): modopt hands them a copy in the parameter's
+    layout, so the step equals torch's for-loop kernel on the same values."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 5))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt, ref = mo.Modular([p], make()), mo.Modular([q], make().model_copy(update={"fused": False}))
+    for _ in range(3):
+        g = torch.randn(5, 3).t()  # a transposed view
+        p.grad, q.grad = g, g.contiguous()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # fused vs for-loop: rounding only

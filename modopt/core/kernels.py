@@ -52,12 +52,21 @@ def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: boo
     return (kernel, device.type, dtype) not in KNOWN_BAD
 
 
+def _same_layout(params, grads):
+    """`grads`, each laid out like its parameter: torch 2.13's fused CPU kernels read a gradient whose
+    strides differ from the parameter's (a transposed view) in the parameter's order, silently wrong
+    (`torch.optim.Adam(fused=True)` too). A copy in the parameter's layout only where they differ."""
+    if all(g.stride() == p.stride() for p, g in zip(params, grads)):
+        return grads
+    return [g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g) for p, g in zip(params, grads)]
+
+
 def fused_sgd_(params, grads, bufs, *, lr, weight_decay, momentum, dampening, nesterov, is_first_step, grad_scale,
                found_inf=None, maximize=False):
     """`torch._fused_sgd_` (in place on `params` and `bufs`; divides the gradients by `grad_scale`;
     with `found_inf` nonzero, a 0-d float32 tensor, it leaves everything as it is)."""
     torch._fused_sgd_(
-        params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+        params, _same_layout(params, grads), bufs, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
         nesterov=nesterov, maximize=maximize, is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf,
     )
 
@@ -70,7 +79,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     it is nonzero, as under `GradScaler`: the step is skipped on the device."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+        params, _same_layout(params, grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
         weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
         found_inf=found_inf,
     )
