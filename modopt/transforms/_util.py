@@ -31,5 +31,8 @@ def record_clip(st, norm: torch.Tensor, scale: torch.Tensor, **extra: torch.Tens
         st.record(k, v)
 
 
-#: a finite number >= 0 (pydantic's `NonNegativeFloat` takes inf, which turns a floor into inf)
+# field types for hyperparameters that must be finite (pydantic's own `NonNegativeFloat` and `PositiveFloat`
+# take inf: an infinite lr, eps, momentum or floor can only produce inf or NaN parameters)
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 FiniteNonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+FinitePositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]

@@ -16,7 +16,7 @@ import math
 from typing import ClassVar, Literal, Optional
 
 import torch
-from pydantic import Field, NonNegativeFloat, PositiveFloat
+from pydantic import Field, PositiveFloat
 
 from ..core import distributed
 from ..core.keys import value_key

@@ -15,9 +15,8 @@ import math
 from typing import Any, ClassVar
 
 import torch
-from typing import Annotated
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import PrivateAttr, field_validator, model_validator
 from ..core import distributed, kernels
 from ..core.distributed import is_sharded
 from torch.optim.optimizer import _get_capturable_supported_devices as _capturable_devices
@@ -25,12 +24,11 @@ from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
+from ._util import FiniteFloat, FiniteNonNegativeFloat
 
 __all__ = ["LR", "SGD", "Adam", "AdamW", "TorchOptimizer"]
 
-#: a finite number >= 0: an infinite or NaN learning rate, eps, momentum or decay can only produce NaN parameters
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegativeFloat = FiniteNonNegativeFloat  # (finite: see `_util`)
 
 _CPU = torch.device("cpu")
 

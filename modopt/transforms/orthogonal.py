@@ -12,7 +12,7 @@ decay, written as the last transform in torch's own order of operations.
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 import torch
 from pydantic import Field, model_validator
@@ -20,12 +20,11 @@ from pydantic import Field, model_validator
 from ..core.norms import acc_dtype
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
+from ._util import FiniteFloat, FiniteNonNegativeFloat, FinitePositiveFloat
 
 __all__ = ["Orthogonalize", "OrthoGrad", "Momentum", "Muon"]
 
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat, PositiveFloat = FiniteNonNegativeFloat, FinitePositiveFloat  # (finite: see `_util`)
 #: one quintic step `x <- a x + b (x x^T) x + c (x x^T)^2 x`, as `(a, b, c)`
 Coefficients = tuple[FiniteFloat, FiniteFloat, FiniteFloat]
 #: `torch.optim.Muon`'s coefficients (Keller Jordan's), used for every step
