@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import modopt as mo
-from checks import Syncs
+from checks import Syncs, same, saved
 from harness import Harness
 from modopt.spec import orthogonal as spec
 from modopt.transforms.orthogonal import newton_schulz
@@ -613,20 +613,27 @@ HIDDEN = mo.Select("hidden.*", min_ndim=2)
 REST = mo.Select(exclude=["hidden.*.weight"])
 
 
+def _recipe(muon_last: bool, *front):
+    branches = [mo.Masked(mo.Muon(0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"), where=HIDDEN),
+                mo.Masked(mo.AdamW(0.02, weight_decay=0.01), where=REST)]
+    return [*front, *(branches[::-1] if muon_last else branches)]
+
+
+def _torch_recipe(model):
+    hidden = [p for n, p in model.named_parameters() if n.startswith("hidden.") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.startswith("hidden.") and p.dim() == 2)]
+    return (torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=0.02, weight_decay=0.01, fused=True))
+
+
 @pytest.mark.parametrize("muon_last", [False, True])
 def test_the_muon_adamw_recipe_equals_torch_muon_plus_torch_adamw(muon_last):
     """One Modular, Masked routing, one scheduler, the same gradients: torch.optim.Muon on the hidden
-    weights and torch.optim.AdamW(fused=True) (modopt's default kernel) on the rest. The last branch
-    writes its parameters with its own kernel, bit for bit its torch optimizer; an earlier branch returns
-    its update, which `p -= u` writes (torch's result to float32 rounding)."""
+    weights and torch.optim.AdamW(fused=True) (modopt's default kernel) on the rest. Each routed branch
+    writes its parameters with its own kernel, in either order: bit for bit the two torch optimizers."""
     m1, m2 = TinyLM(), TinyLM()
-    branches = [mo.Masked(mo.Muon(0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"), where=HIDDEN),
-                mo.Masked(mo.AdamW(0.02, weight_decay=0.01), where=REST)]
-    opt = mo.Modular(m1.named_parameters(), *(branches[::-1] if muon_last else branches))
-    hidden = [p for n, p in m2.named_parameters() if n.startswith("hidden.") and p.dim() == 2]
-    rest = [p for n, p in m2.named_parameters() if not (n.startswith("hidden.") and p.dim() == 2)]
-    muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.01, fused=True)
+    opt = mo.Modular(m1.named_parameters(), *_recipe(muon_last))
+    muon, adamw = _torch_recipe(m2)
     scheds = [torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, total_iters=8) for o in (opt, muon, adamw)]
     for k in range(8):
         _grads(list(m1.parameters()), k, 4, torch.float32)
@@ -636,11 +643,39 @@ def test_the_muon_adamw_recipe_equals_torch_muon_plus_torch_adamw(muon_last):
         for s in scheds:
             s.step()
     for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
-        by_muon = n.startswith("hidden.") and p.dim() == 2
-        if by_muon == muon_last:
-            assert torch.equal(p, q), n
-        else:
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+        assert torch.equal(p, q), n
+
+
+def test_the_recipe_skips_a_nan_step_in_every_branch_without_a_host_sync():
+    """A NaN in one branch's gradient: neither branch writes (each keeps its parameters and its state bit
+    for bit), with the decision on the device."""
+    model = TinyLM()
+    opt = mo.Modular(model.named_parameters(), *_recipe(False, mo.ClipNorm(1.0)))
+    _grads(list(model.parameters()), 0, 4, torch.float32)
+    opt.step()
+    before = saved(opt, model)
+    _grads(list(model.parameters()), 1, 4, torch.float32)
+    model.head.bias.grad[0] = float("nan")  # an AdamW parameter; the Muon branch writes first
+    syncs = Syncs()
+    with syncs:
+        opt.step()
+    assert syncs.n == 0 and bool(opt.stats["skipped"])
+    same(before, saved(opt, model))
+
+
+def test_a_branch_that_may_stop_the_step_keeps_the_single_writer_order():
+    """When a later branch can stop the step (`Accumulate` between cycles), earlier branches do not write
+    first: on a call that does not end the cycle no parameter moves."""
+    m1 = TinyLM()
+    opt = mo.Modular(m1.named_parameters(), mo.Masked(mo.AdamW(0.02), where=REST),
+                     mo.Masked(mo.Accumulate(2), mo.Muon(0.02, weight_decay=0.01), where=HIDDEN))
+    before = [p.detach().clone() for p in m1.parameters()]
+    _grads(list(m1.parameters()), 0, 4, torch.float32)
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), before))
+    _grads(list(m1.parameters()), 1, 4, torch.float32)
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip(m1.parameters(), before))
 
 
 def test_composes_with_the_clipping_family():

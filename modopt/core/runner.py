@@ -408,6 +408,24 @@ class TransformState:
 
 
 
+def _may_stop(t: Any) -> bool:
+    return t.may_stop or any(_may_stop(c) for c in t.children())
+
+
+def _routed_run(transforms, end: int) -> int:
+    """The start of the run of routed `Masked` branches that ends the chain at `end` (`end` when there is
+    none, or one). Each branch's optimizer writes its own parameters in turn, as separate torch optimizers
+    would (`torch.optim.Muon` on the matrices, `AdamW` on the rest), instead of only the last one: this
+    is the order of the plain step, since a branch touches only its own parameters' updates and every
+    parameter reaches one optimizer. It needs that no branch after the first can stop the step
+    (`Transform.may_stop`): parameters already written could not be taken back."""
+    first = end
+    if end >= 0 and transforms[end].routes():
+        while first > 0 and transforms[first - 1].routes() and not _may_stop(transforms[first]):
+            first -= 1
+    return first
+
+
 def run(transforms, step: Step, updates: list[torch.Tensor], parent: str = "", final: bool = False):
     """Run `transforms` in order on `updates`; with `final` the last one writes the parameters.
 
@@ -419,11 +437,31 @@ def run(transforms, step: Step, updates: list[torch.Tensor], parent: str = "", f
     """
     n = len(transforms)
     states = [TransformState(step, transform_key(i, type(t).__name__, parent)) for i, t in enumerate(transforms)]
-    end = n - 1
+    end = first = n - 1
     if final:  # the writer is the last transform that touches the updates (trailing Identity runs after it)
         while end > 0 and transforms[end].update_access == "none":
             end -= 1
+        first = _routed_run(transforms, end)
+    written: list[int] = []
     for i, t in enumerate(transforms):
+        if final and first <= i < end:  # a routed branch before the last: its optimizer writes its parameters
+            step.flush_(updates)
+            idx = t.write_branch(step, states[i], updates)
+            if idx is None:  # it stopped the step before anything moved (only the first may stop)
+                return None
+            written += idx
+            if states[i].key not in step.cancelled:
+                step.memo.close()
+            continue
+        if final and i == end and written:  # the last routed branch, then the parameters no branch owns
+            step.flush_(updates)
+            chosen = set(written).union(t.write_branch(step, states[i], updates))
+            rest = [j for j in range(len(step.params)) if j not in chosen]
+            if rest:
+                step.write_updates([updates[j] for j in rest], [step.params[j] for j in rest])
+            for j in range(i + 1, n):
+                transforms[j].apply(step, states[j], updates)
+            return True
         if final and i == end:
             if not t.apply_final(step, states[i], updates):  # (a fused kernel may take a pending scale)
                 step.flush_(updates)

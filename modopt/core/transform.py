@@ -159,6 +159,10 @@ class Transform(BaseModel):
     #: the values this transform saves (name -> kind or `modopt.Buffer`); checked on load,
     #: see `modopt.core.state.Buffer`. A saved value not declared here cannot be loaded.
     state_buffers: ClassVar[dict[str, Any]] = {}
+    #: True for a transform whose `apply` may return None (stop the step: `Accumulate` between cycles).
+    #: The runner lets several masked optimizer branches write their parameters one after another only
+    #: when none after the first can stop the step (`modopt.core.runner.run`)
+    may_stop: ClassVar[bool] = False
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
@@ -273,6 +277,11 @@ class Transform(BaseModel):
 
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """As the last transform, write the parameters itself (fused); return False if not supported."""
+        return False
+
+    def routes(self) -> bool:
+        """True for a `Masked` whose branch ends in an optimizer transform: it writes the parameters it
+        selects itself, through `write_branch` (see `modopt.core.runner.run`). Default: False."""
         return False
 
     def check_loaded(self, values: dict[str, Any], where: str) -> None:

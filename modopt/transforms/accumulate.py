@@ -66,6 +66,7 @@ class Accumulate(Transform):
     ```
     """
 
+    may_stop = True  # every call but the last of a cycle stops the step
     positional = "steps"
 
     steps: PositiveInt

@@ -129,15 +129,26 @@ class Masked(Transform):
             updates[i] = u
         return updates
 
+    def routes(self) -> bool:
+        """Whether the branch ends in an optimizer transform (which then writes its parameters itself)."""
+        return bool(self.transforms) and self.transforms[-1].is_optimizer
+
+    def write_branch(self, ctx, st, updates) -> list[int] | None:
+        """Run the branch on the selection with its optimizer writing the selected parameters (torch's
+        kernels); return the indices written, or None when an inner transform stopped the step."""
+        idx, sub = self.selection(ctx, st)
+        if sub is not None and run(self.transforms, sub, [updates[i] for i in idx], parent=st.key, final=True) is None:
+            return None
+        return idx
+
     def apply_final(self, ctx, st, updates):
         """As the last transform, when the branch ends in an optimizer transform: that optimizer writes the
         selected parameters itself (torch's fused kernels), and `p -= update` writes the others."""
-        if not self.transforms or not self.transforms[-1].is_optimizer:
+        if not self.routes():
             return False
-        idx, sub = self.selection(ctx, st)
-        if sub is not None:
-            if run(self.transforms, sub, [updates[i] for i in idx], parent=st.key, final=True) is None:
-                return True  # an inner transform stopped the step: nothing moves
+        idx = self.write_branch(ctx, st, updates)
+        if idx is None:
+            return True  # an inner transform stopped the step: nothing moves
         chosen = set(idx)
         rest = [i for i in range(len(ctx.params)) if i not in chosen]
         if rest:
