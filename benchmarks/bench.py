@@ -152,10 +152,11 @@ def _opt_state(opt: torch.optim.Optimizer) -> Callable[[], list]:
     return state
 
 
-def modopt_side(make: Callable[[], list], nonfinite: str | None) -> Callable[[nn.Module], Side]:
+def modopt_side(make: Callable[[], list], nonfinite: str | None,
+                groups: Callable[[nn.Module], list[dict]] | None = None) -> Callable[[nn.Module], Side]:
     def build(model):
         kw = {} if nonfinite is None else {"nonfinite": nonfinite}
-        opt = mo.Modular(model.parameters(), *make(), **kw)
+        opt = mo.Modular(model.parameters() if groups is None else groups(model), *make(), **kw)
         return Side(model, opt.step, _opt_state(opt))
 
     return build
@@ -293,6 +294,27 @@ def torch_zclip_adamw(model, check, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0,
     return Side(model, step, lambda: [_opt_state(opt)(), stats])
 
 
+def by_ndim(model: nn.Module) -> list[dict]:
+    """Two param groups: group 0 the tensors that are not matrices (AdamW), group 1 the 2-D ones (Muon)."""
+    ps = list(model.parameters())
+    return [{"params": [p for p in ps if p.dim() != 2]}, {"params": [p for p in ps if p.dim() == 2]}]
+
+
+def torch_muon_adamw(model, check):
+    """torch.optim.Muon on the matrices, AdamW(fused) on the rest, both with torch's defaults."""
+    rest, mats = (g["params"] for g in by_ndim(model))
+    ps = rest + mats
+    adamw = torch.optim.AdamW(rest, lr=1e-3, fused=True)
+    muon = torch.optim.Muon(mats)
+
+    def step():
+        if _finite(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(_grads(ps)))), check):
+            adamw.step()
+            muon.step()
+
+    return Side(model, step, lambda: [_opt_state(adamw)(), _opt_state(muon)()])
+
+
 def torch_accumulate_clipnorm_adam(model, check, k=4):
     from torch.optim.adam import adam
 
@@ -365,6 +387,8 @@ class Pipeline:
     torchzero: Callable[[Any], list] | None = None
     #: optimizer calls per timed step (Accumulate(k): the k calls of one cycle)
     calls: int = 1
+    #: param groups built from the model for the modopt side (None: `model.parameters()`)
+    groups: Callable[[nn.Module], list[dict]] | None = None
     #: the bytes limit of one step (of a cycle, for Accumulate) in units of P, and its derivation: every
     #: state tensor (parameters included) read and written once, the gradient read once for the update
     #: and once more for each reduction that must finish before the update (the finite check included)
@@ -401,6 +425,12 @@ PIPELINES = [
              calls=4, limit=25, limit_why="per call the gradient read for the finite check and for the sum, the sum "
              "read and written (4 x 4P); at the end p, m, v read and written, the mean read for its norm and the "
              "update, the sum cleared (9P)"),
+    # Muon on the 2-D tensors (group 1), AdamW on the rest (group 0), each with its defaults; no clip. No
+    # bytes limit: the Newton-Schulz iterations' matmul operands are the same on both sides
+    Pipeline("Muon() on matrices, AdamW() on the rest",
+             lambda: [mo.Masked(mo.AdamW(), where=mo.Select(groups=[0])),
+                      mo.Masked(mo.Muon(), where=mo.Select(groups=[1]))],
+             torch_muon_adamw, "torch.optim.Muon on the matrices + AdamW(fused) on the rest", groups=by_ndim),
     # a setting: torch's own default kernel (the for-loop kernel on a CPU), the host decides the skip
     Pipeline("ClipNorm(1.0), AdamW(fused=False)", lambda: [mo.ClipNorm(1.0), mo.AdamW(fused=False)],
              torch_clipnorm_adamw_default, "clip_grad_norm_(foreach) + AdamW() (torch's default kernel)",
@@ -572,7 +602,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
         torch.manual_seed(rep)
         base, make_batch = build_model(model_name, args.quick)
         builders: dict[str, Callable[[nn.Module], Side]] = {
-            "modopt": modopt_side(pipe.modopt, nonfinite),
+            "modopt": modopt_side(pipe.modopt, nonfinite, pipe.groups),
             "torch": lambda m: pipe.torch(m, check),
         }
         if pipe.torchzero is not None and torchzero() is not None and check:

@@ -93,6 +93,18 @@ def test_orthogonalize_default_equals_torch_muon_iteration_bit_for_bit():
             assert torch.equal(ours, theirs), (shape, dtype)
 
 
+@pytest.mark.parametrize("shape", [(8, 8), (4, 12), (12, 4), (1, 5)])
+def test_newton_schulz_flops_are_what_torchs_flop_counter_counts(shape):
+    """The cost formula of the docs' table (`newton_schulz_flops`) against torch's own counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from modopt.transforms.orthogonal import newton_schulz_flops
+
+    with FlopCounterMode(display=False) as fc:
+        newton_schulz(torch.randn(shape), [spec.NS_COEFFICIENTS] * 5, 1e-7, torch.float32)
+    assert fc.get_total_flops() == newton_schulz_flops(*shape, 5) > 0
+
+
 def test_orthogonalize_leaves_its_input_alone_and_zeros_stay_zero():
     for dtype in (torch.bfloat16, torch.float32):
         u = randn((6, 4), 0, dtype)

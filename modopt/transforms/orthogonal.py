@@ -62,6 +62,15 @@ def coefficient_steps(coefficients, steps: int) -> list[tuple[float, float, floa
     return [tuple(c) for c in coefficients]
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """The matrix-product FLOPs of `newton_schulz` on a `rows x cols` matrix (a multiply-add counted as 2,
+    as `torch.utils.flop_counter` does): per step, on the wide orientation `n x k` (`n = min(rows, cols)`),
+    `x x^T` and `poly @ x` take `2 n^2 k` each and `A A` takes `2 n^3`. The scalings and additions are
+    elementwise and left out."""
+    n, k = min(rows, cols), max(rows, cols)
+    return steps * (4 * n * n * k + 2 * n**3)
+
+
 def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """Newton-Schulz orthogonalization of the 2-D `m`, in `dtype`, op for op as torch.optim.Muon.
@@ -93,7 +102,7 @@ def momentum_(ctx, bufs: list[torch.Tensor], updates: list[torch.Tensor], beta: 
         if ctx.skip is None:
             b.lerp_(u, 1 - beta)
         else:  # the same lerp on a new tensor (bit for bit the in-place one), the old buffer where skipped
-            b.copy_(torch.where(ctx.skip, b, torch.lerp(b, u, 1 - beta)))
+            torch.where(ctx.skip, b, torch.lerp(b, u, 1 - beta), out=b)  # (an exact overlap: elementwise)
         if nesterov:
             out.append(u.lerp(b, beta))
         else:
@@ -384,7 +393,10 @@ class Muon(_NewtonSchulz):
         skip = ctx.skip
         for g, a, b in ctx.per_group():
             lr, wd = g["lr"], g["weight_decay"]
-            for p, d in zip(ctx.params[a:b], self._directions(ctx, st, updates, g, a, b)):
+            bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
+            for p, buf, u in zip(ctx.params[a:b], bufs, updates[a:b]):
+                # one tensor at a time, as torch does: one direction alive at once, not the group's
+                (d,) = momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False)
                 m = as_matrix(d)
                 if m is None:
                     o, step = d, lr * 1.0
@@ -404,7 +416,7 @@ class Muon(_NewtonSchulz):
                     new.add_(o, alpha=-step)
                 else:
                     new = torch.add(p, o, alpha=-step)
-                p.copy_(torch.where(skip, p, new))
+                torch.where(skip, p, new, out=p)
         return True
 
     def apply(self, ctx, st, updates):
