@@ -69,6 +69,11 @@ def pipelines() -> dict[str, tuple[list, dict]]:
 SINCE_ONE_D_RULE = {"ClipNormByEMA-slices+Adam": "ClipNormByEMA-slices-min_size2+Adam"}
 #: pipelines that put a clip before `Normalize`: their last bits may change (issue 17)
 CLIP_BEFORE_NORMALIZE = ("ClipNormByEMA+Normalize+Adam", "Masked+SGD")
+#: pipelines of several routed branches: since c056489 every branch's optimizer writes its own parameters
+#: with its kernel (torch's SGD for "0.*" here), where before only the last did and `p -= u` wrote the
+#: others; their last bits may change. tests/test_pinned_trajectories.py checks the new trajectory bit for
+#: bit against torch's own optimizers
+ROUTED_WRITES = ("Masked-routing",)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
