@@ -104,6 +104,12 @@ NON_DEFAULT = {
                 eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
         mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64"),
     ],
+    # the stability family (issue 20); warm-up 3 and 2, so the 5-step checks cross its end
+    "AdaGC": [
+        mo.AdaGC(beta=0.9, lambda_abs=0.5, lambda_rel=1.2, warmup_steps=3, eps=1e-6, dim=0, inverse_dims=True,
+                 min_size=2),
+        mo.AdaGC(warmup_steps=2, scope="group"),
+    ],
 }
 
 
@@ -146,6 +152,7 @@ SPECS = {
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
     "Muon": "tests/test_orthogonal.py::test_muon_matches_spec",  # and torch.optim.Muon, bit for bit
+    "AdaGC": "tests/test_stability.py::test_adagc_matches_spec",  # and pytorch_optimizer.AdaGC, bit for bit
 }
 
 # name -> why the transform has no float64 spec, and what checks it instead
