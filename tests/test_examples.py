@@ -39,5 +39,5 @@ def test_config_validates_and_runs_short(config, tmp_path, capsys):
     assert main(["validate", str(config)]) == 0
     out = tmp_path / "cmp"
     assert main(["compare", str(config), "--steps", "6", "--out", str(out), "--quiet", "--no-plots"]) == 0
-    rows = json.loads((out / "compare.json").read_text())
+    rows = [seed for run in json.loads((out / "compare.json").read_text())["runs"] for seed in run["per_seed"]]
     assert rows and all(r["steps"] == 6 for r in rows)

@@ -1,4 +1,4 @@
-"""The `modopt` command: run, compare, validate, schema, modules, bench.
+"""The `modopt` command: run, compare, sweep, validate, schema, modules, examples, bench.
 
 `main(argv)` returns the exit status: 0 on success, 1 on a user error (a config
 that does not validate, a missing file, a bad option value), 2 on bad
@@ -73,14 +73,24 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
 
 
+def _add_seed_args(p: argparse.ArgumentParser) -> None:
+    """`--seeds` and the loss-spike thresholds of `compare` and `sweep`."""
+    p.add_argument("--seeds", nargs="+", type=_int_in(0, SEED_MAX, "a seed is one of"), metavar="S",
+                   help="run on each of these seeds (overrides train.seeds; default: train.seeds, else train.seed)")
+    p.add_argument("--spike-factor", type=_float_in(0.0, strict=True), help="a spike is a loss above FACTOR x the running median (default 1.5)")
+    p.add_argument("--spike-min-rise", type=_float_in(0.0, strict=False), help="... and at least this much above it (default 0.1)")
+    p.add_argument("--spike-window", type=_int_in(1, INT64_MAX), help="steps in the running median (default 20)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modopt", description="Composable optimizer modules for PyTorch: experiments and configs.")
-    parser.add_argument("--version", action="version", version=f"modopt {_version()}")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="train a task with a config's optimizer pipeline and write a run directory",
                        description="Train a task with the optimizer pipeline of CONFIG (the built-in default experiment without one).")
-    p.add_argument("config", nargs="?", help="experiment config (.yaml/.yml/.json/.toml); omit for the default experiment")
+    p.add_argument("config", nargs="?", help="experiment config (.yaml/.yml/.json/.toml) or a shipped example's name "
+                   "(modopt examples); omit for the default experiment")
     p.add_argument("--out", help="run directory (default: output.dir of the config, else runs/<name>-<time>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
@@ -89,16 +99,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
 
     p = sub.add_parser("compare", help="run several configs / variants and print a comparison table",
-                       description="Run every config (and every variant of each) and compare them.")
-    p.add_argument("configs", nargs="+", metavar="CONFIG")
-    p.add_argument("--out", help="directory for the runs, the table and the overlay plot (default runs/compare-<time>)")
-    p.add_argument("--spike-factor", type=_float_in(0.0, strict=True), help="a spike is a loss above FACTOR x the running median (default 1.5)")
-    p.add_argument("--spike-min-rise", type=_float_in(0.0, strict=False), help="... and at least this much above it (default 0.1)")
-    p.add_argument("--spike-window", type=_int_in(1, INT64_MAX), help="steps in the running median (default 20)")
+                       description="Run every config (and every variant of each) on every seed and compare them: "
+                       "the mean over seeds with its 95% Student-t interval, and with --baseline the paired difference.")
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="config files or shipped examples' names (modopt examples)")
+    p.add_argument("--out", help="directory for the runs, the tables, the plot and report.html (default runs/compare-<time>)")
+    _add_seed_args(p)
+    p.add_argument("--baseline", metavar="NAME", help="also give each run's paired difference to the run NAME over the same seeds")
+    p.add_argument("--jobs", type=_int_in(1, 1024), default=1, help="runs at a time, in worker processes (default 1: in this process)")
+    _add_run_args(p)
+
+    p = sub.add_parser("sweep", help="run a config over a grid of field values x seeds, in parallel, resumable",
+                       description="Run CONFIG at every point of the grid (the Cartesian product of the --grid options) "
+                       "and every seed; reuse the runs in OUT that already finished.")
+    p.add_argument("config", metavar="CONFIG", help="a config file or a shipped example's name (modopt examples)")
+    p.add_argument("--grid", action="append", required=True, metavar="PATH=V1,V2,...",
+                   help="a dotted path into the experiment (optimizer.transforms.0.max_norm) and the values to try "
+                   "(YAML scalars); repeat for a grid of several fields")
+    p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
+    p.add_argument("--out", help="directory of the sweep; run again with the same OUT to resume (default runs/sweep-<time>)")
+    p.add_argument("--jobs", type=_int_in(1, 1024), help="runs at a time, in worker processes (default: the available cores)")
+    p.add_argument("--metric", default="final_loss",
+                   help="what the plots show (default final_loss; or best_loss, final_eval_loss, best_eval_loss, "
+                   "loss_spikes, worst_excursion, clipped_pct, skipped_steps, max_grad_norm, time_per_step_ms)")
+    _add_seed_args(p)
     _add_run_args(p)
 
     p = sub.add_parser("validate", help="check a config file (experiment or pipeline)")
-    p.add_argument("config")
+    p.add_argument("config", help="a config file or a shipped example's name (modopt examples)")
     p.add_argument("--trust-imports", action="store_true")
 
     p = sub.add_parser("schema", help="print the JSON schema of configs (for editor completion)")
@@ -109,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME", help="only these transforms (case-insensitive)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("examples", help="list the example configs shipped with modopt (run one by name: modopt run NAME)",
+                       description="List the example configs shipped with modopt, or print one (to copy and edit).")
+    p.add_argument("name", nargs="?", metavar="NAME", help="print this example's config")
+
     sub.add_parser("bench", help="time the default step against torch (benchmarks/bench.py, source checkout)",
                    add_help=False)
     return parser
@@ -118,6 +149,12 @@ def _version() -> str:
     from .. import __version__
 
     return __version__
+
+
+def _version_line() -> str:
+    """`modopt --version`: the version (modopt.__version__, which the build also writes into the
+    distribution's metadata) and the distribution's name (the index's `modopt` is another project)."""
+    return f"modopt {_version()} (torch-modopt)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,13 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    args.argv = argv
     try:
         return {
             "run": _cmd_run,
             "compare": _cmd_compare,
+            "sweep": _cmd_sweep,
             "validate": _cmd_validate,
             "schema": _cmd_schema,
             "modules": _cmd_modules,
+            "examples": _cmd_examples,
         }[args.command](args)
     except USER_ERRORS as e:
         if os.environ.get("MODOPT_DEBUG"):
@@ -243,15 +283,42 @@ def _format_spikes(s: dict, shown: int = 10) -> str:
 
 
 # --- compare -----------------------------------------------------------------------------
+def _spike_kw(args) -> dict:
+    return {k: v for k, v in {
+        "factor": args.spike_factor, "min_rise": args.spike_min_rise, "window": args.spike_window,
+    }.items() if v is not None}
+
+
+def _command_line(args) -> str:
+    """The command as typed (for the report)."""
+    import shlex
+
+    return shlex.join(["modopt", *getattr(args, "argv", [])])
+
+
 def _cmd_compare(args) -> int:
     from .compare import compare
 
-    spike_kw = {k: v for k, v in {
-        "factor": args.spike_factor, "min_rise": args.spike_min_rise, "window": args.spike_window,
-    }.items() if v is not None}
+    if args.seeds and args.seed is not None:
+        raise ConfigError("give --seed S (one seed) or --seeds S1 S2 ..., not both")
     out = Path(args.out or f"runs/compare-{_stamp()}")
-    table = compare(args.configs, out, overrides=args, spike_kw=spike_kw, trust_imports=args.trust_imports,
-                    progress=not args.quiet, plots=not args.no_plots)
+    table = compare(args.configs, out, overrides=args, seeds=args.seeds, baseline=args.baseline, jobs=args.jobs,
+                    spike_kw=_spike_kw(args), trust_imports=args.trust_imports, progress=not args.quiet,
+                    plots=not args.no_plots, command=_command_line(args))
+    print(table)
+    return 0
+
+
+# --- sweep -------------------------------------------------------------------------------
+def _cmd_sweep(args) -> int:
+    from .sweep import sweep
+
+    if args.seeds and args.seed is not None:
+        raise ConfigError("give --seed S (one seed) or --seeds S1 S2 ..., not both")
+    out = Path(args.out or f"runs/sweep-{_stamp()}")
+    table = sweep(args.config, args.grid, out, variant=args.variant, overrides=args, seeds=args.seeds, jobs=args.jobs,
+                  metric=args.metric, spike_kw=_spike_kw(args), trust_imports=args.trust_imports,
+                  progress=not args.quiet, plots=not args.no_plots, command=_command_line(args))
     print(table)
     return 0
 
@@ -272,7 +339,8 @@ def _cmd_validate(args) -> int:
     kind = "pipeline" if isinstance(data, dict) and "transforms" in data else "experiment"
     print(f"{args.config}: valid {kind} config")
     print(f"  task: {exp.task.name} {exp.task.options or ''}".rstrip())
-    print(f"  train: {exp.train.steps} steps, batch {exp.train.batch_size}, seed {exp.train.seed}")
+    seeds = f"seeds {exp.train.seeds} (compare, sweep), seed {exp.train.seed} (run)" if exp.train.seeds else f"seed {exp.train.seed}"
+    print(f"  train: {exp.train.steps} steps, batch {exp.train.batch_size}, {seeds}")
     for label, pipe in exp.pipelines().items():
         names = " -> ".join(type(t).__name__ for t in pipe.transforms)
         print(f"  optimizer {label}: {names} (nonfinite={pipe.nonfinite})")
@@ -296,6 +364,16 @@ def _cmd_modules(args) -> int:
 
     mods = describe_modules(args.names)
     print(json.dumps(mods, indent=2) if args.json else format_modules(mods))
+    return 0
+
+
+def _cmd_examples(args) -> int:
+    from .examples import example_text, format_examples
+
+    if args.name:
+        sys.stdout.write(example_text(args.name))  # the file as it is, to redirect into a copy
+    else:
+        print(format_examples())
     return 0
 
 

@@ -1,51 +1,255 @@
-"""`modopt compare`: run several experiments / variants and tabulate them."""
+"""`modopt compare`: run several experiments / variants over seeds and tabulate them.
+
+Every variant runs once per seed into `OUT/<run>/seed-<S>/` (a run directory
+of `modopt run`, whose `config.yaml` re-runs it exactly). The table gives, per
+metric, the mean over seeds with its 95% Student-t interval (`stats.py`);
+`--baseline NAME` adds each run's paired difference to NAME over the same seeds.
+`compare.json` keeps every seed's values and the summary (`SCHEMA`, documented
+in docs/cli.md); `report.html` holds the tables and plots in one file.
+
+The pieces `modopt sweep` shares live here too: the seeds of an experiment,
+the job runner (in process, or in parallel worker processes), the per-seed
+record of a run directory and its summary over seeds.
+"""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import statistics
 import sys
+import textwrap
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError
-from .experiment import apply_overrides, load_experiment
-from .run import prepare_dir, run_experiment, summarize
+from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
+from .run import METRIC_FIELDS, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, prepare_dir, read_jsonl, run_experiment, summarize
+from .stats import LEVEL, METHOD, format_interval, interval, paired
 
-COLUMNS = [
-    ("run", "name", "s"),
-    ("final loss", "final_loss", ".4g"),
-    ("best loss", "best_loss", ".4g"),
-    ("eval loss", "final_eval_loss", ".4g"),
-    ("loss spikes", "loss_spikes", "d"),
-    ("% clipped", "clipped_pct", ".1f"),
-    ("max grad norm", "max_grad_norm", ".3g"),
-    ("ms/step", "time_per_step_ms", ".2f"),
-]
+#: version of the layout of `compare.json` and `sweep.json` (docs/cli.md); bumped on an incompatible change
+SCHEMA = 1
+
+#: the per-seed metrics summarized over seeds: key -> (column title, format of the mean)
+METRICS = {
+    "final_loss": ("final loss", ".4g"),
+    "best_loss": ("best loss", ".4g"),
+    "final_eval_loss": ("eval loss", ".4g"),
+    "best_eval_loss": ("best eval loss", ".4g"),
+    "loss_spikes": ("loss spikes", ".3g"),
+    "worst_excursion": ("worst excursion", ".3g"),
+    "clipped_pct": ("% clipped", ".3g"),
+    "skipped_steps": ("skipped steps", ".3g"),
+    "max_grad_norm": ("max grad norm", ".3g"),
+    "time_per_step_ms": ("ms/step", ".3g"),
+}
+#: the metrics in the tables, in order
+TABLE = ("final_loss", "final_eval_loss", "loss_spikes", "worst_excursion", "clipped_pct", "time_per_step_ms")
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of summaries (readable in a terminal too)."""
-    head = [c[0] for c in COLUMNS]
-    body = [[("-" if r.get(k) is None else format(r[k], f)) for _, k, f in COLUMNS] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+def _err(*a: Any) -> None:
+    print(*a, file=sys.stderr)
+
+
+# --- one run's metrics ---------------------------------------------------------------------
+def worst_excursion(series: list[float | None], window: int = SPIKE_WINDOW) -> tuple[float | None, int | None]:
+    """`(ratio, index)`: the largest `series[t] / median(series[t - window : t])` over `t >= window`.
+
+    The running median is the one the loss-spike count uses (`run.count_spikes`),
+    over the finite values of the window; steps whose median is not positive are
+    left out. A value of 1 means the loss never rose above its recent median.
+    `(None, t)` when the value at `t` is non-finite (None), the first such `t`:
+    the excursion is unbounded; `(None, None)` when no step has a median
+    (the series is at most `window` long).
+    """
+    best: float | None = None
+    where: int | None = None
+    for t in range(window, len(series)):
+        past = [x for x in series[t - window : t] if x is not None]
+        if not past:
+            continue
+        if series[t] is None:
+            return None, t
+        med = statistics.median(past)
+        if med > 0 and (best is None or series[t] / med > best):
+            best, where = series[t] / med, t
+    return best, where
+
+
+def seed_record(name: str, seed: int, rdir: Path, task: str, spike_kw: dict | None = None) -> tuple[dict, list[dict]]:
+    """The per-seed values of the finished run in `rdir` (its `summarize`, with the spike options,
+    plus `seed`, `worst_excursion`, `worst_excursion_step`, `task`, `run_dir`) and its metrics rows."""
+    metrics = read_jsonl(rdir / "metrics.jsonl", INT64_MAX, METRIC_FIELDS)
+    times = [r["time_s"] for r in read_jsonl(rdir / "timing.jsonl", INT64_MAX, TIMING_FIELDS)]
+    rec = summarize(name, metrics, times, spike_kw)
+    window = (spike_kw or {}).get("window", SPIKE_WINDOW)
+    ratio, t = worst_excursion([m.get(rec["spike_series"]) for m in metrics], window)
+    rec.update(seed=seed, worst_excursion=ratio, worst_excursion_step=None if t is None else metrics[t]["step"],
+               task=task, run_dir=str(rdir))
+    return rec, metrics
+
+
+def spike_settings(spike_kw: dict | None) -> dict[str, Any]:
+    """The loss-spike thresholds in effect (the defaults of `run.py` where not given)."""
+    kw = spike_kw or {}
+    return {"window": kw.get("window", SPIKE_WINDOW), "factor": kw.get("factor", SPIKE_FACTOR),
+            "min_rise": kw.get("min_rise", SPIKE_MIN_RISE)}
+
+
+# --- seeds ---------------------------------------------------------------------------------
+def seeds_of(exp: Experiment, seeds: list[int] | None = None, seed: int | None = None) -> list[int]:
+    """The seeds to run `exp` on: `--seeds`, else `--seed`, else `train.seeds`, else `[train.seed]`."""
+    if seeds:
+        return list(seeds)
+    if seed is not None:
+        return [seed]
+    return list(exp.train.seeds or [exp.train.seed])
+
+
+def check_seeds(seeds: list[int] | None) -> None:
+    """`--seeds` must not repeat a seed (two runs of one seed are one run twice)."""
+    if seeds and len(set(seeds)) != len(seeds):
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        raise ConfigError(f"--seeds: {', '.join(map(str, twice))} given twice; the seeds must be distinct")
+
+
+def seeded(exp: Experiment, seed: int) -> Experiment:
+    """`exp` as the single-seed run of `seed` (`train.seed = seed`, no `train.seeds`)."""
+    return exp.model_copy(update={"train": exp.train.model_copy(update={"seed": seed, "seeds": None})})
+
+
+def pipeline_text(exp: Experiment) -> str:
+    return " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
+
+
+# --- running -------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One run: the experiment `label` at `seed`, into `dir`."""
+
+    label: str
+    seed: int
+    exp: Experiment
+    dir: Path
+
+
+def _run_job(data: dict, rdir: str, trust_imports: bool, plots: bool) -> None:
+    """A worker process's run (top level, so that it pickles)."""
+    exp = experiment_from_data(data, str(Path(rdir) / "config.yaml"), trust_imports)
+    run_experiment(exp, Path(rdir), trust_imports=trust_imports, progress=False, plots=plots,
+                   log=lambda *a: None, force=True)
+
+
+def run_jobs(jobs: list[Job], *, n_jobs: int = 1, trust_imports: bool = False, progress: bool = True,
+             plots: bool = True, log: Callable[..., None] = _err, tool: str = "compare") -> None:
+    """Run `jobs`: in this process one after the other (`n_jobs` 1), else in `n_jobs` worker processes.
+
+    Each run is `modopt run` of its experiment (single-threaded and deterministic
+    by default, `train.threads`), so a worker gives the same metrics as the
+    command. Workers are started with "spawn" (a fresh interpreter; forking a
+    process that already ran torch can hang). The first failing run stops the
+    rest from starting and raises its error.
+    """
+    n = len(jobs)
+    if n_jobs <= 1 or n <= 1:
+        for k, job in enumerate(jobs, 1):
+            log(f"modopt {tool}: [{k}/{n}] {job.label} seed {job.seed} -> {job.dir}")
+            run_experiment(job.exp, job.dir, trust_imports=trust_imports, progress=progress, plots=plots,
+                           log=log, force=True)
+        return
+    log(f"modopt {tool}: {n} runs in {min(n_jobs, n)} worker processes")
+    pool = ProcessPoolExecutor(max_workers=min(n_jobs, n), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(_run_job, j.exp.to_dict(), str(j.dir), trust_imports, plots): j for j in jobs}
+        for k, fut in enumerate(as_completed(futures), 1):
+            job = futures[fut]
+            fut.result()
+            log(f"modopt {tool}: [{k}/{n}] finished {job.label} seed {job.seed} -> {job.dir}")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --- summaries over seeds ------------------------------------------------------------------
+def over_seeds(records: list[dict]) -> dict[str, dict]:
+    """`{metric: interval}` of every metric in `METRICS` over the per-seed records."""
+    return {k: interval([r.get(k) for r in records]) for k in METRICS}
+
+
+def versus(records: list[dict], base: list[dict], baseline: str) -> dict[str, Any]:
+    """The paired differences `run - baseline` on the seeds both ran: `{baseline, seeds, metrics}`."""
+    by_seed = {r["seed"]: r for r in base}
+    shared = [r for r in records if r["seed"] in by_seed]
+    return {
+        "baseline": baseline,
+        "seeds": [r["seed"] for r in shared],
+        "metrics": {k: paired([r.get(k) for r in shared], [by_seed[r["seed"]].get(k) for r in shared]) for k in METRICS},
+    }
+
+
+# --- tables --------------------------------------------------------------------------------
+Table = tuple[list[str], list[list[str]]]
+
+
+def markdown(table: Table) -> str:
+    """A Markdown table (readable in a terminal too): the first column left-aligned, the rest right."""
+    head, body = table
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+
     def line(cells):
         return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
     sep = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
     return "\n".join([line(head), sep, *(line(b) for b in body)])
 
 
-def compare(
-    configs: list[str],
-    out: Path,
-    *,
-    overrides: Any = None,
-    spike_kw: dict | None = None,
-    trust_imports: bool = False,
-    progress: bool = True,
-    plots: bool = True,
-) -> str:
-    """Run every experiment (every variant of each) under `out`; write and return the table."""
+def summary_cells(summary: dict[str, dict], metrics: tuple[str, ...] = TABLE, signed: bool = False) -> list[str]:
+    return [format_interval(summary[k], METRICS[k][1], signed=signed) for k in metrics]
 
+
+def summary_table(runs: list[dict]) -> Table:
+    head = ["run", "seeds", *(METRICS[k][0] for k in TABLE)]
+    return head, [[r["name"], str(len(r["seeds"])), *summary_cells(r["summary"])] for r in runs]
+
+
+def baseline_table(runs: list[dict], baseline: str) -> Table:
+    head = [f"run - {baseline}", "paired seeds", *(f"Δ {METRICS[k][0]}" for k in TABLE)]
+    body = [[r["name"], str(len(r["vs_baseline"]["seeds"])), *summary_cells(r["vs_baseline"]["metrics"], signed=True)]
+            for r in runs if r["name"] != baseline]
+    return head, body
+
+
+def per_seed_table(runs: list[dict]) -> Table:
+    """Every seed's values: a row per `(run["name"], seed)` of `run["per_seed"]`."""
+    head = ["run", "seed", *(METRICS[k][0] for k in TABLE)]
+    body = []
+    for r in runs:
+        for s in r["per_seed"]:
+            body.append([r["name"], str(s["seed"]), *("-" if s.get(k) is None else format(s[k], METRICS[k][1]) for k in TABLE)])
+    return head, body
+
+
+def footnote(spike: dict[str, Any], baseline: str | None = None) -> str:
+    """What the cells of the tables mean (printed under them), wrapped at 100 columns."""
+    text = (
+        f"Each cell: mean ± half-width of the {METHOD} (t_{{0.975, n-1}} × sd / √n over n seeds); "
+        "n/a: one seed, no interval exists; (n=k): only k seeds have a value. "
+        f"Worst excursion: the largest ratio of the loss to the median of its previous {spike['window']} values "
+        "(the loss-spike median; 1 = never above it)."
+    )
+    if baseline is not None:
+        text += (
+            f" Δ: the paired difference run - {baseline} over the seeds both ran: the mean of the per-seed "
+            "differences ± the half-width of its t interval; an interval that excludes 0 is a difference these seeds resolve."
+        )
+    return textwrap.fill(text, 100)
+
+
+# --- compare -------------------------------------------------------------------------------
+def plan_compare(configs: list[str], overrides: Any, seeds: list[int] | None, trust_imports: bool) -> list[tuple[str, Experiment, list[int]]]:
+    """`(label, experiment, seeds)` of every config / variant; every name and seed checked, nothing run."""
+    check_seeds(seeds)
     runs = []
     labels: set[str] = set()
     for path in configs:
@@ -61,36 +265,98 @@ def compare(
             if label in labels:
                 raise ConfigError(f"two runs are named {label!r}; give the configs distinct names")
             labels.add(label)
-            runs.append((label, one))
-    prepare_dir(out, force=True)
-    rows = []
-    curves: dict[str, list[dict]] = {}
-    for label, exp in runs:
-        rdir = out / label
-        prepare_dir(rdir, force=True)
-        print(f"modopt compare: {label} -> {rdir}", file=sys.stderr)
-        s = run_experiment(exp, rdir, trust_imports=trust_imports, progress=progress, plots=plots,
-                           log=lambda *a: print(*a, file=sys.stderr))
-        metrics = [json.loads(x) for x in (rdir / "metrics.jsonl").read_text().splitlines() if x]
-        if spike_kw:
-            times = [json.loads(x)["time_s"] for x in (rdir / "timing.jsonl").read_text().splitlines() if x]
-            s = {**summarize(label, metrics, times, spike_kw), "task": s["task"], "run_dir": s["run_dir"]}
-        s["name"] = label
-        rows.append(s)
-        curves[label] = metrics
-    table = format_table(rows)
-    (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    if plots:
-        from .plots import plot_compare
+            runs.append((label, one, seeds_of(one, seeds, getattr(overrides, "seed", None))))
+    return runs
 
-        names = {}
-        for (label, exp), row in zip(runs, rows):
-            pipe = " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
-            names[label] = f"{label}: {pipe} ({row['loss_spikes']} spike{'' if row['loss_spikes'] == 1 else 's'})"
-        msg = plot_compare(out / "compare.png", curves, labels=names)
-        if msg:
-            print(msg, file=sys.stderr)
-    written = ", ".join(str(out / f) for f in ("compare.md", "compare.json", "compare.png") if (out / f).exists())
-    print(f"modopt compare: wrote {written}", file=sys.stderr)
-    return table
+
+def _check_baseline(baseline: str, runs: list[tuple[str, Experiment, list[int]]]) -> None:
+    names = [label for label, _, _ in runs]
+    if baseline not in names:
+        from ..core.transform import did_you_mean
+
+        raise ConfigError(f"--baseline {baseline}: no run is named so{did_you_mean(baseline, names)}; the runs are: {', '.join(names)}")
+    base_seeds = set(next(s for label, _, s in runs if label == baseline))
+    for label, _, s in runs:
+        if not base_seeds & set(s):
+            raise ConfigError(f"--baseline {baseline}: {label} shares no seed with it ({label}: {s}, {baseline}: "
+                              f"{sorted(base_seeds)}); a paired difference needs the same seeds (give --seeds)")
+
+
+def compare(
+    configs: list[str],
+    out: Path,
+    *,
+    overrides: Any = None,
+    seeds: list[int] | None = None,
+    baseline: str | None = None,
+    jobs: int = 1,
+    spike_kw: dict | None = None,
+    trust_imports: bool = False,
+    progress: bool = True,
+    plots: bool = True,
+    command: str | None = None,
+) -> str:
+    """Run every experiment (every variant of each) over its seeds under `out`; write and return the tables."""
+    planned = plan_compare(configs, overrides, seeds, trust_imports)
+    if baseline is not None:
+        _check_baseline(baseline, planned)
+    prepare_dir(out, force=True)
+    todo = [Job(label, s, seeded(exp, s), out / label / f"seed-{s}") for label, exp, ss in planned for s in ss]
+    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots)
+    runs, curves = [], {}
+    for label, exp, ss in planned:
+        recs = [seed_record(label, s, out / label / f"seed-{s}", exp.task.name, spike_kw) for s in ss]
+        curves[label] = {s: m for s, (_, m) in zip(ss, recs)}
+        per_seed = [r for r, _ in recs]
+        runs.append({"name": label, "task": exp.task.name, "pipeline": pipeline_text(exp), "seeds": ss,
+                     "summary": over_seeds(per_seed), "vs_baseline": None, "per_seed": per_seed})
+    if baseline is not None:
+        base = next(r for r in runs if r["name"] == baseline)
+        for r in runs:
+            r["vs_baseline"] = versus(r["per_seed"], base["per_seed"], baseline) if r is not base else None
+    result = {"schema": SCHEMA, "kind": "compare", "command": command,
+              "interval": {"method": METHOD, "level": LEVEL}, "spike": spike_settings(spike_kw),
+              "baseline": baseline, "runs": runs}
+    tables = [summary_table(runs)] + ([baseline_table(runs, baseline)] if baseline is not None else [])
+    text = "\n\n".join(markdown(t) for t in tables) + "\n\n" + footnote(result["spike"], baseline)
+    (out / "compare.md").write_text(text + "\n", encoding="utf-8")
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_msg = _compare_plot(out / "compare.png", runs, curves) if plots else None
+    if plot_msg:
+        _err(plot_msg)
+    _compare_report(out / "report.html", result, tables, plots)
+    written = ", ".join(str(out / f) for f in ("compare.md", "compare.json", "compare.png", "report.html") if (out / f).exists())
+    _err(f"modopt compare: wrote {written}")
+    return text
+
+
+def _compare_plot(path: Path, runs: list[dict], curves: dict[str, dict[int, list[dict]]]) -> str | None:
+    from .plots import plot_compare_seeds
+
+    names = {}
+    for r in runs:
+        spikes = r["summary"]["loss_spikes"]
+        n = spikes["n"]
+        count = (f"{spikes['mean']:g} spike{'' if spikes['mean'] == 1 else 's'}" if n == 1
+                 else f"{spikes['mean']:.3g} spikes, mean of {n} seeds")
+        names[r["name"]] = f"{r['name']}: {r['pipeline']} ({count})"
+    return plot_compare_seeds(path, curves, labels=names)
+
+
+def _compare_report(path: Path, result: dict, tables: list[Table], plots: bool) -> None:
+    from .report import Report
+
+    rep = Report("modopt compare", command=result["command"])
+    rep.heading("Summary over seeds")
+    rep.table(tables[0])
+    if len(tables) > 1:
+        rep.heading(f"Paired difference to the baseline {result['baseline']}")
+        rep.table(tables[1])
+    rep.text(footnote(result["spike"], result["baseline"]))
+    rep.text("Loss spikes: a step whose loss exceeds {factor} × the median of the previous {window} losses and that "
+             "median by at least {min_rise}; consecutive spike steps count as one.".format(**result["spike"]))
+    rep.heading("Curves")
+    rep.plot(path.parent / "compare.png", "compare.png: the runs' curves", plots=plots)
+    rep.heading("Every seed")
+    rep.table(per_seed_table(result["runs"]))
+    rep.write(path)

@@ -21,12 +21,13 @@ errors name the file and the line (syntax) or the field path (validation).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import ConfigError, PipelineConfig, format_validation_error, read_file
 from ..core.registry import trust_imports as _trust
+from .examples import find_config
 
 
 #: the largest step count, interval or batch size (a signed 64-bit integer, torch's index type)
@@ -36,7 +37,9 @@ SEED_MAX = 2**64 - 1
 
 
 def read_config(path: str | Path) -> Any:
-    """`modopt.config.read_file()`, with a file that is not text a `ConfigError` too."""
+    """`modopt.config.read_file()` of `path` or of the example config it names (`find_config`),
+    with a file that is not text a `ConfigError` too."""
+    path = find_config(path)
     try:
         return read_file(path)
     except UnicodeDecodeError as e:
@@ -126,10 +129,19 @@ class TrainConfig(_Strict):
     steps: int = Field(300, ge=1, le=INT64_MAX)
     batch_size: int = Field(32, ge=1, le=INT64_MAX)
     seed: int = Field(0, ge=0, le=SEED_MAX, description="seeds torch and the task's data (an unsigned 64-bit integer)")
+    seeds: list[Annotated[int, Field(ge=0, le=SEED_MAX)]] | None = Field(
+        None, min_length=1, description="the seeds `modopt compare` / `modopt sweep` run (default: [seed]); `modopt run` uses `seed`")
     eval_every: int = Field(0, ge=0, le=INT64_MAX, description="evaluate on held-out data every N steps (0: only at the end)")
     checkpoint_every: int = Field(0, ge=0, le=INT64_MAX, description="save a checkpoint every N steps (0: only at the end)")
     threads: int = Field(1, ge=1, le=2**31 - 1, description="torch intra-op threads; 1 keeps runs bit-reproducible")
     schedule: Schedule = Field(default_factory=Schedule)
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must be distinct, got {seeds}")
+        return seeds
 
 
 class OutputConfig(_Strict):
@@ -246,8 +258,11 @@ def load_experiment(path: str | Path, trust_imports: bool = False) -> Experiment
     """Read an experiment from YAML / JSON / TOML.
 
     A bare pipeline file (`transforms: [...]`) is accepted too: it becomes the
-    optimizer of the default experiment.
+    optimizer of the default experiment. `path` may name a shipped example
+    config instead (`transformer_zclip`, see `modopt examples`); a path that
+    exists wins.
     """
+    path = find_config(path)
     data = read_config(path)
     if isinstance(data, dict) and "transforms" in data and "optimizer" not in data and "variants" not in data:
         try:  # errors name the pipeline's own fields (transforms.0.max_norm), as in the file

@@ -3,7 +3,9 @@
 `loss.png` and `grad_norm.png` of one run mark the loss spikes (the count the
 summary reports), the eval loss and the clipped steps; `compare.png` of several
 runs has one panel per metric, each curve smoothed with the raw values faint
-behind it. Legends sit outside the axes, so they never cover the data.
+behind it, or over several seeds the mean curve with its interval as a band;
+`sweep-<field>.png` is a metric against a swept field's values, with interval
+bars. Legends sit outside the axes, so they never cover the data.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install 'modopt[plot]')"
+NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install 'torch-modopt[plot]')"
 
 SERIES_NAMES = {"loss": "train loss", "eval_loss": "eval loss"}
 
@@ -187,6 +189,159 @@ def plot_compare(
     fig.legend(handles, names, loc="lower center", ncol=2 if len(names) > 2 else len(names) or 1,
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.025 * ((len(names) + 1) // 2) + 0.015, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return None
+
+
+def _seed_band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float | None], list[float | None]]:
+    """Steps, geometric mean and its 95% t interval over seeds of `{step: value}` curves.
+
+    At each step the statistics are taken over the logarithms of the seeds'
+    positive values (`stats.interval`) and brought back with `exp`: the curve
+    is the geometric mean, which suits a log axis, and the band never crosses
+    zero. Where fewer than two seeds have a value, the band is None.
+    """
+    from .stats import interval
+
+    steps = sorted({s for curve in per_seed for s in curve})
+    xs, mid, low, high = [], [], [], []
+    for s in steps:
+        logs = [math.log(c[s]) for c in per_seed if c.get(s) is not None and c[s] > 0]
+        if not logs:
+            continue
+        iv = interval(logs)
+        xs.append(s)
+        mid.append(math.exp(iv["mean"]))
+        low.append(None if iv["low"] is None else math.exp(iv["low"]))
+        high.append(None if iv["high"] is None else math.exp(iv["high"]))
+    return xs, mid, low, high
+
+
+def plot_compare_seeds(
+    path: Path,
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+    dpi: int = 100,
+    *,
+    labels: dict[str, str] | None = None,
+) -> str | None:
+    """Several runs over seeds in one PNG: the panels of `plot_compare`, a curve and a band per run.
+
+    `runs` maps a run to `{seed: metrics rows}`. Each seed's curve is smoothed
+    as in `plot_compare` (over `max(3, steps // 30)` steps when it has more
+    than 50 points); the solid curve is the geometric mean of the smoothed
+    curves over the seeds, the band its 95% Student-t interval (`_seed_band`).
+    When every run has one seed there is no band: this is `plot_compare`.
+    """
+    if all(len(seeds) == 1 for seeds in runs.values()):
+        return plot_compare(path, {k: next(iter(v.values())) for k, v in runs.items()}, dpi, labels=labels)
+    plt = _pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    labels = labels or {}
+    rows = [m for seeds in runs.values() for ms in seeds.values() for m in ms]
+    has_eval = any("eval_loss" in m for m in rows)
+    eval_every_step = has_eval and all(all("eval_loss" in m for m in ms) for seeds in runs.values() for ms in seeds.values())
+    panels = [("loss", "train loss")]
+    if has_eval:
+        panels.insert(0 if eval_every_step else 1, ("eval_loss", "eval loss (held out)"))
+    panels.append(("grad_norm", "pre-clip grad norm"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels) + 1.2), sharex=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    n_max = 0
+    for k, (label, seeds) in enumerate(runs.items()):
+        c = colors[k % len(colors)]
+        for ax, (key, _) in zip(axes[:, 0], panels):
+            curves = []
+            for metrics in seeds.values():
+                pts = [(m["step"], m.get(key)) for m in metrics if key in m]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                n_max = max(n_max, len(xs))
+                ys = smooth(ys, _window(len(xs))) if len(xs) > 50 else ys
+                curves.append(dict(zip(xs, ys)))
+            if not curves:
+                continue
+            xs, mid, low, high = _seed_band(curves)
+            ax.plot(xs, mid, "-" if len(xs) > 50 else "o-", ms=3.5, lw=1.5, color=c, label=labels.get(label, label))
+            band = [(x, lo, hi) for x, lo, hi in zip(xs, low, high) if lo is not None]
+            if band:
+                bx, blo, bhi = zip(*band)
+                ax.fill_between(bx, blo, bhi, color=c, alpha=0.2, lw=0)
+    for ax, (key, name) in zip(axes[:, 0], panels):
+        ax.set_yscale("log")
+        ax.set_ylabel(name)
+        ax.grid(True, which="major", alpha=0.3)
+    smoothing = f"each seed smoothed over {_window(n_max)} steps; " if n_max > 50 else ""
+    axes[0, 0].set_title(f"solid: geometric mean over seeds ({smoothing}log scale); band: 95% Student-t interval",
+                         fontsize=9)
+    axes[-1, 0].set_xlabel("step")
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    ncol = 1 if max(map(len, names), default=0) > 60 else min(2, len(names)) or 1
+    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.025 * -(-len(names) // ncol) + 0.015, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plot_sweep(
+    path: Path,
+    field: str,
+    metric: str,
+    lines: dict[str, list[tuple[Any, dict[str, Any]]]],
+    dpi: int = 100,
+) -> str | None:
+    """A metric against the values of one swept field: a line per setting of the other fields.
+
+    `lines` maps a legend entry ("" for the only line) to `(value, interval)`
+    points, the interval from `stats.interval` over the seeds: the marker is the
+    mean, the bar its 95% Student-t interval (none with one seed). Numeric values
+    sit on a numeric axis (logarithmic when they are positive and span a factor
+    of 10 or more); other values (names, booleans) are evenly spaced in order.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    values = [v for pts in lines.values() for v, _ in pts]
+    numeric = all(_is_number(v) for v in values)
+    order: list[Any] = []
+    for v in values:
+        if v not in order:
+            order.append(v)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    log_x = numeric and bool(values) and min(values) > 0 and max(values) >= 10 * min(values)
+    if log_x:
+        ax.set_xscale("log")
+    span = (math.log10(max(values) / min(values)) if log_x else (max(values) - min(values)) or 1.0) if numeric else 1.0
+    one_seed = True
+    for k, (label, pts) in enumerate(lines.items()):
+        pts = [(v, iv) for v, iv in pts if iv["mean"] is not None]
+        if not pts:
+            continue
+        # the lines a little apart (1.5% of the axis each), so that their bars do not hide each other
+        shift = 0.015 * span * (k - (len(lines) - 1) / 2)
+        xs = [(v * 10**shift if log_x else v + shift) if numeric else order.index(v) + shift for v, _ in pts]
+        ys = [iv["mean"] for _, iv in pts]
+        err = [iv["half_width"] or 0.0 for _, iv in pts]
+        one_seed = one_seed and all(iv["half_width"] is None for _, iv in pts)
+        ax.errorbar(xs, ys, yerr=err, fmt="o-", ms=5, capsize=4, lw=1.4, label=label or None)
+    ticks = order if numeric else list(range(len(order)))
+    ax.set_xticks(ticks, [f"{v:g}" if numeric else str(v) for v in order])
+    ax.minorticks_off()
+    ax.set_xlabel(field)
+    ax.set_ylabel(metric)
+    how = "one seed: no intervals" if one_seed else "bars: 95% Student-t interval of the mean over seeds"
+    ax.set_title(f"{metric} against {field}\nmarkers: mean over seeds; {how}", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    if any(lines):
+        _legend_below(ax, 2)
+    fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return None

@@ -1,4 +1,5 @@
-"""Built-in training tasks for `modopt run`: data generated in process, nothing downloaded.
+"""Built-in training tasks for `modopt run`: data generated in process, or files that Python
+(`chars`) or scikit-learn (`digits`) already ship; nothing is downloaded.
 
 A task is what `make_task()` returns: a `Task` holding the model, a
 function giving the training batch of a step, and the loss. Batches are a pure
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -123,6 +126,15 @@ def _student_t(shape: tuple[int, ...], df: float, seed: int) -> torch.Tensor:
 
 
 # --- a tiny transformer on a synthetic sequence task -------------------------------------
+def _check_transformer_sizes(task: str, d_model: int, nhead: int, layers: int, ff: int) -> None:
+    """Refuse sizes `TinyTransformer` cannot be built with, naming the option (torch would assert)."""
+    for name, value in (("d_model", d_model), ("nhead", nhead), ("layers", layers), ("ff", ff)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{task} task: {name} must be an integer >= 1, got {value!r}")
+    if d_model % nhead:
+        raise ConfigError(f"{task} task: d_model ({d_model}) must be divisible by nhead ({nhead})")
+
+
 class TinyTransformer(nn.Module):
     """Token + position embeddings, a causal `nn.TransformerEncoder`, a linear head."""
 
@@ -166,6 +178,7 @@ def transformer(
     """
     if seq_len < 4 or seq_len % 2:
         raise ConfigError(f"transformer task: seq_len must be even and >= 4, got {seq_len}")
+    _check_transformer_sizes("transformer", d_model, nhead, layers, ff)
     model = TinyTransformer(vocab, seq_len, d_model, nhead, layers, ff)
     half = seq_len // 2
 
@@ -196,7 +209,191 @@ def transformer(
     return Task(model, get_batch, loss_fn, eval_fn, {"chance_loss": math.log(vocab)})
 
 
+# --- real text: a character-level language model on the standard library's source ------
+#: the text of the `chars` task: pure-Python modules of the standard library that CPython
+#: 3.10-3.13 all ship (their text differs a little between versions); read from
+#: `sysconfig.get_paths()["stdlib"]`. Whole files are held out for evaluation.
+CHARS_TRAIN_FILES = (
+    "argparse.py", "bisect.py", "calendar.py", "copy.py", "csv.py", "difflib.py", "fnmatch.py", "fractions.py",
+    "glob.py", "heapq.py", "numbers.py", "pprint.py", "queue.py", "sched.py", "shlex.py", "textwrap.py",
+)
+CHARS_HELDOUT_FILES = ("colorsys.py", "graphlib.py", "reprlib.py", "statistics.py")
+#: id 0 is the newline, ids 1-95 the printable ASCII bytes 32-126 (space to `~`), id 96 every
+#: other byte (tab, carriage return, each byte of a non-ASCII UTF-8 character)
+CHARS_VOCAB = 97
+CHARS_OTHER = CHARS_VOCAB - 1
+
+
+def encode_bytes(data: bytes) -> torch.Tensor:
+    """Token ids (int64) of raw bytes in the `chars` vocabulary (`CHARS_VOCAB`)."""
+    table = torch.full((256,), CHARS_OTHER, dtype=torch.int64)
+    table[10] = 0
+    table[32:127] = torch.arange(1, 96)
+    if not data:
+        return torch.zeros(0, dtype=torch.int64)
+    return table[torch.frombuffer(bytearray(data), dtype=torch.uint8).long()]
+
+
+def decode_ids(ids: Any) -> str:
+    """The text of token ids (`CHARS_OTHER` shown as U+FFFD); the inverse of `encode_bytes` on printable ASCII."""
+    return "".join("\n" if i == 0 else chr(i + 31) if 0 < i < CHARS_OTHER else "\ufffd" for i in map(int, ids))
+
+
+def stdlib_text(files: tuple[str, ...]) -> bytes:
+    """The concatenated bytes of standard-library `files`; a missing one is a `ConfigError` naming it."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for name in files:
+        path = root / name
+        try:
+            parts.append(path.read_bytes())
+        except OSError as e:
+            raise ConfigError(
+                f"chars task: cannot read {path} ({e.strerror or type(e).__name__}): the task trains on the "
+                "standard library's own source files, and this Python's installation lacks this one"
+            ) from None
+    return b"".join(parts)
+
+
+def chars(
+    seed: int,
+    seq_len: int = 64,
+    d_model: int = 64,
+    nhead: int = 4,
+    layers: int = 2,
+    ff: int = 128,
+    eval_size: int = 128,
+) -> Task:
+    """Next-character prediction on the standard library's own source code (real text, no download).
+
+    The training text is `CHARS_TRAIN_FILES` concatenated, the held-out text
+    `CHARS_HELDOUT_FILES` (whole files, never trained on). A batch is
+    `batch_size` windows of `seq_len + 1` characters at random offsets of the
+    training text, drawn from a generator seeded by `(seed, step)`; the loss is
+    the mean cross-entropy of predicting characters 2..seq_len+1 of each
+    window from the ones before it, with the `TinyTransformer` (causal). The
+    eval loss is the same on `eval_size` fixed windows evenly spaced over the
+    held-out text (the same for every seed). Chance level is
+    `ln(CHARS_VOCAB)` = 4.57; `info["unigram_loss"]` is the entropy of the
+    held-out character frequencies, what a model that ignores context gets.
+    """
+    if seq_len < 2:
+        raise ConfigError(f"chars task: seq_len must be >= 2, got {seq_len}")
+    if eval_size < 1:
+        raise ConfigError(f"chars task: eval_size must be >= 1, got {eval_size}")
+    _check_transformer_sizes("chars", d_model, nhead, layers, ff)
+    train = encode_bytes(stdlib_text(CHARS_TRAIN_FILES))
+    heldout = encode_bytes(stdlib_text(CHARS_HELDOUT_FILES))
+    if seq_len >= len(heldout):
+        raise ConfigError(f"chars task: seq_len ({seq_len}) must be shorter than the held-out text ({len(heldout)} characters)")
+    span = torch.arange(seq_len + 1)
+    model = TinyTransformer(CHARS_VOCAB, seq_len, d_model, nhead, layers, ff)
+
+    def get_batch(step: int, batch_size: int) -> torch.Tensor:
+        starts = torch.randint(0, len(train) - seq_len, (batch_size,), generator=_gen(seed, 2, step))
+        return train[starts[:, None] + span]
+
+    eval_starts = torch.linspace(0, len(heldout) - seq_len - 1, eval_size).long()
+    x_eval = heldout[eval_starts[:, None] + span]
+
+    def loss_fn(m: nn.Module, seq: torch.Tensor) -> torch.Tensor:
+        logits = m(seq[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, CHARS_VOCAB), seq[:, 1:].reshape(-1))
+
+    def eval_fn(m: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return loss_fn(m, x_eval)
+
+    freq = torch.bincount(heldout, minlength=CHARS_VOCAB).double() / len(heldout)
+    unigram = float(-(freq[freq > 0] * freq[freq > 0].log()).sum())
+    info = {
+        "chance_loss": math.log(CHARS_VOCAB), "unigram_loss": unigram,
+        "train_chars": len(train), "heldout_chars": len(heldout), "eval_windows": x_eval,
+    }
+    return Task(model, get_batch, loss_fn, eval_fn, info)
+
+
+# --- real images: scikit-learn's bundled handwritten digits (optional extra) -----------
+#: image `i` of `load_digits()` (in its order) is a test image when `i % DIGITS_TEST_EVERY == DIGITS_TEST_EVERY - 1`
+DIGITS_TEST_EVERY = 5
+
+
+def _install_hint(package: str, extra: str) -> str:
+    """`pip install <package>` and, when modopt is installed as a distribution, its extra by name."""
+    try:
+        from importlib.metadata import packages_distributions
+
+        dists = packages_distributions().get(__name__.split(".")[0], [])
+    except Exception:  # pragma: no cover - metadata unreadable: the generic hint is enough
+        dists = []
+    hint = f"pip install {package}"
+    if dists:
+        hint += f' (or the extra: pip install "{dists[0]}[{extra}]")'
+    return hint
+
+
+def load_digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's `load_digits()` as `(x, y)`: 1797 x 64 float32 pixels in [0, 1] (the 0-16 counts / 16), int64 labels."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ConfigError(
+            "digits task: needs scikit-learn, which is not installed (its load_digits() data ships with it, "
+            f"nothing is downloaded): {_install_hint('scikit-learn', 'digits')}"
+        ) from None
+    d = load_digits()
+    x = torch.as_tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.as_tensor(d.target, dtype=torch.int64)
+    return x, y
+
+
+def digits_split(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and test indices of `n` images: every `DIGITS_TEST_EVERY`-th image (index 4, 9, 14, ...) is a test image."""
+    idx = torch.arange(n)
+    test = idx % DIGITS_TEST_EVERY == DIGITS_TEST_EVERY - 1
+    return idx[~test], idx[test]
+
+
+def digits(seed: int, hidden: int = 64, depth: int = 2) -> Task:
+    """Classify scikit-learn's 8x8 handwritten digits (`load_digits`: 1797 images, 10 classes) with an MLP.
+
+    Pixels are scaled to [0, 1]; the split is fixed (`digits_split`: 1438
+    train, 359 test images). A batch is `batch_size` training images drawn with
+    replacement by a generator seeded by `(seed, step)`; the loss is the
+    cross-entropy. The eval loss is the cross-entropy on the whole test set;
+    `info["accuracy"](model)` gives the test accuracy. Chance level is
+    `ln(10)` = 2.30. Needs scikit-learn (`pip install scikit-learn`).
+    """
+    if hidden < 1 or depth < 1:
+        raise ConfigError(f"digits task: hidden and depth must be >= 1, got hidden={hidden}, depth={depth}")
+    x, y = load_digits_arrays()
+    train_idx, test_idx = digits_split(len(y))
+    x_train, y_train, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+    model = MLP(x.shape[1], hidden, 10, depth)
+
+    def get_batch(step: int, batch_size: int):
+        i = torch.randint(0, len(y_train), (batch_size,), generator=_gen(seed, 2, step))
+        return x_train[i], y_train[i]
+
+    def loss_fn(m: nn.Module, batch) -> torch.Tensor:
+        xb, yb = batch
+        return nn.functional.cross_entropy(m(xb), yb)
+
+    def eval_fn(m: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return loss_fn(m, (x_test, y_test))
+
+    def accuracy(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float((m(x_test).argmax(dim=1) == y_test).double().mean())
+
+    info = {"chance_loss": math.log(10), "train_images": len(train_idx), "test_images": len(test_idx), "accuracy": accuracy}
+    return Task(model, get_batch, loss_fn, eval_fn, info)
+
+
 BUILTIN: dict[str, Callable[..., Task]] = {
+    "chars": chars,
+    "digits": digits,
     "teacher_student": teacher_student,
     "transformer": transformer,
 }

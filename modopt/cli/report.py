@@ -1,0 +1,89 @@
+"""`report.html` of `modopt compare` and `modopt sweep`: one self-contained file.
+
+The tables are HTML tables, the plots PNG files embedded as base64 `data:`
+URIs, the style inline: no external asset, no script, nothing fetched, so the
+file reads the same offline, attached to a mail or archived. Without
+matplotlib the report holds the tables and says that the plots need it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import platform
+import time
+from pathlib import Path
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 72em;
+       padding: 0 1em; color: #1b1b1b; line-height: 1.45; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; white-space: nowrap; }
+th { background: #f2f2f2; } td { text-align: right; font-variant-numeric: tabular-nums; }
+td:first-child { text-align: left; }
+code, .meta { font-family: ui-monospace, monospace; font-size: 0.9em; }
+.meta { color: #555; } .note { color: #8a4b00; }
+img { max-width: 100%; height: auto; }
+"""
+
+
+def machine() -> str:
+    """One line naming the machine and the software the numbers were measured with."""
+    import os
+
+    import torch
+
+    from .. import __version__
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"modopt {__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
+            f"{platform.system()} {platform.machine()}, {cores} CPU cores available")
+
+
+class Report:
+    """An HTML page built block by block: `heading`, `text`, `table`, `plot`; `write(path)`."""
+
+    def __init__(self, title: str, command: str | None = None):
+        self.title = title
+        self.blocks: list[str] = []
+        meta = [f"written {time.strftime('%Y-%m-%d %H:%M:%S')}", machine()]
+        if command:
+            meta.insert(0, f"command: {command}")
+        self.meta = meta
+
+    def heading(self, text: str) -> None:
+        self.blocks.append(f"<h2>{html.escape(text)}</h2>")
+
+    def text(self, text: str, note: bool = False) -> None:
+        cls = ' class="note"' if note else ""
+        self.blocks.append(f"<p{cls}>{html.escape(text)}</p>")
+
+    def table(self, table: tuple[list[str], list[list[str]]]) -> None:
+        head, body = table
+        rows = ["<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+        rows += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body]
+        self.blocks.append('<div class="scroll"><table>\n' + "\n".join(rows) + "\n</table></div>")
+
+    def plot(self, png: Path, alt: str, *, plots: bool = True) -> None:
+        """Embed the PNG `png`; when it was not drawn, say why (plots off, or matplotlib missing)."""
+        if png.is_file():
+            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            self.blocks.append(f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></p>')
+        elif not plots:
+            self.text(f"{png.name}: not drawn (plots were turned off with --no-plots).", note=True)
+        else:
+            self.text(f"{png.name}: not drawn. The plots need matplotlib, which is not installed here "
+                      "(pip install 'torch-modopt[plot]').", note=True)
+
+    def render(self) -> str:
+        meta = "".join(f'<div class="meta">{html.escape(m)}</div>' for m in self.meta)
+        return (
+            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{html.escape(self.title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+            f"<h1>{html.escape(self.title)}</h1>\n{meta}\n" + "\n".join(self.blocks) + "\n</body>\n</html>\n"
+        )
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.render(), encoding="utf-8")

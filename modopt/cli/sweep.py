@@ -1,0 +1,306 @@
+"""`modopt sweep`: an experiment over a grid of settings × seeds, in parallel, resumable.
+
+`--grid PATH=V1,V2,...` names a field of the experiment by its dotted path
+(`optimizer.transforms.0.max_norm`, `train.steps`, `task.options.dim`; a number
+indexes a list) and the values to try, each read as a YAML scalar (`0.5`,
+`1e-3`, `null`, `true`, `cosine`). Several `--grid` options span their
+Cartesian product. Every grid point is validated (the pydantic models, then
+the task and the optimizer built as `modopt validate` does) before anything
+runs; an invalid path or value is refused with the path in the message.
+
+Each point × seed is a `modopt run` directory `OUT/<point>/seed-<S>/`, run in
+`--jobs` worker processes. A directory whose `summary.json` is complete for
+the same resolved config is reused, anything else there is run again: a sweep
+that was interrupted (or extended with more values or seeds) continues where
+it stopped. The table, `sweep.json`, one plot per swept field (the metric
+against the value, with intervals) and `report.html` are written to `OUT`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError
+from .compare import (
+    METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
+    run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
+)
+from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
+from .run import METRIC_FIELDS, check_experiment, load_run_config, read_jsonl
+from .stats import LEVEL, METHOD
+
+#: paths (and what is under them) a grid may not sweep, and why
+RESERVED = {
+    "train.seed": "the seeds are --seeds",
+    "train.seeds": "the seeds are --seeds",
+    "name": "the name labels the runs",
+    "variants": "choose one variant with --variant, then sweep optimizer.*",
+}
+
+_EXP_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _err(*a: Any) -> None:
+    print(*a, file=sys.stderr)
+
+
+def default_jobs() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --- the grid --------------------------------------------------------------------------------
+def parse_value(text: str) -> Any:
+    """A YAML scalar; `1e-3` is a float too (YAML 1.1 reads an exponent without a dot as a string)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ValueError(f"{text!r} is not a YAML scalar (a number, null, true/false or a word)") from None
+    if isinstance(value, str) and _EXP_NUMBER.fullmatch(text.strip()):
+        return float(text)
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"{text!r} is not a YAML scalar (a number, null, true/false or a word)")
+    return value
+
+
+def _same(value: Any) -> Any:
+    """A key equal for values a field takes as equal (1 and 1.0), not for true and 1."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ("number", float(value)) if number else json.dumps(value)
+
+
+def parse_grid(specs: list[str]) -> list[tuple[str, list[Any], list[str]]]:
+    """`[(path, values, raw texts)]` of the `--grid PATH=V1,V2,...` options."""
+    grid: list[tuple[str, list[Any], list[str]]] = []
+    for spec in specs:
+        path, eq, rest = spec.partition("=")
+        path = path.strip()
+        if not eq or not path:
+            raise ConfigError(f"--grid {spec}: expected PATH=V1,V2,... (e.g. optimizer.transforms.0.max_norm=0.5,1,2)")
+        for key, why in RESERVED.items():
+            if path == key or path.startswith(key + "."):
+                raise ConfigError(f"--grid {path}: cannot be swept ({why})")
+        if any(path == p for p, _, _ in grid):
+            raise ConfigError(f"--grid {path}: given twice; put all its values in one --grid")
+        raws = [r.strip() for r in rest.split(",")]
+        if not rest.strip() or any(not r for r in raws):
+            raise ConfigError(f"--grid {spec}: an empty value; give PATH=V1,V2,... with no empty entry")
+        try:
+            values = [parse_value(r) for r in raws]
+        except ValueError as e:
+            raise ConfigError(f"--grid {path}: {e}") from None
+        if len({_same(v) for v in values}) != len(values):
+            raise ConfigError(f"--grid {path}: a value is given twice ({rest})")
+        grid.append((path, values, raws))
+    return grid
+
+
+def set_path(data: Any, path: str, value: Any) -> None:
+    """Set the field at the dotted `path` of plain experiment data (dicts and lists) to `value`.
+
+    Every part but the last must exist; the last may be a new key of a mapping
+    (a field left at its default, a task option): the models then decide if it
+    is a field. Errors name the path and what it has instead.
+    """
+    from ..core.transform import did_you_mean
+
+    parts = path.split(".")
+    node = data
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i]) or "the experiment"
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--grid {path}: {here} is a list of {len(node)}; '{part}' is not an index 0..{len(node) - 1}")
+            key: Any = int(part)
+        elif isinstance(node, dict):
+            if part not in node and not (last and node is not data):
+                raise ConfigError(f"--grid {path}: {here} has no {part!r}{did_you_mean(part, node)} "
+                                  f"(it has: {', '.join(map(str, node)) or 'nothing'})")
+            key = part
+        else:
+            raise ConfigError(f"--grid {path}: {here} is a value ({node!r}), not a mapping or a list")
+        if last:
+            node[key] = value
+        else:
+            node = node[key]
+
+
+def _short_names(paths: list[str]) -> dict[str, str]:
+    """The last part of each path, or the whole path where two share a last part."""
+    last = [p.rsplit(".", 1)[-1] for p in paths]
+    return {p: (n if last.count(n) == 1 else p) for p, n in zip(paths, last)}
+
+
+def _dirname(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+
+
+def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], trust_imports: bool) -> list[dict[str, Any]]:
+    """Every grid point as `{label, values, raw, exp}`, each validated as `modopt validate` does; runs nothing."""
+    base = exp.to_dict()
+    base["train"].pop("seeds", None)
+    for path, values, raws in grid:  # each value alone first: the message names that path and value
+        for value, raw in zip(values, raws):
+            data = json.loads(json.dumps(base))
+            set_path(data, path, value)
+            experiment_from_data(data, f"--grid {path}={raw}", trust_imports)
+    short = _short_names([p for p, _, _ in grid])
+    points = []
+    for combo in itertools.product(*(list(zip(v, r)) for _, v, r in grid)):
+        data = json.loads(json.dumps(base))
+        for (path, _, _), (value, _) in zip(grid, combo):
+            set_path(data, path, value)
+        label = ",".join(f"{short[p]}={raw}" for (p, _, _), (_, raw) in zip(grid, combo))
+        where = "--grid " + " ".join(f"{p}={raw}" for (p, _, _), (_, raw) in zip(grid, combo))
+        data["name"] = f"{exp.name}[{label}]"
+        one = experiment_from_data(data, where, trust_imports)
+        try:
+            check_experiment(one, trust_imports)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        points.append({"label": label, "dir": _dirname(label), "values": {p: v for (p, _, _), (v, _) in zip(grid, combo)},
+                       "raw": {p: r for (p, _, _), (_, r) in zip(grid, combo)}, "exp": one})
+    dirs = [p["dir"] for p in points]
+    if len(set(dirs)) != len(dirs):
+        raise ConfigError("--grid: two grid points map to one directory name; use values that differ in letters or digits")
+    return points
+
+
+# --- resume ----------------------------------------------------------------------------------
+def finished(rdir: Path, exp: Experiment, trust_imports: bool = False) -> bool:
+    """Whether `rdir` holds a complete run of `exp`: its `config.yaml` is `exp`, `summary.json`
+    is complete and `metrics.jsonl` has every step. Anything else (a partial run, another
+    config, damage) is not finished: the run is done again."""
+    try:
+        summary = json.loads((rdir / "summary.json").read_text())
+        same = load_run_config(rdir, trust_imports).to_dict() == exp.to_dict()
+        rows = read_jsonl(rdir / "metrics.jsonl", INT64_MAX, METRIC_FIELDS) if same else []
+    except (OSError, ValueError):  # ConfigError is a ValueError
+        return False
+    steps = exp.train.steps
+    return same and isinstance(summary, dict) and summary.get("steps") == steps and [r["step"] for r in rows] == list(range(1, steps + 1))
+
+
+# --- sweep -----------------------------------------------------------------------------------
+def sweep(
+    config: str,
+    grid_specs: list[str],
+    out: Path,
+    *,
+    variant: str | None = None,
+    overrides: Any = None,
+    seeds: list[int] | None = None,
+    jobs: int | None = None,
+    metric: str = "final_loss",
+    spike_kw: dict | None = None,
+    trust_imports: bool = False,
+    progress: bool = True,
+    plots: bool = True,
+    command: str | None = None,
+) -> str:
+    """Run the grid × seeds of `config` under `out` (reusing finished runs); write and return the table."""
+    if metric not in METRICS:
+        raise ConfigError(f"--metric {metric}: not a metric; one of {', '.join(METRICS)}")
+    check_seeds(seeds)
+    if not grid_specs:
+        raise ConfigError("give at least one --grid PATH=V1,V2,...")
+    grid = parse_grid(grid_specs)
+    exp = load_experiment(config, trust_imports).select(variant)
+    if overrides is not None:
+        exp = apply_overrides(exp, overrides)
+    ss = seeds_of(exp, seeds, getattr(overrides, "seed", None))
+    points = plan_sweep(exp, grid, trust_imports)
+    out.mkdir(parents=True, exist_ok=True)
+    todo, reused = [], 0
+    for pt in points:
+        for s in ss:
+            job = Job(pt["label"], s, seeded(pt["exp"], s), out / pt["dir"] / f"seed-{s}")
+            if finished(job.dir, job.exp, trust_imports):
+                reused += 1
+            else:
+                todo.append(job)
+    n_jobs = jobs or default_jobs()
+    _err(f"modopt sweep: {len(points)} grid points x {len(ss)} seeds = {len(points) * len(ss)} runs: "
+         f"{len(todo)} to run, {reused} finished already (reused)")
+    run_jobs(todo, n_jobs=n_jobs, trust_imports=trust_imports, progress=progress, plots=plots, tool="sweep")
+    for pt in points:
+        recs = [seed_record(pt["label"], s, out / pt["dir"] / f"seed-{s}", pt["exp"].task.name, spike_kw)[0] for s in ss]
+        pt.update(seeds=ss, per_seed=recs, summary=over_seeds(recs))
+    result = {
+        "schema": SCHEMA, "kind": "sweep", "command": command, "config": str(config), "variant": variant,
+        "pipeline": pipeline_text(exp), "grid": [{"path": p, "values": v} for p, v, _ in grid], "seeds": ss,
+        "metric": metric, "interval": {"method": METHOD, "level": LEVEL}, "spike": spike_settings(spike_kw),
+        "points": [{"label": p["label"], "dir": str(out / p["dir"]), "values": p["values"], "seeds": p["seeds"],
+                    "summary": p["summary"], "per_seed": p["per_seed"]} for p in points],
+    }
+    table = sweep_table(grid, points, metric)
+    text = markdown(table) + "\n\n" + footnote(result["spike"])
+    (out / "sweep.md").write_text(text + "\n", encoding="utf-8")
+    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    pngs = _sweep_plots(out, grid, points, metric) if plots else {}
+    _sweep_report(out / "report.html", result, table, pngs, grid, plots)
+    written = ", ".join(str(out / f) for f in ("sweep.md", "sweep.json", *pngs, "report.html") if (out / f).exists())
+    _err(f"modopt sweep: wrote {written}")
+    return text
+
+
+def _columns(metric: str) -> tuple[str, ...]:
+    """The table's metrics: `TABLE`, with the swept metric first when it is not among them."""
+    return TABLE if metric in TABLE else (metric, *TABLE)
+
+
+def sweep_table(grid: list, points: list[dict], metric: str) -> Table:
+    short = _short_names([p for p, _, _ in grid])
+    cols = _columns(metric)
+    head = [*(short[p] for p, _, _ in grid), "seeds", *(METRICS[k][0] for k in cols)]
+    body = [[*(p["raw"][path] for path, _, _ in grid), str(len(p["seeds"])), *summary_cells(p["summary"], cols)]
+            for p in points]
+    return head, body
+
+
+def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list[str]:
+    """`sweep-<field>.png` per swept field; the names of the files written."""
+    from .plots import plot_sweep
+
+    short = _short_names([p for p, _, _ in grid])
+    written = []
+    for path, _, _ in grid:
+        lines: dict[str, list] = {}
+        for p in points:
+            others = ",".join(f"{short[q]}={p['raw'][q]}" for q, _, _ in grid if q != path)
+            lines.setdefault(others, []).append((p["values"][path], p["summary"][metric]))
+        name = f"sweep-{_dirname(short[path])}.png"
+        msg = plot_sweep(out / name, path, METRICS[metric][0], lines)
+        if msg:
+            _err(msg)
+            break
+        written.append(name)
+    return written
+
+
+def _sweep_report(path: Path, result: dict, table: Table, pngs: list[str], grid: list, plots: bool) -> None:
+    from .report import Report
+
+    rep = Report("modopt sweep", command=result["command"])
+    rep.text(f"{result['config']}" + (f" (variant {result['variant']})" if result["variant"] else "")
+             + f": {result['pipeline']}; seeds {', '.join(map(str, result['seeds']))}")
+    rep.heading("Summary over seeds")
+    rep.table(table)
+    rep.text(footnote(result["spike"]))
+    rep.heading(f"{METRICS[result['metric']][0]} against each swept field")
+    short = _short_names([p for p, _, _ in grid])
+    for p, _, _ in grid:
+        rep.plot(path.parent / f"sweep-{_dirname(short[p])}.png", f"{result['metric']} against {p}", plots=plots)
+    rep.heading("Every seed")
+    rows = [{"name": pt["label"], "per_seed": pt["per_seed"]} for pt in result["points"]]
+    rep.table(per_seed_table(rows))
+    rep.write(path)
