@@ -51,6 +51,7 @@ import copy
 import gc
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -443,6 +444,36 @@ PIPELINES = [
 ]
 #: pipelines that also get a `nonfinite="ignore"` row (modopt and torch without the finite check)
 IGNORE_ROWS = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()")
+#: the short names docs/performance.md's tables give the pipelines (their "pipeline" column); --only takes them
+LABELS = {
+    "ClipNorm + Adam": "ClipNorm(1.0), Adam()",
+    "mission": "ClipNormByEMA(), Normalize(), Adam()",
+    "ClipValue + SGD": "ClipValue(0.01), SGD(0.01, momentum=0.9)",
+    "Centralize + Normalize + Adam": "Centralize(), Normalize(), Adam()",
+    "ZClip + AdamW": "ZClip(), AdamW()",
+    "Accumulate + ClipNorm + Adam": "Accumulate(4), ClipNorm(1.0), Adam()",
+    "Muon + AdamW": "Muon() on matrices, AdamW() on the rest",
+    "ClipNorm + AdamW(fused=False)": "ClipNorm(1.0), AdamW(fused=False)",
+    "ClipNorm + Adam, folded": "ClipNorm(1.0), Adam(fold_clip=True)",
+}
+
+
+def select_pipelines(only: str | None) -> list[int]:
+    """Indices of the pipelines `--only TEXT` names: a short name of LABELS (case and spaces ignored, and
+    a table's trailing note such as " (setting)") names its pipeline alone; otherwise every pipeline
+    whose name or short name contains TEXT. A TEXT that matches none is an error listing the names."""
+    if only is None:
+        return list(range(len(PIPELINES)))
+    key = "".join(only.split()).lower()
+    short = {name: label for label, name in LABELS.items()}
+    keys = (key, "".join(re.sub(r"\s+\([^()]*\)$", "", only).split()).lower())
+    exact = [i for i, p in enumerate(PIPELINES) if "".join(short.get(p.name, "").split()).lower() in keys]
+    found = exact or [i for i, p in enumerate(PIPELINES)
+                      if only in p.name or key in "".join(short.get(p.name, "").split()).lower()]
+    if not found:
+        names = "; ".join(f"{short.get(p.name, '-')} ({p.name})" for p in PIPELINES)
+        raise ValueError(f"--only {only!r} matches no pipeline; the pipelines (short name (name)) are: {names}")
+    return found
 
 
 # --------------------------------------------------------------------------- memory
@@ -703,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; quick 1)")
     ap.add_argument("--repeats", type=int, default=None, help="independent repeats (default 3; quick 1)")
     ap.add_argument("--models", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
-    ap.add_argument("--only", default=None, help="only pipelines whose name contains this text")
+    ap.add_argument("--only", default=None, help="only the pipeline with this short name (docs/performance.md's "
+                    "'pipeline' column, e.g. 'ClipNorm + Adam', 'mission'), or those whose name contains this text")
     ap.add_argument("--no-ignore-rows", action="store_true", help='skip the nonfinite="ignore" rows')
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
@@ -711,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
     ap.add_argument("--row", nargs=3, metavar=("INDEX", "MODEL", "NONFINITE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        chosen = select_pipelines(args.only)
+    except ValueError as e:
+        ap.error(str(e))
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -731,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     run = run_isolated if isolate else run_here
     for index, pipe in enumerate(PIPELINES):
-        if args.only and args.only not in pipe.name:
+        if index not in chosen:
             continue
         variants = [None] + (["ignore"] if pipe.name in IGNORE_ROWS and not args.no_ignore_rows else [])
         for nonfinite in variants:
