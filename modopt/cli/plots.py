@@ -140,6 +140,17 @@ def plot_run(
     return None
 
 
+def _compare_panels(plt, has_eval: bool, eval_every_step: bool):
+    """The panels of a comparison plot (train loss, eval loss first when every step has one, the pre-clip
+    norm), their figure and axes, and the colour cycle."""
+    panels = [("loss", "train loss")]
+    if has_eval:
+        panels.insert(0 if eval_every_step else 1, ("eval_loss", "eval loss (held out)"))
+    panels.append(("grad_norm", "pre-clip grad norm"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels) + 1.2), sharex=True, squeeze=False)
+    return panels, fig, axes, plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
 def plot_compare(
     path: Path,
     runs: dict[str, list[dict[str, Any]]],
@@ -160,12 +171,7 @@ def plot_compare(
     labels = labels or {}
     has_eval = any("eval_loss" in m for ms in runs.values() for m in ms)
     eval_every_step = has_eval and all(all("eval_loss" in m for m in ms) for ms in runs.values())
-    panels = [("loss", "train loss")]
-    if has_eval:
-        panels.insert(0 if eval_every_step else 1, ("eval_loss", "eval loss (held out)"))
-    panels.append(("grad_norm", "pre-clip grad norm"))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels) + 1.2), sharex=True, squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels, fig, axes, colors = _compare_panels(plt, has_eval, eval_every_step)
     for k, (label, metrics) in enumerate(runs.items()):
         c = colors[k % len(colors)]
         for ax, (key, _) in zip(axes[:, 0], panels):
@@ -242,12 +248,7 @@ def plot_compare_seeds(
     rows = [m for seeds in runs.values() for ms in seeds.values() for m in ms]
     has_eval = any("eval_loss" in m for m in rows)
     eval_every_step = has_eval and all(all("eval_loss" in m for m in ms) for seeds in runs.values() for ms in seeds.values())
-    panels = [("loss", "train loss")]
-    if has_eval:
-        panels.insert(0 if eval_every_step else 1, ("eval_loss", "eval loss (held out)"))
-    panels.append(("grad_norm", "pre-clip grad norm"))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels) + 1.2), sharex=True, squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels, fig, axes, colors = _compare_panels(plt, has_eval, eval_every_step)
     n_max = 0
     for k, (label, seeds) in enumerate(runs.items()):
         c = colors[k % len(colors)]
