@@ -106,6 +106,8 @@ class AdaGC(Scoped):
         scale = torch.where(warm, h_abs, h_rel)
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
         seg.mul_(updates, scale)
+        # the clipped norm is measured again, not taken as `scale * n`: the reference measures it, and the
+        # two differ in the last bit (one more read of the updates, the price of the thresholds' exactness)
         clipped = seg.reduce(updates, 2.0)
         new = torch.where(warm, torch.minimum(gamma, clipped), torch.lerp(gamma, clipped, 1.0 - self.beta))
         ok = torch.where(warm, total < math.inf, n < math.inf)  # (a norm is >= 0; NaN compares false)
