@@ -571,22 +571,37 @@ def _bits(t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("weight_decay", [0.1, 0.0])
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_a_skipped_muon_step_keeps_every_bit_in_each_dtype(dtype, weight_decay, bad):
-    """The device-skipped step is torch's in-place step made a no-op (float32/float64, or no weight decay)
-    or new values kept with a `where` (half precision with weight decay): either way every bit of the
-    parameters (a -0.0 among them) and of the momentum buffers stays, compared as integers."""
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "max"])
+@pytest.mark.parametrize("kw", [{}, {"nesterov": False}, {"ns_coefficients": (-1.0, 3.0, 0.5), "ns_steps": 2}],
+                         ids=["nesterov", "plain", "negative_a"])
+def test_a_skipped_muon_step_keeps_every_bit_in_each_dtype(dtype, weight_decay, bad, kw):
+    """The device-skipped step is torch's in-place step made a no-op: float32/float64 take arithmetic with
+    0-d factors (the gradient times NaN, its NaNs zeroed, lerps with weights -0.0 and +0.0, so that the
+    direction and Newton-Schulz's output are +0.0), half precision a `where`. Either way every bit of the
+    parameters and of the momentum buffers stays, a -0.0 among each, compared as integers: for a NaN, an
+    infinity, or a finite gradient whose norm overflows (`max`: the largest value of the dtype, beside a
+    -0.0 buffer element), with and without Nesterov, and with coefficients whose `a < 0` (where
+    Newton-Schulz of zeros might give -0.0, so `O` is zeroed with a `where`; this CPU's matrix products
+    give +0.0 there too, so that case shows the `where` path keeps every bit, not that it is needed)."""
     ps, _ = _pair([(8, 4), (4, 8), (6,)], dtype)
-    opt = mo.Modular(ps, mo.Muon(0.02, weight_decay=weight_decay))
+    opt = mo.Modular(ps, mo.Muon(0.02, weight_decay=weight_decay, **kw))
     for k in range(2):
         _grads(ps, k, 0, dtype)
         opt.step()
-    with torch.no_grad():
-        ps[1].view(-1)[:3] = torch.tensor([-0.0, 0.0, -0.0], dtype=dtype)
+    with torch.no_grad():  # elements 0-2: -0.0, +0.0, -0.0 in the parameter and the buffer; element 3: a -0.0
+        for p in ps:         # parameter beside a negative buffer value
+            p.view(-1)[:4] = torch.tensor([-0.0, 0.0, -0.0, -0.0], dtype=dtype)
+            (buf,) = [v for key, v in opt.state[p].items() if key.endswith("momentum_buffer")]
+            buf.view(-1)[:4] = torch.tensor([-0.0, 0.0, -0.0, -0.5], dtype=dtype)
     before = [_bits(p) for p in ps] + [_bits(v) for p in ps for v in opt.state[p].values()
                                        if isinstance(v, torch.Tensor) and v.dim()]
     _grads(ps, 2, 0, dtype)
-    ps[0].grad.view(-1)[3] = bad
+    for p in ps:
+        p.grad.view(-1)[0] = -1.0  # beside each -0.0 buffer element and at element 3: a negative gradient
+        p.grad.view(-1)[3] = -1.0
+    ps[0].grad.view(-1)[5] = torch.finfo(dtype).max if bad == "max" else bad
+    if bad == "max":
+        ps[1].grad.view(-1)[0] = -torch.finfo(dtype).max  # beside a -0.0 element of the buffer and the param
     syncs = Syncs()
     with syncs:
         opt.step()

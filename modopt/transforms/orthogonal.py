@@ -98,21 +98,58 @@ def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps:
 
 
 def momentum_(ctx: Step, bufs: list[torch.Tensor], updates: list[torch.Tensor], beta: float, nesterov: bool,
-              copy: bool = True) -> list[torch.Tensor]:
+              copy: bool = True, cache: dict | None = None) -> list[torch.Tensor]:
     """torch.optim.Muon's momentum, per tensor: `b <- lerp(b, u, 1 - beta)`; the direction is
     `lerp(u, b, beta)` (Nesterov) or `b` (a copy unless `copy=False`). On a step the device skips
-    (`ctx.skip`) every buffer keeps its old value (`where`; a non-finite `u` never enters it)."""
+    (`ctx.skip`) every buffer keeps its old value, bit for bit, and a non-finite `u` never enters it.
+
+    How a skipped step keeps the buffer, without a host sync:
+
+    * float32/float64 (`clean_skip(b, u)`): `u` is multiplied by 1 (a step that goes ahead: `u` itself,
+      bit for bit) or NaN (a skipped one), its NaNs and infinities set to 0 (so `+0.0` everywhere on a
+      skipped step), and the buffer takes the in-place lerp with a 0-d weight: `1 - beta` (bit for bit the
+      Python float's lerp) or `-0.0`, and `b + (-0)(+0 - b)` is `b` exactly, a `-0.0` element included.
+      The Nesterov direction is the in-place lerp of that tensor with a 0-d weight `beta` or `+0.0`: `+0.0`
+      everywhere on a skipped step, which Newton-Schulz maps to `+0.0` (`Muon.apply_final` relies on it).
+      Plain vectorized kernels: on a CPU `torch.where` runs about five times slower per element than a lerp;
+    * other dtypes: the lerp on a new tensor (bit for bit the in-place one) and a `where` that keeps the
+      old buffer (a 0-d weight of a half dtype would round `1 - beta` where torch's float does not).
+
+    `cache` (a dict, per step and group) keeps the 0-d factors, made once per dtype."""
     out = []
     for b, u in zip(bufs, updates):
         if ctx.skip is None:
             b.lerp_(u, 1 - beta)
+            out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
+        elif clean_skip(b, u):
+            keep, weight, nesterov_weight = _skip_weights(ctx.skip, b, beta, {} if cache is None else cache)
+            clean = torch.nan_to_num_(u * keep, nan=0.0, posinf=0.0, neginf=0.0)  # (a new tensor)
+            b.lerp_(clean, weight)
+            out.append(clean.lerp_(b, nesterov_weight) if nesterov else b.clone() if copy else b)
         else:  # the same lerp on a new tensor (bit for bit the in-place one), the old buffer where skipped
             torch.where(ctx.skip, b, torch.lerp(b, u, 1 - beta), out=b)  # (an exact overlap: elementwise)
-        if nesterov:
-            out.append(u.lerp(b, beta))
-        else:
-            out.append(b.clone() if copy else b)
+            out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
     return out
+
+
+def clean_skip(b: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether `momentum_` keeps buffer `b` on a skipped step by arithmetic (float32/float64) rather than a
+    `where`; with Nesterov its direction is then `+0.0` everywhere on such a step."""
+    return b.dtype in (torch.float32, torch.float64) and u.dtype == b.dtype
+
+
+def _skip_weights(skip: torch.Tensor, b: torch.Tensor, beta: float, cache: dict) -> tuple[torch.Tensor, ...]:
+    """The 0-d factors of `momentum_`'s arithmetic path, in `b`'s dtype, made once per dtype and beta:
+    `(1, 1 - beta, beta)` on a step that goes ahead, `(NaN, -0.0, +0.0)` on one the device skips."""
+    key = ("momentum", b.dtype, b.device, beta)
+    f = cache.get(key)
+    if f is None:
+        def pick(skipped: float, ahead: float) -> torch.Tensor:
+            return torch.where(skip, torch.tensor(skipped, dtype=b.dtype, device=b.device),
+                               torch.tensor(ahead, dtype=b.dtype, device=b.device))
+
+        f = cache[key] = (pick(math.nan, 1.0), pick(-0.0, 1 - beta), pick(0.0, beta))
+    return f
 
 
 def laid_out_like(u: torch.Tensor, o: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -170,6 +207,11 @@ class _NewtonSchulz(Transform, abstract=True):
         """Newton-Schulz of the matrix `m`, in `ns_dtype` (torch.optim.Muon's op order)."""
         return newton_schulz(m, coefficient_steps(self.ns_coefficients, self.ns_steps), self.eps,
                              _DTYPES[self.ns_dtype])
+
+    def keeps_positive_zero(self) -> bool:
+        """Whether `orthogonalized` maps a matrix of `+0.0` to `+0.0` exactly: `x / max(0, eps)` is `+0.0`, and
+        each step's `a x + (b A + c A A) x` is `(+0) + (±0)`, which is `+0.0`, when `a > 0`."""
+        return all(a > 0 for a, _, _ in coefficient_steps(self.ns_coefficients, self.ns_steps))
 
 
 class Orthogonalize(_NewtonSchulz):
@@ -263,7 +305,7 @@ class Momentum(Transform):
     """
 
     positional: ClassVar[str | None] = "beta"
-    device_skip = True  # keeps its buffers on a step the device skips (a where; zeros start like torch's)
+    device_skip = True  # keeps its buffers on a step the device skips (momentum_; zeros start like torch's)
 
     beta: float = Field(0.95, ge=0.0, lt=1.0)
     nesterov: bool = True
@@ -376,11 +418,12 @@ class Muon(_NewtonSchulz):
     `nesterov=False`, where torch divides its momentum buffer in place by its
     norm and modopt keeps the moving average). A step the device skips leaves the
     parameters and the momentum buffers bit for bit as they were, with no host
-    sync: the momentum's new value is computed aside and kept with a `where` (one
-    pass over the buffers more than torch), and the parameters take torch's
-    in-place step with factors that make it a no-op on a skipped step (one pass
-    over `O` more; for float16/bfloat16 parameters with weight decay, a `where`
-    over them instead). Elsewhere in a chain (and compiled) it returns the update
+    sync: for float32/float64 the gradient is multiplied by a 0-d 1 or NaN and
+    cleaned of NaNs (zeros on a skipped step), the buffer takes torch's in-place
+    lerp with a weight of `1 - momentum` or -0.0, and the parameters torch's
+    in-place step with factors that make it a no-op (two passes over the
+    gradient more than torch; `momentum_`). Without Nesterov, or for half
+    precision, a `where` keeps the old values instead. Elsewhere in a chain (and compiled) it returns the update
     `lr r O + lr λ p`.
 
     Muon is meant for the hidden 2-D weights: torch refuses other shapes. Here a
@@ -401,7 +444,7 @@ class Muon(_NewtonSchulz):
     """
 
     positional: ClassVar[str | None] = "lr"
-    device_skip = True  # keeps its buffers and the parameters on a step the device skips (where)
+    device_skip = True  # keeps its buffers and the parameters on a step the device skips (momentum_, apply_final)
 
     lr: NonNegativeFloat = 1e-3
     weight_decay: NonNegativeFloat = 0.1
@@ -430,7 +473,7 @@ class Muon(_NewtonSchulz):
             bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
             for p, buf, u in zip(ctx.params[a:b], bufs, updates[a:b]):
                 # one tensor at a time, as torch does: one direction alive at once, not the group's
-                (d,) = momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False)
+                (d,) = momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False, cache=factors)
                 m = as_matrix(d)
                 if m is None:
                     o, step = d, lr * 1.0
@@ -444,15 +487,18 @@ class Muon(_NewtonSchulz):
                         p.mul_(1 - lr * wd)
                     p.add_(o, alpha=-step)
                 elif wd == 0 or p.dtype in (torch.float32, torch.float64):
-                    # torch's in-place step, made a no-op on a skipped step: `p * 1` is `p`, and `p + (-step) * 0`
-                    # is `p + (-0.0)`, `p` exactly (step >= 0); one pass over `O` more than torch, not over `p`
+                    # torch's in-place step, made a no-op on a skipped step: `p * 1` is `p`, and `p + (-step) * (+0)`
+                    # is `p + (-0.0)`, `p` exactly (step >= 0)
                     if wd != 0:
                         p.mul_(_decay_factor(factors, skip, lr * wd, p))
-                    # (Newton-Schulz's output is this step's own tensor: zeroed in place; a 0-/1-D tensor's direction
-                    # may be the momentum buffer itself, so it is zeroed aside)
-                    zero = _zero(factors, o)
-                    p.add_(torch.where(skip, zero, o, out=o) if m is not None else torch.where(skip, zero, o),
-                           alpha=-step)
+                    if g["nesterov"] and clean_skip(buf, u) and (m is None or self.keeps_positive_zero()):
+                        p.add_(o, alpha=-step)  # the direction, and so `O`, is +0.0 on a skipped step (momentum_)
+                    else:  # `O` zeroed on a skipped step: one pass over it more than torch
+                        # (Newton-Schulz's output is this step's own tensor: zeroed in place; a 0-/1-D tensor's
+                        # direction may be the momentum buffer itself, so it is zeroed aside)
+                        zero = _zero(factors, o)
+                        p.add_(torch.where(skip, zero, o, out=o) if m is not None else torch.where(skip, zero, o),
+                               alpha=-step)
                 else:
                     # half precision: a 0-d factor would be rounded to the parameter's dtype where torch's float is
                     # not, so the same two ops on a new tensor (bit for bit the in-place ones), the old values kept
