@@ -22,7 +22,8 @@ Each row (pipeline, model, policy) runs in a fresh Python process, so that no ro
 state (allocator, page cache) an earlier row left; `--in-process` runs them all in this one.
 
 Timing. Every iteration all sides run forward and backward on the same batch, then each side's
-`step` is timed alone with `time.perf_counter` (the order of the sides alternates every iteration,
+`step` is timed alone with `time.perf_counter` (with `--device cuda`, between two
+`torch.cuda.synchronize()`: the step's kernels are inside the time) (the order of the sides alternates every iteration,
 Python's garbage collector is paused). After the warm-up, a repeat reports the median step time of
 each side and the median of the per-iteration ratios modopt/torch (a paired statistic: a slow phase
 of the machine hits both members of a pair). Each repeat builds fresh models and optimizers; the
@@ -206,7 +207,7 @@ def torch_mission(model, check, beta=0.99, growth=1.5, eps=1e-6):
     ps = list(model.parameters())
     opt = torch.optim.Adam(ps, lr=1e-3, fused=True)
     ema = [torch.zeros_like(p) for p in ps]
-    prev = torch.zeros(())  # the EMA's norm after the previous step
+    prev = torch.zeros((), device=ps[0].device)  # the EMA's norm after the previous step
 
     def step():
         nonlocal prev
@@ -323,7 +324,7 @@ def torch_accumulate_clipnorm_adam(model, check, k=4):
     acc = [torch.zeros_like(p) for p in ps]
     m = [torch.zeros_like(p) for p in ps]
     v = [torch.zeros_like(p) for p in ps]
-    steps = [torch.zeros(()) for _ in ps]
+    steps = [torch.zeros((), device=p.device) for p in ps]  # fused Adam: step counts on the params' device
     calls = [0]
 
     def step():
@@ -545,6 +546,14 @@ def _backward(side: Side, batch: tuple) -> None:
     loss_fn(side.model, *batch).backward()
 
 
+DEVICE = torch.device("cpu")  # where the models and batches live (--device)
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def _timed_steps(sides: dict[str, Side], batches: list[tuple], warmup: int, calls: int) -> dict[str, list[float]]:
     names = list(sides)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -557,8 +566,10 @@ def _timed_steps(sides: dict[str, Side], batches: list[tuple], warmup: int, call
                 spent = 0.0
                 for c in range(calls):
                     _backward(sides[n], batches[i * calls + c])
+                    _sync()  # on CUDA: the backward done before the clock starts, the step's kernels before it stops
                     t0 = time.perf_counter()
                     sides[n].step()
+                    _sync()
                     spent += time.perf_counter() - t0
                 if i >= warmup:
                     times[n].append(spent)
@@ -632,6 +643,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         base, make_batch = build_model(model_name, args.quick)
+        base.to(DEVICE)
         builders: dict[str, Callable[[nn.Module], Side]] = {
             "modopt": modopt_side(pipe.modopt, nonfinite, pipe.groups),
             "torch": lambda m: pipe.torch(m, check),
@@ -640,7 +652,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
             builders["torchzero"] = torchzero_side(pipe.torchzero)
         sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
         g = torch.Generator().manual_seed(1000 + rep)
-        batches = [make_batch(g) for _ in range((args.warmup + args.steps) * pipe.calls)]
+        batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((args.warmup + args.steps) * pipe.calls)]
         times = _timed_steps(sides, batches, args.warmup, pipe.calls)
         ratios.append(statistics.median(a / b for a, b in zip(times["modopt"], times["torch"])))
         t_mo.append(statistics.median(times["modopt"]))
@@ -721,6 +733,8 @@ def run_isolated(index: int, model: str, nonfinite: str | None, args) -> Row:
         cmd.append("--quick")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if getattr(args, "device", "cpu") != "cpu":
+        cmd += ["--device", args.device]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark row {PIPELINES[index].name} / {model} failed:\n{done.stderr}")
@@ -738,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
                     "'pipeline' column, e.g. 'ClipNorm + Adam', 'mission'), or those whose name contains this text")
     ap.add_argument("--no-ignore-rows", action="store_true", help='skip the nonfinite="ignore" rows')
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--device", default="cpu", help="where the models, batches and optimizers live (default cpu; "
+                    "e.g. cuda: each timed step is then bracketed by torch.cuda.synchronize)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
@@ -752,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.row:  # one row, in a process of its own: print it as JSON
         index, model, nonfinite = args.row
         row = run_one(PIPELINES[int(index)], model, None if nonfinite == "default" else nonfinite, args)
@@ -759,7 +777,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     isolate = not (args.in_process or args.quick)
     tz = torchzero()
-    print(f"modopt bench: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"modopt bench: torch {torch.__version__}, {where}, "
           f"{args.repeats} repeat(s) of {args.steps} timed steps after {args.warmup} warm-up"
           f"{', torchzero ' + _version('torchzero') if tz else ''}{', rows in separate processes' if isolate else ''}"
           f"{' (quick)' if args.quick else ''}",

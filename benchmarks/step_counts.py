@@ -2,6 +2,7 @@
 
     python benchmarks/step_counts.py                  # the pipelines on the benchmark MLP
     python benchmarks/step_counts.py --quick --json counts.json
+    python benchmarks/step_counts.py --device cuda    # the same counts with CUDA tensors
 
 For each pipeline, `mo.Modular(model.parameters(), *pipeline)` with its defaults takes 3 warm-up steps
 after a real backward; then one more `opt.step()` runs under a `TorchDispatchMode` that counts
@@ -58,18 +59,23 @@ def count(make_step, model, make_batch, g) -> StepCounter:
     raise AssertionError  # pragma: no cover
 
 
-def rows(quick: bool) -> list[dict]:
+def rows(quick: bool, device: str = "cpu") -> list[dict]:
     out = []
     by_name = {p.name: p for p in PIPELINES}
+
+    def on_device(quick):
+        model, make = build_model("mlp", quick)
+        return model.to(device), lambda g: tuple(t.to(device) for t in make(g))
+
     for name, transforms in pipelines().items():
         limit = by_name[name].limit
-        model, make = build_model("mlp", quick)
+        model, make = on_device(quick)
         pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         opt = mo.Modular(model.parameters(), *transforms)
         c = count(opt.step, model, make, torch.Generator().manual_seed(0))
         out.append({"pipeline": name, "side": "modopt", "ops": c.ops, "syncs": c.syncs,
                     "bytes_P": round(c.bytes / pbytes, 2), "limit_P": limit})
-        model, make = build_model("mlp", quick)
+        model, make = on_device(quick)
         side = by_name[name].torch(model, True)  # the careful torch loop, with its finite check
         c = count(side.step, model, make, torch.Generator().manual_seed(0))
         out.append({"pipeline": name, "side": "torch (careful loop)", "ops": c.ops, "syncs": c.syncs,
@@ -81,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny MLP (a smoke run)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--device", default="cpu", help="where the model and optimizer live (default cpu)")
     args = ap.parse_args(argv)
-    got = rows(args.quick)
+    got = rows(args.quick, args.device)
     print("| pipeline (defaults) | side | ops | syncs | bytes | limit |\n|---|---|---|---|---|---|")
     for r in got:
         print(f"| `{r['pipeline']}` | {r['side']} | {r['ops']} | {r['syncs']} | {r['bytes_P']}P | {r['limit_P']}P |")

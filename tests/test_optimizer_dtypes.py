@@ -58,16 +58,17 @@ CASES = [
 ]
 
 
-def make_model(dtype):
+def make_model(dtype, device="cpu"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 12), torch.nn.Tanh(),
                                 torch.nn.Linear(12, 3))
-    return model.to(dtype)
+    return model.to(device, dtype)
 
 
-def data(dtype):
+def data(dtype, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 6, generator=g).to(dtype), torch.randn(16, 3, generator=g).to(dtype)) for _ in range(STEPS)]
+    return [(torch.randn(16, 6, generator=g).to(device, dtype), torch.randn(16, 3, generator=g).to(device, dtype))
+            for _ in range(STEPS)]
 
 
 def groups(model, family, lr):
@@ -128,7 +129,8 @@ class TorchReference:
             for p in group["params"]:
                 st = self.state.setdefault(p, {
                     "m": torch.zeros_like(p, dtype=torch.float32), "v": torch.zeros_like(p, dtype=torch.float32),
-                    "vmax": torch.zeros_like(p, dtype=torch.float32), "step": torch.zeros((), dtype=torch.float32),
+                    "vmax": torch.zeros_like(p, dtype=torch.float32),
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
                 })
                 p32 = p.detach().float()
                 torch_adam_fn(
@@ -148,14 +150,16 @@ def ulp(dtype):
     return torch.finfo(dtype).eps
 
 
-def compare(case, dtype, clip):
+def compare(case, dtype, clip, device="cpu"):
+    """`Modular` with the case's optimizer against torch's reference, both on `device` (tests/test_cuda.py
+    runs it on CUDA, where modopt picks CUDA's fused kernels and torch's for-loop reference runs there too)."""
     name, family, hyper, factory = case
-    mod_model, ref_model = make_model(dtype), make_model(dtype)
+    mod_model, ref_model = make_model(dtype, device), make_model(dtype, device)
     start = [p.detach().clone() for p in mod_model.parameters()]
     chain = ([mo.ClipNorm(1.0)] if clip else []) + [factory(**hyper)]
     opt = mo.Modular(groups(mod_model, family, hyper["lr"]), *chain)
     ref = TorchReference(ref_model, family, hyper, dtype, clip)
-    for x, y in data(dtype):
+    for x, y in data(dtype, device):
         backward(mod_model, x, y)
         opt.step()
         backward(ref_model, x, y)
@@ -263,17 +267,22 @@ def test_known_bad_follows_the_torch_version():
             kernels.known_bad(bad)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("kernel", ["sgd", "adam", "adamw"])
-def test_every_chosen_fused_kernel_moves_every_element(kernel, dtype):
+def test_every_chosen_fused_kernel_moves_every_element(kernel, dtype, device):
     """Where the shim picks a fused kernel, one step on tensors of awkward lengths (around the
-    vector widths) equals torch's for-loop optimizer, in float32 arithmetic for half dtypes."""
-    if not kernels.fused_ok(kernel, torch.device("cpu"), dtype):
-        pytest.skip(f"the shim does not choose fused {kernel} for {dtype} on CPU")
+    vector widths) equals torch's for-loop optimizer, in float32 arithmetic for half dtypes; on
+    every device the tests have (CUDA's fused kernels are other code than the CPU's)."""
+    if not kernels.fused_ok(kernel, torch.device(device), dtype):
+        pytest.skip(f"the shim does not choose fused {kernel} for {dtype} on {device}")
     g = torch.Generator().manual_seed(0)
-    sizes = [1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 1000]
-    ps = [torch.randn(n, generator=g).to(dtype) for n in sizes]
-    gs = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    sizes = [1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 1000, 4099]
+    ps = [torch.randn(n, generator=g).to(device, dtype) for n in sizes]
+    gs = [torch.randn(n, generator=g).to(device, dtype) for n in sizes]
     ref = [p.double().clone() for p in ps]
     if kernel == "sgd":
         kernels.fused_sgd_(ps, gs, [], lr=0.5, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
@@ -282,10 +291,10 @@ def test_every_chosen_fused_kernel_moves_every_element(kernel, dtype):
             r.sub_(0.5 * gr.double())
     else:
         zeros = lambda: [torch.zeros_like(p) for p in ps]  # noqa: E731
-        kernels.fused_adam_(ps, gs, zeros(), zeros(), [], [torch.ones(()) for _ in ps], decoupled=kernel == "adamw",
+        kernels.fused_adam_(ps, gs, zeros(), zeros(), [], [torch.ones((), device=device) for _ in ps], decoupled=kernel == "adamw",
                             lr=0.5, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, grad_scale=None)
         z = lambda: [torch.zeros_like(r) for r in ref]  # noqa: E731
-        torch_adam_fn(ref, [x.double() for x in gs], z(), z(), [], [torch.zeros((), dtype=torch.float64) for _ in ref],
+        torch_adam_fn(ref, [x.double() for x in gs], z(), z(), [], [torch.zeros((), dtype=torch.float64, device=device) for _ in ref],
                       foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=0.5, weight_decay=0.1, eps=1e-8,
                       maximize=False, decoupled_weight_decay=kernel == "adamw")
     for p, r in zip(ps, ref):
