@@ -117,12 +117,13 @@ def momentum_(ctx: Step, bufs: list[torch.Tensor], updates: list[torch.Tensor], 
 
     `cache` (a dict, per step and group) keeps the 0-d factors, made once per dtype."""
     out = []
+    cache = {} if cache is None else cache
     for b, u in zip(bufs, updates):
         if ctx.skip is None:
             b.lerp_(u, 1 - beta)
             out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
         elif clean_skip(b, u):
-            keep, weight, nesterov_weight = _skip_weights(ctx.skip, b, beta, {} if cache is None else cache)
+            keep, weight, nesterov_weight = _skip_weights(ctx.skip, b, beta, cache)
             clean = torch.nan_to_num_(u * keep, nan=0.0, posinf=0.0, neginf=0.0)  # (a new tensor)
             b.lerp_(clean, weight)
             out.append(clean.lerp_(b, nesterov_weight) if nesterov else b.clone() if copy else b)
@@ -422,8 +423,9 @@ class Muon(_NewtonSchulz):
     cleaned of NaNs (zeros on a skipped step), the buffer takes torch's in-place
     lerp with a weight of `1 - momentum` or -0.0, and the parameters torch's
     in-place step with factors that make it a no-op (two passes over the
-    gradient more than torch; `momentum_`). Without Nesterov, or for half
-    precision, a `where` keeps the old values instead. Elsewhere in a chain (and compiled) it returns the update
+    gradient more than torch; `momentum_`). Without Nesterov or with coefficients
+    whose `a <= 0` a `where` zeroes `O` on a skipped step; for half precision a
+    `where` keeps the old values. Elsewhere in a chain (and compiled) it returns the update
     `lr r O + lr λ p`.
 
     Muon is meant for the hidden 2-D weights: torch refuses other shapes. Here a
