@@ -110,3 +110,35 @@ def test_zero_policy_equals_zeroing_the_gradient_first():
         ob.step()
     for x, y in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
+    """`Step.clean_`'s grouping (`runner._clean_small_together`): small plain tensors of one dtype and device
+    are cleaned as one concatenation and copied back. Every tensor ends up as its own `nan_to_num_` would
+    leave it (NaN, +inf, -inf to 0; -0.0 and every finite value kept, as bits), non-contiguous ones included;
+    large tensors and groups of fewer than three are left to clean one by one."""
+    from modopt.core import runner
+
+    g = torch.Generator().manual_seed(seed)
+    ts = []
+    for i in range(12):
+        n = [3, 40, 700, runner.SMALL_CLEAN, runner.SMALL_CLEAN + 1][i % 5]
+        dt = [torch.float32, torch.bfloat16, torch.float64][i % 3] if i < 9 else torch.float16
+        t = torch.randn(n, generator=g).to(dt)
+        t[torch.randint(0, n, (3,), generator=g)] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dt)
+        t[0] = -0.0
+        ts.append(t)
+    ts.append(torch.randn(6, 4, generator=g).T)  # non-contiguous, float32
+    ts[-1][1, 2] = float("nan")
+    want = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in ts]
+    rest = runner._clean_small_together(ts)
+    for t in rest:
+        torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+    for t, w in zip(ts, want):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        assert torch.equal(t.contiguous().view(bits), w.contiguous().view(bits))
+    # grouped: the four small float32 tensors (the non-contiguous one among them) and the three small float64
+    # ones; left: the large ones and the small bfloat16 and float16 pairs (two of a dtype: not worth a group)
+    assert {id(t) for t in rest} == {id(t) for t in ts if t.numel() > runner.SMALL_CLEAN
+                                     or t.dtype in (torch.bfloat16, torch.float16)}

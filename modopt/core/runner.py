@@ -161,6 +161,31 @@ class Layout:
         self.cache = {}
 
 
+#: tensors of at most this many elements are cleaned together (`Step.clean_`): one `nan_to_num_` over their
+#: concatenation, copied back, instead of one call each; a call costs more than moving a few thousand elements
+SMALL_CLEAN = 2048
+
+
+def _clean_small_together(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Clean (`nan_to_num_` to 0) the small plain tensors of `updates` together, per dtype and device, when
+    there are at least three of them; returns the tensors left to clean one by one. The same values as one
+    `nan_to_num_` each (elementwise), in three ops (a concatenation, the cleaning, a `_foreach_copy_`)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    rest = []
+    for u in updates:
+        if type(u) is torch.Tensor and u.numel() <= SMALL_CLEAN:  # (not a DTensor shard or a subclass)
+            groups[(u.dtype, u.device)].append(u)
+        else:
+            rest.append(u)
+    for small in groups.values():
+        if len(small) < 3:
+            rest += small
+            continue
+        flat = torch.nan_to_num_(torch.cat([u.reshape(-1) for u in small]), nan=0.0, posinf=0.0, neginf=0.0)
+        torch._foreach_copy_(small, [f.view(u.shape) for f, u in zip(flat.split([u.numel() for u in small]), small)])
+    return rest
+
+
 class Step:
     """What every transform sees of one step: the layout's parameters, the state host and the telemetry.
 
@@ -289,7 +314,7 @@ class Step:
                 u.copy_(torch.where(self.skip, 0.0, u))
         elif self.skip is not None:
             keep_memo = self.memo.cleaning(updates)
-            for u in updates:
+            for u in _clean_small_together(updates):
                 torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
             keep_memo()
 
