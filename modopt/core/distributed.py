@@ -184,6 +184,16 @@ def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names:
             )
 
 
+def placed_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` laid out over the ranks as `like` is: a DTensor whose placements differ from `like`'s (the
+    replicated result of a sharded matrix product, say) is redistributed to them (from replicated to
+    sharded: each rank keeps its slice, no communication), so that an in-place write into `like` or a
+    copy into a tensor made like it needs no placement change, which DTensor refuses. Else `t` itself."""
+    if not (is_sharded(t) and is_sharded(like)) or t.placements == like.placements:
+        return t
+    return t.redistribute(like.device_mesh, like.placements)
+
+
 def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """`dst[i].copy_(src[i])` for every i: one multi-tensor kernel, or one copy per tensor when some
     are DTensors (torch registers no sharding rule for `_foreach_copy_`)."""

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import Field, model_validator
 
+from ..core.distributed import placed_like
 from ..core.norms import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -158,7 +159,7 @@ def laid_out_like(u: torch.Tensor, o: torch.Tensor, scale: float | torch.Tensor 
     dtype and memory layout, times `scale`. Never a transposed view: torch's fused optimizer kernels read
     a gradient's memory as if it had the parameter's strides (torch 2.13), so a view would be misread."""
     out = torch.empty_like(u)
-    out.copy_(o.reshape(u.shape))
+    out.copy_(placed_like(o.reshape(u.shape), u))
     if isinstance(scale, torch.Tensor) or scale != 1.0:
         out.mul_(scale)
     return out
@@ -484,6 +485,7 @@ class Muon(_NewtonSchulz):
                     step = lr * adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
                     if o.shape != p.shape:
                         o = o.reshape(p.shape)
+                    o = placed_like(o, p)  # (FSDP2: written into p's own shard)
                 if skip is None:  # torch's in-place step
                     if wd != 0:
                         p.mul_(1 - lr * wd)
