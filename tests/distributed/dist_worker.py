@@ -50,6 +50,7 @@ def cases() -> dict[str, list]:
         # Newton-Schulz of each whole matrix (a sharded one is gathered by DTensor's matmul), in float32: the
         # default bfloat16 iteration turns the gradients' reduction-order rounding into ~1e-3 differences
         "Muon-float32": [mo.Muon(0.05, ns_dtype="float32")],
+        "Muon-chain-float32": [mo.Momentum(0.9), mo.Orthogonalize(ns_dtype="float32"), mo.SGD(lr=0.05)],  # the update path
         # issue 12: a global clip over a selection (the statistic of the full selected tensors, the
         # layer that rank 1 holds empty shards of included), and routing to two optimizers by group
         "Masked-ClipNorm-global": [mo.Masked(mo.ClipNorm(0.03), where=mo.Select(exclude=["0.*"])), mo.SGD(lr=0.1)],
