@@ -105,6 +105,50 @@ def _make_syncs():
 Syncs = _make_syncs()
 
 
+def _make_ops():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        """The aten ops run inside it, by name (`aten._fused_sgd_`), in `names`."""
+
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    return Ops
+
+
+Ops = _make_ops()
+
+
+def twin_params(shapes, dtype=torch.float32, seed=0):
+    """Two lists of equal parameters (one for a reference optimizer, one for modopt), seeded."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    init = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+    return [torch.nn.Parameter(x.clone()) for x in init], [torch.nn.Parameter(x.clone()) for x in init]
+
+
+def split(params, groups):
+    """The first parameter in a group of its own and the rest in another (`groups`), or the list itself."""
+    return [{"params": params[:1]}, {"params": params[1:]}] if groups else params
+
+
+def run_twins(ref, opt, a, b, stream, each=None):
+    """Step the reference and modopt on the same gradients (None: no gradient); `each(k)` after every step."""
+    for k, gs in enumerate(stream):
+        for p, q, gr in zip(a, b, gs):
+            p.grad = None if gr is None else gr.clone()
+            q.grad = None if gr is None else gr.clone()
+        ref.step()
+        opt.step()
+        if each is not None:
+            each(k)
+
+
 def flat_state(sd, prefix: str = "") -> dict:
     """Every tensor and number of a (state) dict, nested dicts included, cloned, by path."""
     import copy

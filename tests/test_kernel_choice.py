@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
+from checks import Ops
 from modopt.core import kernels
 
 
@@ -137,15 +138,6 @@ def test_gpt_attach_equals_torch_bit_for_bit(fused):
 def test_the_kernel_that_runs_is_the_one_named():
     """Counted, not assumed: the default and `fused=True` call torch's fused kernel, `fused=False`
     on a CPU the for-loop kernel (no foreach op), `foreach=True` torch's foreach ops."""
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     def ops(**kw):
         p = torch.nn.Parameter(torch.randn(4, 3))

@@ -32,9 +32,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.optim.adam import adam as torch_adam_fn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import modopt as mo
+from checks import Ops
 from modopt.core import kernels
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -204,18 +204,6 @@ def test_the_check_catches_the_eight_element_sgd_bug(monkeypatch, dtype, clip):
     assert kernels.fused_ok("sgd", torch.device("cpu"), dtype)
     with pytest.raises(AssertionError, match="did not move"):
         compare(CASES[1], dtype, clip)
-
-
-class Ops(TorchDispatchMode):
-    """The aten ops run inside it, by name (`aten._fused_sgd_`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 BUG_CASES = [(bug, dtype) for bug in kernels.KERNEL_BUGS for dtype in bug.dtypes]

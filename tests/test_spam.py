@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs, assert_same, assert_step_changes_nothing
+from checks import Syncs, assert_same, assert_step_changes_nothing, run_twins, split, twin_params
 from families import close, layouts, scope_kw, sequence
 from harness import Harness
 from modopt.spec import spam as spec
@@ -46,26 +46,6 @@ def grads_stream(shapes, seed, steps, spike_every=7):
     return out
 
 
-def twin_params(shapes, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 + seed)
-    init = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
-    return [torch.nn.Parameter(x.clone()) for x in init], [torch.nn.Parameter(x.clone()) for x in init]
-
-
-def split(params, groups):
-    return [{"params": params[:1]}, {"params": params[1:]}] if groups else params
-
-
-def run_twins(ref, opt, a, b, stream, each=None):
-    for k, gs in enumerate(stream):
-        for p, q, gr in zip(a, b, gs):
-            p.grad, q.grad = gr.clone(), gr.clone()
-        ref.step()
-        opt.step()
-        if each is not None:
-            each(k)
-
-
 # --- Stable-SPAM against pytorch_optimizer.StableSPAM: bit for bit --------------------------------------
 @needs_reference
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -76,7 +56,7 @@ def test_stable_spam_matches_pytorch_optimizer_bit_for_bit(seed, shapes, every, 
     `pytorch_optimizer.StableSPAM`: the same parameters, moments and norm statistics after every step,
     bit for bit, across several resets (its bias correction restarts there)."""
     shp = SHAPES[shapes]
-    a, b = twin_params(shp, seed)
+    a, b = twin_params(shp, torch.float32, seed)
     ref = pytorch_optimizer.StableSPAM(split(a, groups), update_proj_gap=every)
     opt = mo.Modular(split(b, groups), mo.StableSPAM(reset_every=every), mo.AdamW(weight_decay=0.0, fused=False))
 
@@ -96,7 +76,7 @@ def test_stable_spam_matches_pytorch_optimizer_bit_for_bit(seed, shapes, every, 
 def test_stable_spam_with_the_reference_defaults_across_its_first_reset():
     """The reference's own defaults (a reset at step 1000), 1005 steps: bit for bit."""
     shp = SHAPES["mixed"]
-    a, b = twin_params(shp, 7)
+    a, b = twin_params(shp, torch.float32, 7)
     ref = pytorch_optimizer.StableSPAM(a)
     opt = mo.Modular(b, mo.StableSPAM(), mo.AdamW(weight_decay=0.0, fused=False))
     run_twins(ref, opt, a, b, grads_stream(shp, 7, 1005, spike_every=97))
@@ -107,7 +87,7 @@ def test_stable_spam_with_the_reference_defaults_across_its_first_reset():
 
 # --- SPAM against pytorch_optimizer.SPAM -------------------------------------------------------------------
 def spam_twins(shp, seed, groups=False, eps=1e-6, **kw):
-    a, b = twin_params(shp, seed)
+    a, b = twin_params(shp, torch.float32, seed)
     ref_kw = {"update_proj_gap": kw.get("reset_every", 500), "warmup_epoch": kw.get("warmup_steps", 50),
               "grad_accu_steps": kw.get("clip_delay", 20), "threshold": kw.get("theta", 5000)}
     torch.manual_seed(seed)  # (the reference draws its all-true masks of matrices from the global generator)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs, assert_same, assert_step_changes_nothing
+from checks import Syncs, assert_same, assert_step_changes_nothing, run_twins, split, twin_params
 from families import close, layouts, scope_kw, sequence
 from harness import Harness
 from modopt.spec import stability as spec
@@ -44,28 +44,6 @@ def grads_stream(shapes, dtype, seed, steps, late=None):
             for i, s in enumerate(shapes)
         ])
     return out
-
-
-def twin_params(shapes, dtype, seed):
-    g = torch.Generator().manual_seed(1000 + seed)
-    init = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
-    return [torch.nn.Parameter(x.clone()) for x in init], [torch.nn.Parameter(x.clone()) for x in init]
-
-
-def split(params, groups):
-    return [{"params": params[:1]}, {"params": params[1:]}] if groups else params
-
-
-def run_twins(ref, opt, a, b, stream, each=None):
-    """Step the reference and modopt on the same gradients; `each(k)` after every step."""
-    for k, gs in enumerate(stream):
-        for p, q, gr in zip(a, b, gs):
-            p.grad = None if gr is None else gr.clone()
-            q.grad = None if gr is None else gr.clone()
-        ref.step()
-        opt.step()
-        if each is not None:
-            each(k)
 
 
 def gammas_equal(ref, opt, a, b):
