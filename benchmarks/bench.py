@@ -733,7 +733,7 @@ def run_isolated(index: int, model: str, nonfinite: str | None, args) -> Row:
         cmd.append("--quick")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    if getattr(args, "device", "cpu") != "cpu":
+    if args.device != "cpu":
         cmd += ["--device", args.device]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -769,7 +769,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     global DEVICE
-    DEVICE = torch.device(args.device)
+    try:
+        DEVICE = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device!r}: torch {torch.__version__} sees no CUDA device here")
     if args.row:  # one row, in a process of its own: print it as JSON
         index, model, nonfinite = args.row
         row = run_one(PIPELINES[int(index)], model, None if nonfinite == "default" else nonfinite, args)

@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--device", default="cpu", help="where the model and optimizer live (default cpu)")
     args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device!r}: torch {torch.__version__} sees no CUDA device here")
     got = rows(args.quick, args.device)
     print("| pipeline (defaults) | side | ops | syncs | bytes | limit |\n|---|---|---|---|---|---|")
     for r in got:

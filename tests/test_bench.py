@@ -89,8 +89,19 @@ def test_a_row_runs_in_a_process_of_its_own(bench):
     """The default (non-quick) run times every row in a fresh process; the row comes back whole."""
     import argparse
 
-    args = argparse.Namespace(quick=True, steps=2, warmup=1, repeats=1, threads=None)
+    args = argparse.Namespace(quick=True, steps=2, warmup=1, repeats=1, threads=None, device="cpu")
     index = next(i for i, p in enumerate(bench.PIPELINES) if p.name == "ClipNorm(1.0), Adam()")
     row = bench.run_isolated(index, "mlp", None, args)
     assert row.pipeline == "ClipNorm(1.0), Adam()" and row.model == "mlp" and row.nonfinite == "skip (default)"
     assert row.modopt_ms > 0 and row.torch_ms > 0 and row.diff == 0.0
+
+
+@pytest.mark.parametrize("device,says", [("foo", "Expected one of"), ("cuda", "sees no CUDA device")])
+def test_a_bad_device_is_refused_naming_the_flag(bench, capsys, device, says):
+    if device == "cuda" and torch.cuda.is_available():  # pragma: no cover - CPU CI
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--device", device])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--device '{device}'" in err and says in err

@@ -122,15 +122,16 @@ def momentum_(ctx: Step, bufs: list[torch.Tensor], updates: list[torch.Tensor], 
     for b, u in zip(bufs, updates):
         if ctx.skip is None:
             b.lerp_(u, 1 - beta)
-            out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
         elif clean_skip(b, u):
             keep, weight, nesterov_weight = _skip_weights(ctx.skip, b, beta, cache)
             clean = torch.nan_to_num_(u * keep, nan=0.0, posinf=0.0, neginf=0.0)  # (a new tensor)
             b.lerp_(clean, weight)
-            out.append(clean.lerp_(b, nesterov_weight) if nesterov else b.clone() if copy else b)
+            if nesterov:
+                out.append(clean.lerp_(b, nesterov_weight))
+                continue
         else:  # the same lerp on a new tensor (bit for bit the in-place one), the old buffer where skipped
             torch.where(ctx.skip, b, torch.lerp(b, u, 1 - beta), out=b)  # (an exact overlap: elementwise)
-            out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
+        out.append(u.lerp(b, beta) if nesterov else b.clone() if copy else b)
     return out
 
 
