@@ -633,10 +633,12 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
         group_ids.append(gi)
         ranges.append((start, len(params)))
     groups = [param_groups[gi] for gi in group_ids]
-    key = (tuple(map(id, params)), tuple(group_ids), tuple(masks), tuple(map(id, groups)))
+    # the groups are told apart by identity below, not by id() in the key: dynamo before 2.13 cannot trace id()
+    # of a dict, and a compiled step must stay one graph on every torch it meets
+    key = (tuple(map(id, params)), tuple(group_ids), tuple(masks))
     layouts = host.runtime_store("__layouts__")
     layout = layouts.get(key)
-    if layout is None:
+    if layout is None or any(a is not b for a, b in zip(layout.groups, groups)):
         names = _names(param_groups, group_ids, masks)
         _check_params(params, names, group_ids, ranges)
         if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small

@@ -1164,7 +1164,7 @@ def _skipping_step(inner: torch.optim.Optimizer, params: list[torch.Tensor], ski
         s = ns._state[p].get(ns._key)
         if s:
             saved.extend((s, k, v) for k, v in s.items() if isinstance(v, torch.Tensor))
-    copies = torch._foreach_clone([t for _, _, t in saved]) if saved else []
+    copies = [t.clone() for _, _, t in saved]  # (torch._foreach_clone is new in 2.13; this path is not a hot one)
     ns.recording = {}
     try:
         inner.step()
