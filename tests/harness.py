@@ -42,6 +42,8 @@ class Harness:
     def runtime_store(self, key):
         return self._runtime.setdefault(key, {})
 
+    plan = None  # no pipeline: nothing is left out, folded or linked
+
     def step(self, updates):
         """Run the transform through the pipeline runner, as ``Modular`` does: on a cached
         layout (segment tables, per-layout caches) with the step's norm memo."""

@@ -10,6 +10,7 @@ import torch
 
 from .modular import PipelineConfig
 from .nonfinite import apply_nonfinite_policy
+from .plan import make_plan
 from .runner import collect, run_step
 from .select import check_selections
 from .state import declared_buffers
@@ -37,10 +38,8 @@ class AttachHandle:
         self.optimizer = optimizer
         self.transforms = transforms
         self.nonfinite = nonfinite
-        from ..lint import cancelled_scales
-
-        #: transforms whose multiply a normalization right after cancels (`TransformState.scale_`)
-        self.cancelled_scales: frozenset[str] = cancelled_scales(transforms, nonfinite)
+        #: what is decided about the attached pipeline once (`modopt.core.plan`); the step reads it
+        self.plan = make_plan(transforms, nonfinite)
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         self._store: dict[str, dict] = {}
         self._runtime: dict[str, dict] = {}

@@ -39,9 +39,9 @@ from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch
 from .registry import trust_imports as _trust
 from .runner import TransformState, check_loss, collect, run_step
 from .state import declared_buffers
-from .select import check_selections, route_group, routes
+from .select import check_selections, route_group
+from .plan import make_plan
 from .transform import Transform, TransformField, plain_input, to_plain, walk
-from ..lint import Finding
 from .moments import Link
 
 class PipelineConfig(BaseModel):
@@ -250,14 +250,13 @@ class Modular(torch.optim.Optimizer):
                 raise TypeError(f"Modular: transform #{i} is {type(t).__name__}, not a modopt Transform")
         self._pipeline = PipelineConfig(transforms=list(transforms), nonfinite=nonfinite, defaults=group_defaults)
         self.transforms: tuple[Transform, ...] = tuple(transforms)
-        self._keys = [k for k, _ in walk(self.transforms)]
-        _check_last(self.transforms)
-        _check_skip_first(self.transforms)
-        self.folded_scale  # noqa: B018  (an invalid fold_clip fails here, before anything is built)
-        self.moment_links  # noqa: B018  (a transform whose optimizer offers no moments fails here, modopt.core.moments)
+        # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
+        # anything is built); the step reads it
+        self.plan = make_plan(self.transforms, self._pipeline.nonfinite)
+        self._keys = list(self.plan.keys)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}
-        self._routes = routes(self.transforms)  # optimizer transforms in Masked branches (None: no routing)
+        self._routes = self.plan.routes  # optimizer transforms in Masked branches (None: no routing)
         routed = {key for key, _, _ in self._routes or ()}
         for key, t in walk(self.transforms):
             for k, v in t.hyperparams().items():
@@ -340,7 +339,7 @@ class Modular(torch.optim.Optimizer):
             policy = self._pipeline.nonfinite
             if policy in ("skip", "raise") and grads[0].device.type == "meta":
                 policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
-            go = apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device)  # (asked every step: groups change)
+            go = apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device)
             for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
                 tap(ctx)
             if go:
@@ -381,7 +380,7 @@ class Modular(torch.optim.Optimizer):
         if isinstance(by, torch.Tensor) and self._skipped_steps.device != by.device:
             self._skipped_steps = self._skipped_steps.to(by.device)
         if torch.compiler.is_compiling():
-            self._skipped_steps += by
+            self._skipped_steps.add_(by)  # (not `+=`: that rebinds the attribute, which dynamo before 2.13 refuses)
             return self._skipped_steps.clone()
         self._skipped_steps = self._skipped_steps + by
         return self._skipped_steps
@@ -389,39 +388,26 @@ class Modular(torch.optim.Optimizer):
     @property
     def cancelled_scales(self) -> frozenset[str]:
         """Keys of the transforms whose multiply a normalization right after cancels, and which the
-        step therefore leaves out (`modopt.lint.cancelled_scales`, `TransformState.scale_`)."""
-        found = self.__dict__.get("_cancelled")
-        if found is None:
-            from ..lint import cancelled_scales
-
-            found = self.__dict__["_cancelled"] = cancelled_scales(self.transforms, self._pipeline.nonfinite)
-        return found
+        step therefore leaves out (the plan's, `modopt.core.plan.cancelled_scales`)."""
+        return self.plan.cancelled
 
     @property
     def folded_scale(self) -> str | None:
         """The key of the transform whose global scale the final optimizer's fused kernel takes as its
-        `grad_scale` (`Adam(fold_clip=True)`; `modopt.lint.folded_scale`), or None."""
-        if "_folded" not in self.__dict__:
-            from ..lint import folded_scale
-
-            self.__dict__["_folded"] = folded_scale(self.transforms)
-        return self.__dict__["_folded"]
+        `grad_scale` (`Adam(fold_clip=True)`; the plan's, `modopt.core.plan.folded_scale`), or None."""
+        return self.plan.folded
 
     @property
     def moment_links(self) -> dict[str, Link]:
         """Each transform that needs its optimizer's moments (SPAM), by key, with the optimizer transform
-        that offers them (`modopt.core.moments.link`; computed when built, where a mismatch fails)."""
-        if "_moment_links" not in self.__dict__:
-            from .moments import link
-
-            self.__dict__["_moment_links"] = link(self.transforms)
-        return self.__dict__["_moment_links"]
+        that offers them (the plan's, `modopt.core.moments.link`)."""
+        return dict(self.plan.moment_links)
 
     @property
     def _skip_on_device(self) -> bool:
-        """`nonfinite="skip"` decides on the device: every transform keeps its state on a skipped step,
-        with the param groups as they are now (`TorchOptimizer` answers per wrapped class and group)."""
-        return all(t.skips_on_device(self.param_groups) for t in self.transforms)
+        """`nonfinite="skip"` decides on the device: every transform keeps its state on a skipped step
+        (the plan's answer; per step only where a transform's answer reads group values)."""
+        return self.plan.skips_on_device(self.param_groups)
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
@@ -686,38 +672,6 @@ def _check_no_duplicates(group: dict[str, Any], index: int) -> None:
                 "(torch.optim warns about this and will refuse it; a step would update it twice)"
             )
         seen[p] = j
-
-
-def _check_last(transforms: tuple[Transform, ...]) -> None:
-    """Transforms that must end the chain (they write the parameters themselves) do."""
-    tail: set[int] = set()
-    t = transforms[-1] if transforms else None
-    while t is not None:
-        tail.add(id(t))
-        kids = t.children()
-        t = kids[-1] if kids else None
-    for key, t in walk(transforms):
-        if getattr(t, "must_be_last", False) and id(t) not in tail:
-            raise ValueError(f"{key}: {type(t).__name__} must be the last transform of the pipeline")
-
-
-def _check_skip_first(transforms: tuple[Transform, ...]) -> None:
-    """A transform that skips the rest of the step (`decides_skip`: `SkipStep`) is at the top level of the
-    pipeline, and no transform before it keeps state: a step it skips must leave every state as it was,
-    and what ran before it cannot be taken back."""
-    top = {id(t) for t in transforms}
-    for key, t in walk(transforms):
-        if getattr(t, "decides_skip", False) and id(t) not in top:
-            raise ValueError(f"{key}: {type(t).__name__} must be at the top level of the pipeline, not inside "
-                             "another transform: it skips the whole step")
-    for i, t in enumerate(transforms):
-        if getattr(t, "decides_skip", False):
-            stateful = [k for k, x in walk(transforms[:i]) if declared_buffers(x)]
-            if stateful:
-                raise ValueError(
-                    f"{i}:{type(t).__name__} comes after {', '.join(stateful)}, which keep state: a step it skips "
-                    f"must leave every state as it was, so put {type(t).__name__} before them (first in the pipeline)"
-                )
 
 
 def _check_inventory(state: Any, meta: dict) -> None:

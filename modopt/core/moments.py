@@ -184,7 +184,8 @@ class Moments:
     offer: Offer
 
     def __init__(self, ctx: Step, st: TransformState) -> None:
-        found = (getattr(ctx.host, "moment_links", None) or {}).get(st.key)
+        plan = ctx.host.plan
+        found = plan.moment_links.get(st.key) if plan is not None else None
         if found is None:
             raise RuntimeError(
                 f"{st.key}: this transform reads its optimizer's moments (modopt.core.moments), which mo.Modular "

@@ -202,7 +202,7 @@ class Step:
     group_ids: list[int]
     ranges: list[tuple[int, int]]
     names: list[str | None]
-    #: the state host: `Modular`, an `attach` handle or a `ScratchHost` (duck-typed: `state`,
+    #: the state host: `Modular`, an `attach` handle or a `ScratchHost` (each has `state`, `plan`,
     #: `transform_store(key)`, `runtime_store(key)`)
     host: Any
     stats: dict[str, torch.Tensor]
@@ -236,11 +236,12 @@ class Step:
         #: a learning-rate factor); shared with the sub-steps
         self.moment_requests = {}
         #: keys of the transforms whose multiply a later normalization cancels (`TransformState.scale_`):
-        #: the host's `cancelled_scales` (`modopt.lint.cancelled_scales` of its pipeline), or none
-        self.cancelled = getattr(host, "cancelled_scales", frozenset())
+        #: the host's plan's (`modopt.core.plan.cancelled_scales` of its pipeline)
+        plan = host.plan  # (None for a host with no pipeline: a functional call, a test)
+        self.cancelled = plan.cancelled if plan is not None else frozenset()
         #: the key of the transform whose global scale the final optimizer's fused kernel takes as its
-        #: `grad_scale` (the host's `folded_scale`, `modopt.lint.folded_scale`; `Adam(fold_clip=True)`)
-        self.folded = getattr(host, "folded_scale", None)
+        #: `grad_scale` (the host's plan's, `modopt.core.plan.folded_scale`; `Adam(fold_clip=True)`)
+        self.folded = plan.folded if plan is not None else None
         #: that transform's `(segments, scale)` on this step, not yet applied (`TransformState.scale_`);
         #: whatever runs next applies it (`flush_`) unless it is the optimizer kernel that folds it
         self.pending = None
@@ -394,6 +395,9 @@ class ScratchHost:
     def runtime_store(self, key: str) -> dict[str, Any]:
         """The unsaved cache of the transform with state key `key` (created empty)."""
         return self._runtime.setdefault(key, {})
+
+    #: no pipeline, no plan: nothing is left out, folded or linked (`modopt.core.plan`)
+    plan: Any = None
 
 
 class TransformState:

@@ -163,6 +163,13 @@ class Transform(BaseModel):
     #: The runner lets several masked optimizer branches write their parameters one after another only
     #: when none after the first can stop the step (`modopt.core.runner.run`)
     may_stop: ClassVar[bool] = False
+    #: True for a transform that writes the parameters itself and so must end the pipeline (`TorchOptimizer`)
+    must_be_last: ClassVar[bool] = False
+    #: True for a transform that may skip the whole step (`SkipStep`): it must come first, before any state
+    decides_skip: ClassVar[bool] = False
+    #: True when `skips_on_device` reads param-group values (which a scheduler may change): the plan then
+    #: asks it every step instead of once (`modopt.core.plan`)
+    skip_reads_groups: ClassVar[bool] = False
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
@@ -334,6 +341,21 @@ class Transform(BaseModel):
         scope has no effect. Declare it on a scaling transform whose factor is provably positive.
         """
         return None
+
+    def sets_norm(self) -> tuple[str, Any, bool] | None:
+        """`(scope, dim, inverse_dims)` when this transform sets each segment of that scope to one norm
+        whatever positive factor multiplied it before (`Normalize` with `eps=0`); None otherwise.
+
+        The plan reads it (`modopt.core.plan.cancelled_scales`): a positive scale right before it, of
+        the same or a coarser scope, has no effect and is left out of the step.
+        """
+        return None
+
+    @property
+    def folds_clip(self) -> bool:
+        """True for an optimizer transform that takes the global scale before it into its fused kernel
+        (`Adam(fold_clip=True)`; `modopt.core.plan.folded_scale`)."""
+        return False
 
     # --- structure --------------------------------------------------------
     def children(self) -> tuple["Transform", ...]:

@@ -78,7 +78,7 @@ class Masked(Transform):
     @model_validator(mode="after")
     def _maskable(self) -> "Masked":
         for key, t in walk(self.transforms):
-            if getattr(t, "must_be_last", False):
+            if t.must_be_last:
                 raise ValueError(
                     f"transforms.{key}: {type(t).__name__} steps every parameter of the optimizer itself and "
                     "cannot run inside Masked; use SGD, Adam, AdamW or LR in a masked branch"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from ..core.norms import Ord
+from ..core.plan import pnorm
 from ..core.runner import Step, TransformState
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
@@ -68,6 +69,13 @@ class Normalize(Scoped):
         st.record("norm", norm)
         st.record("scale", scale)
         return updates
+
+    def sets_norm(self) -> tuple[str, Any, bool] | None:
+        """With `eps=0`, `min_size=1` and a p-norm `ord` (p > 0), each segment's norm becomes `norm_value`
+        whatever positive factor multiplied it before (`modopt.core.plan.cancelled_scales`)."""
+        if self.eps == 0 and self.min_size == 1 and pnorm(self.ord) is not None:
+            return (self.scope, self.dim, self.inverse_dims)
+        return None
 
 
 class Centralize(Scoped):

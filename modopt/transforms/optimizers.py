@@ -534,6 +534,11 @@ class Adam(_FusedOptimizer):
                                     resets=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), count="step", lr_scale=True)
 
     @property
+    def folds_clip(self) -> bool:
+        """`fold_clip` (see the class docstring)."""
+        return self.fold_clip
+
+    @property
     def decoupled(self) -> bool:
         """Whether the weight decay is AdamW's, decoupled (`decoupled_weight_decay`, always for `AdamW`)."""
         return self.decoupled_weight_decay
@@ -1002,6 +1007,7 @@ class TorchOptimizer(Transform):
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"inner": "torch"}
     is_optimizer: ClassVar[bool] = True
     must_be_last: ClassVar[bool] = True
+    skip_reads_groups: ClassVar[bool] = True  # torch.optim.SGD's answer reads momentum and dampening
     _cls: type = PrivateAttr()
 
     def __init__(self, cls: Any = None, /, **kwargs: Any) -> None:

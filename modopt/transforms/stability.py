@@ -172,7 +172,7 @@ class SkipStep(Transform):
     attachable: ClassVar[bool] = False  # a torch optimizer after it could not be held back on the device
     update_access: ClassVar[Literal["write", "read", "none"]] = "read"
     may_stop: ClassVar[bool] = True  # the host's decision stops the chain
-    decides_skip: ClassVar[bool] = True  # it skips what comes after it (modopt.core.modular._check_skip_first)
+    decides_skip: ClassVar[bool] = True  # it skips what comes after it (modopt.core.plan._check_skip_first)
 
     window: int = Field(128, ge=2, le=2**20)
     sigma: FiniteNonNegativeFloat = 6.0

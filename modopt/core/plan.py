@@ -1,0 +1,250 @@
+"""The pipeline's plan: what is true of the whole pipeline, decided once when the optimizer is built.
+
+`make_plan(transforms, nonfinite)` runs when `Modular` is built (and `attach` attaches); the step reads
+the `Plan` and works nothing out again. It holds:
+
+* the structure checks: a transform that writes the parameters itself comes last (`must_be_last`), one
+  that skips the whole step comes first, before any state (`decides_skip`), `fold_clip` only on the last
+  transform and only after a global scale;
+* `cancelled`: the keys of the positive scales that a normalization right after them cancels, which
+  the step leaves out (`TransformState.scale_`);
+* `folded`: the key of the global scale the last optimizer's fused kernel takes as its `grad_scale`;
+* `moment_links`: each transform that reads its optimizer's moments (SPAM), with the optimizer that
+  offers them (`modopt.core.moments`);
+* `routes`: the optimizer transforms inside `Masked` branches and the parameters they write;
+* whether `nonfinite="skip"` decides on the device: fixed here, unless a transform's answer reads
+  param-group values (`Transform.skip_reads_groups`), which a scheduler may change between steps.
+
+The analyses are sound: a scale is left out or folded only when it provably changes nothing
+(rounding aside). `modopt.lint` reads the same analyses to tell the user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .moments import Link, link
+from .norms import parse_ord
+from .select import routes as find_routes
+from .state import declared_buffers
+from .transform import Chain, Transform, walk
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decisions about one pipeline (see the module docs); built by `make_plan`, never changed."""
+
+    #: the top-level transforms, in order
+    transforms: tuple[Transform, ...]
+    #: the non-finite policy
+    nonfinite: str
+    #: every transform's state key (nested ones included), in chain order
+    keys: tuple[str, ...]
+    #: keys of the scales a later normalization cancels (left out of the step)
+    cancelled: frozenset[str]
+    #: key of the scale folded into the last optimizer's kernel, or None
+    folded: str | None
+    #: transform key -> the optimizer transform whose moments it reads
+    moment_links: Mapping[str, Link]
+    #: optimizer transforms in `Masked` branches (`modopt.core.select.routes`), or None: no routing
+    routes: Any
+    #: whether the skip is decided on the device, for every param-group value; None: asked per step
+    device_skip: bool | None
+
+    def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
+        if self.device_skip is not None:
+            return self.device_skip
+        return all(t.skips_on_device(groups) for t in self.transforms)
+
+
+def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict[str, Any]] | None = None) -> Plan:
+    """The plan of `transforms` under `nonfinite`; raises `ValueError` naming the transform for a pipeline
+    that cannot run (see the module docs). `groups`: the param groups when known (for the device-skip
+    answer of transforms that read them; re-planned by the host when groups are added)."""
+    transforms = tuple(transforms)
+    _check_last(transforms)
+    _check_skip_first(transforms)
+    folded = folded_scale(transforms)
+    links = link(transforms)
+    reads_groups = any(t.skip_reads_groups for _, t in walk(transforms))
+    device_skip = None if reads_groups else all(t.skips_on_device(groups) for t in transforms)
+    return Plan(
+        transforms=transforms, nonfinite=nonfinite, keys=tuple(k for k, _ in walk(transforms)),
+        cancelled=cancelled_scales(transforms, nonfinite), folded=folded, moment_links=links,
+        routes=find_routes(transforms), device_skip=device_skip,
+    )
+
+
+# --- structure ---------------------------------------------------------------------------------------
+def _check_last(transforms: tuple[Transform, ...]) -> None:
+    """Transforms that must end the chain (they write the parameters themselves) do."""
+    tail: set[int] = set()
+    t = transforms[-1] if transforms else None
+    while t is not None:
+        tail.add(id(t))
+        kids = t.children()
+        t = kids[-1] if kids else None
+    for key, t in walk(transforms):
+        if t.must_be_last and id(t) not in tail:
+            raise ValueError(f"{key}: {type(t).__name__} must be the last transform of the pipeline")
+
+
+def _check_skip_first(transforms: tuple[Transform, ...]) -> None:
+    """A transform that skips the rest of the step (`decides_skip`: `SkipStep`) is at the top level of the
+    pipeline, and no transform before it keeps state: a step it skips must leave every state as it was,
+    and what ran before it cannot be taken back."""
+    top = {id(t) for t in transforms}
+    for key, t in walk(transforms):
+        if t.decides_skip and id(t) not in top:
+            raise ValueError(f"{key}: {type(t).__name__} must be at the top level of the pipeline, not inside "
+                             "another transform: it skips the whole step")
+    for i, t in enumerate(transforms):
+        if t.decides_skip:
+            stateful = [k for k, x in walk(transforms[:i]) if declared_buffers(x)]
+            if stateful:
+                raise ValueError(
+                    f"{i}:{type(t).__name__} comes after {', '.join(stateful)}, which keep state: a step it skips "
+                    f"must leave every state as it was, so put {type(t).__name__} before them (first in the pipeline)"
+                )
+
+
+# --- scales: left out before a normalization, folded into a kernel ------------------------------------
+def flatten(transforms: Sequence[Transform], prefix: str = "") -> list[tuple[str, Transform]]:
+    """Chains run in order on the same updates: the pipeline with chains flattened (keys as in `walk`)."""
+    out: list[tuple[str, Transform]] = []
+    for i, t in enumerate(transforms):
+        key = f"{prefix}{i}:{type(t).__name__}"
+        if type(t) is Chain:
+            out.extend(flatten(t.transforms, key + "/"))
+        else:
+            out.append((key, t))
+    return out
+
+
+def pnorm(ord: Any) -> float | None:
+    """p for a true p-norm (p > 0, inf included), else None."""
+    try:
+        o = parse_ord(ord)
+    except Exception:
+        return None
+    return o if isinstance(o, float) and o > 0 else None
+
+
+def segments(t: Any) -> tuple:
+    """`(scope, dim, inverse_dims)` of a reducing transform."""
+    return (t.scope, t.dim, t.inverse_dims)
+
+
+def contains(outer: tuple, inner: tuple) -> bool:
+    """Every segment of scope `inner` lies inside one segment of scope `outer`, and `inner` leaves no
+    tensor alone that `outer` changes (a slicing may leave a tensor with no slice dim alone, e.g. a
+    bias under `dim=0, inverse_dims=True`: then only the same slicing is provably the same)."""
+    o, i = outer, inner
+    if _may_leave_alone(i):
+        return o == i
+    if o[0] == "global":
+        return True
+    if o[0] == "group":
+        return i[0] in ("group", "tensor")
+    if o[1] is None and not o[2]:  # whole tensors
+        return i[0] == "tensor"
+    return o == i  # slices: only the same slicing is provably the same
+
+
+def _may_leave_alone(seg: tuple) -> bool:
+    """Whether the slicing `(scope, dim, inverse_dims)` leaves some tensor shape with no slice dim
+    (`modopt.core.scope.slice_dims`); tensors with more dims than any listed dim reaches never are."""
+    from .scope import slice_dims
+
+    scope, dim, inverse = seg
+    if scope != "tensor" or (dim is None and not inverse):
+        return False
+    listed = (dim,) if isinstance(dim, int) else tuple(dim or ())
+    reach = max([abs(d) for d in listed] + [0]) + 2
+    return any(slice_dims(ndim, dim, inverse) is None for ndim in range(reach))
+
+
+def _declared_with_apply(t: Transform, method: str) -> bool:
+    """`method` was declared with (or after) the `apply` it speaks for: a subclass that rewrites `apply`
+    without declaring it again says nothing."""
+    mro = type(t).__mro__
+    applies = next(k for k in mro if "apply" in k.__dict__)
+    declares = next(k for k in mro if method in k.__dict__)
+    return issubclass(declares, applies)
+
+
+def positive_scale(t: Transform) -> tuple | None:
+    """`t.positive_scale()`, trusted only when declared with its `apply` (see `_declared_with_apply`)."""
+    return t.positive_scale() if _declared_with_apply(t, "positive_scale") else None
+
+
+def sets_norm(t: Transform) -> tuple | None:
+    """`t.sets_norm()`, trusted only when declared with its `apply` (see `_declared_with_apply`)."""
+    return t.sets_norm() if _declared_with_apply(t, "sets_norm") else None
+
+
+def cancelled_by(flat: list[tuple[str, Transform]], j: int):
+    """`(key, transform)` of each positive scale right before the normalization `flat[j]` that it cancels,
+    nearest first (transforms with `update_access = "none"` are looked through)."""
+    target = sets_norm(flat[j][1])
+    for i in range(j - 1, -1, -1):
+        key, t = flat[i]
+        if t.update_access == "none":
+            continue
+        seg = positive_scale(t)
+        if seg is None or target is None or not contains(seg, target):
+            return
+        yield key, t
+
+
+def cancelled_scales(transforms: Sequence[Transform], nonfinite: str) -> frozenset[str]:
+    """Keys of the transforms whose multiply the runner may leave out (`TransformState.scale_`).
+
+    Only the positive scale right before a normalization that sets its segments' norm (`sets_norm()`)
+    and cancels it: the normalization then reads the same update it would read after the multiply,
+    up to a positive factor per segment, and sets its norm (equal up to rounding; the transform's state
+    and telemetry do not depend on its own multiply). An earlier scale in a run of several is kept: the
+    scale after it reads its output, for its state and telemetry. Nothing is left out under
+    `nonfinite="ignore"` (a non-finite update reaches the transforms).
+    """
+    if nonfinite == "ignore":
+        return frozenset()
+    flat = flatten(transforms)
+    out = set()
+    for j, (_, n) in enumerate(flat):
+        if sets_norm(n) is not None:
+            out.update(key for key, _ in list(cancelled_by(flat, j))[:1])
+    return frozenset(out)
+
+
+def folded_scale(transforms: Sequence[Transform]) -> str | None:
+    """The key of the transform whose scale the final optimizer folds into its fused kernel, or None.
+
+    Only where the last transform asks for it (`Adam(fold_clip=True)`, `AdamW(fold_clip=True)`)
+    and the transform right before it (through those with `update_access = "none"`) is a
+    scale of one factor for all parameters: `positive_scale()` declared, global scope.
+    Raises ValueError, naming the field, when the optimizer asks and there is no such scale.
+    """
+    flat = flatten(transforms)
+    for key, t in walk(transforms):
+        if t.folds_clip and (not flat or t is not flat[-1][1]):
+            raise ValueError(f"{key}.fold_clip: only the last transform of the pipeline (its optimizer) can "
+                             "fold a clip's scale into its kernel; set fold_clip=False")
+    if not flat or not flat[-1][1].folds_clip:
+        return None
+    okey, _ = flat[-1]
+    for key, t in reversed(flat[:-1]):
+        if t.update_access == "none":
+            continue
+        seg = positive_scale(t)
+        if seg is not None and seg[0] == "global" and seg[1] is None:
+            return key
+        raise ValueError(
+            f"{okey}.fold_clip: the transform before it, {key}, does not declare one positive scale for "
+            f"all parameters (positive_scale() with scope='global'), so there is no scale to fold; use a "
+            f"global-scope ClipNorm (or ClipNormByRMS, ClipNormByEMA, ...) right before it, or fold_clip=False"
+        )
+    raise ValueError(f"{okey}.fold_clip: no transform before it has a scale to fold; set fold_clip=False")
