@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from . import compile_marks
 from .distributed import any_nonfinite, any_sharded
 from .norms import common_acc_dtype, foreach_pnorm
 from .runner import Step
@@ -96,7 +97,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         bad, exact = nonfinite_mask(grads), True
     else:  # cheap check first; true only for a non-finite (or overflowing) norm
         bad, exact = ~maybe_finite(ctx, grads), False
-    settle = _settle_compiled if torch.compiler.is_compiling() else _settle
+    settle = compile_marks.settle if torch.compiler.is_compiling() else _settle
     is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names)
     ctx.stats["nonfinite"] = bad
     if not is_bad:
@@ -136,5 +137,6 @@ FULLGRAPH_HINT = (
     "gradient elements become 0, on the device); or keep the policy and compile without fullgraph=True "
     "(one graph break per step, at this decision)"
 )
-#: `_settle` for traced code: a graph break under plain `torch.compile`, `FULLGRAPH_HINT` under fullgraph
-_settle_compiled = torch.compiler.disable(_settle, reason=FULLGRAPH_HINT)
+#: `_settle` for traced code (`compile_marks.settle`): a graph break under plain `torch.compile`,
+#: `FULLGRAPH_HINT` under fullgraph
+compile_marks.disabled("settle", _settle, FULLGRAPH_HINT)

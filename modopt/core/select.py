@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from . import compile_marks
 from .keys import transform_key
 from .runner import Step
 from .transform import Transform
@@ -134,9 +135,10 @@ class Select(BaseModel):
         if self.by_name:
             if name is None:  # checked (with a clear message) by the callers before matching
                 raise ValueError(self._unnamed_message(1))
-            if self.names is not None and not _any_match(name, tuple(self.names)):
+            any_match = compile_marks.any_match if torch.compiler.is_compiling() else _any_match
+            if self.names is not None and not any_match(name, tuple(self.names)):
                 return False
-            if _any_match(name, tuple(self.exclude)):
+            if any_match(name, tuple(self.exclude)):
                 return False
         return True
 
@@ -233,12 +235,14 @@ class Select(BaseModel):
         return out
 
 
-@torch.compiler.assume_constant_result
 def _any_match(name: str, patterns: tuple[str, ...]) -> bool:
     """Does `name` match one of the glob `patterns` (`fnmatch`, case-sensitive)? Traced by `torch.compile`
-    as a constant: it runs when a layout is first seen (its result is cached per layout), and dynamo
-    cannot trace `fnmatch` itself."""
+    as a constant (`compile_marks.any_match`): it runs when a layout is first seen (its result is cached
+    per layout), and dynamo cannot trace `fnmatch` itself."""
     return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+compile_marks.constant("any_match", _any_match)
 
 
 def group_names(group: dict[str, Any]) -> list[str | None] | None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from pydantic import PrivateAttr, field_validator, model_validator
-from ..core import distributed, kernels
+from ..core import compile_marks, distributed, kernels
 from ..core.distributed import is_sharded
 from torch.optim.optimizer import _get_capturable_supported_devices as _capturable_devices
 from ..core.keys import value_key
@@ -1100,7 +1100,10 @@ class TorchOptimizer(Transform):
 
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """Step the wrapped torch optimizer on the updates; True."""
-        _inner_step(self, ctx, st, updates)
+        # never traced; without torch._dynamo loaded nothing can be, and the plain function saves its import
+        step = compile_marks.torch_optimizer_step if torch.compiler.is_compiling() or compile_marks.dynamo_loaded() \
+            else _run_inner
+        step(self, ctx, st, updates)
         return True
 
 
@@ -1135,7 +1138,8 @@ def _run_inner(self, ctx, st, updates) -> None:
         _skipping_step(inner, ctx.params, ctx.skip)
 
 
-_inner_step = torch.compiler.disable(_run_inner, reason=TORCH_OPTIMIZER_HINT)
+#: `_run_inner` wrapped in `torch.compiler.disable` (`compile_marks.torch_optimizer_step`)
+compile_marks.disabled("torch_optimizer_step", _run_inner, TORCH_OPTIMIZER_HINT)
 
 
 #: the torch.optim classes whose state is all tensors, made before the update and updated in place:
