@@ -94,6 +94,39 @@ def test_resume_can_extend_a_finished_run(tmp_path):
     assert rs == rf
 
 
+def test_the_progress_line_shows_a_dash_until_a_loss_is_read(tmp_path, capsys):
+    """The loss comes back with the telemetry (every `output.read_every` steps): before the first
+    read-back the line shows a dash, after it the last loss read and its step, never a made-up nan."""
+    import yaml
+
+    cfg = write_config(tmp_path / "exp.yaml", clip_transforms(), steps=60)
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "output": {"read_every": 20}}, sort_keys=False))
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--no-plots") == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if " it/s " in ln]
+    assert len(lines) == 10, lines  # not a terminal: a line per 10%
+    losses = [ln.split(" loss ", 1)[1].split(" it/s")[0].rsplit(" ", 1)[0] for ln in lines]
+    assert losses[0] == "-"  # step 6: nothing read yet
+    assert losses[3].endswith("(step 20)") and float(losses[3].split()[0]) > 0  # step 24
+    assert float(losses[-1]) > 0  # step 60 reads back (the last step): this step's loss
+    assert not any("nan" in x for x in losses)
+
+
+def test_the_progress_line_shows_what_was_read():
+    import io
+    import math
+
+    from modopt.cli.run import Progress
+
+    out = io.StringIO()
+    bar = Progress(100, 0, "exp", stream=out)
+    bar.update(10, None)
+    bar.update(20, math.nan, 20)  # a real NaN loss
+    bar.update(30, 1.5, 20)
+    bar.update(40, math.inf, 40)
+    shown = [ln.split(" loss ", 1)[1].split(" it/s")[0] for ln in out.getvalue().splitlines()]
+    assert [x.rsplit(" ", 1)[0] for x in shown] == ["-", "nan", "1.5000 (step 20)", "inf"]
+
+
 def test_run_refuses_non_empty_out_without_force(tmp_path, capsys):
     cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
     out = tmp_path / "r"

@@ -173,8 +173,9 @@ class Progress:
         self.last_draw: float = 0.0
         self.every: int = max(1, (total - start) // 10)
 
-    def update(self, step: int, loss: float | None) -> None:
-        """Show that step `step` is done with loss `loss` (redrawn at most 5 times a second on a terminal)."""
+    def update(self, step: int, loss: float | None, loss_step: int | None = None) -> None:
+        """Show that step `step` is done, with `loss`, the loss of step `loss_step` (the last one read back;
+        None: none read yet, shown as a dash). Redrawn at most 5 times a second on a terminal."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -190,7 +191,10 @@ class Progress:
         width = 24
         fill = int(width * step / self.total)
         bar = "#" * fill + "." * (width - fill)
-        loss_s = f"{loss:.4f}" if loss is not None else "nan"
+        # the loss is read back with the telemetry (no host sync per step): say which step it is from
+        loss_s = "-" if loss is None else f"{loss:.4f}"
+        if loss is not None and loss_step is not None and loss_step != step:
+            loss_s += f" (step {loss_step})"
         line = f"{self.label} [{bar}] {step}/{self.total} loss {loss_s} {rate:.1f} it/s eta {eta:.0f}s"
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
@@ -680,7 +684,10 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         bar = Progress(tr.steps, start, exp.name, enabled=progress and tr.steps - start >= 50)
         mf = (out / "metrics.jsonl").open("a")
         tf = (out / "timing.jsonl").open("a")
-        shown: list[float | None] = [metrics[-1]["loss"] if metrics else None]
+        # (step, loss) of the last row read back; a null loss in metrics.jsonl was non-finite
+        shown: list[tuple[int | None, float | None]] = [(None, None)]
+        if metrics:
+            shown[0] = (metrics[-1]["step"], math.nan if metrics[-1]["loss"] is None else metrics[-1]["loss"])
 
         def read_back() -> None:
             for r in history.flush():
@@ -691,7 +698,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
                 mf.write(json.dumps(row) + "\n")
                 if tb is not None:
                     tb.write([{**r, **{k: row[k] for k in ("lr", "eval_loss") if row.get(k) is not None}}])
-                shown[0] = row["loss"]
+                shown[0] = (r["step"], float(r["loss"]))  # the value itself: a NaN or inf loss shows as such
 
         try:
             step = start
@@ -730,7 +737,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
                     mf.flush()
                     tf.flush()
                     _atomic_save(_checkpoint(step, model, opt, guard), ckpt_path)
-                bar.update(step, shown[0])
+                bar.update(step, shown[0][1], shown[0][0])
                 if stop:
                     raise RunInterrupted(f"stopped after step {step} (--stop-after)")
         finally:
