@@ -33,6 +33,7 @@ import torch
 import modopt as mo
 from checks import Syncs, assert_same
 from examples import all_examples, pipeline_for
+from modopt.core.transform import walk
 
 #: the device under test: CUDA; `MODOPT_TEST_DEVICE=cpu` runs the same checks with CPU tensors (a check of
 #: the tests themselves on a machine without a GPU; the rest of the suite covers the CPU)
@@ -130,16 +131,27 @@ def test_every_example_on_cuda_equals_the_cpu_run_in_float64(name, t):
             opt.step()
         runs.append(([p.detach().cpu() for p in model.parameters()], _tensors(opt.state_dict())))
     (p_cpu, s_cpu), (p_gpu, s_gpu) = runs
+    tol = _tolerance(t)
     for a, b in zip(p_cpu, p_gpu):
-        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(b, a, **tol)
     assert s_cpu.keys() == s_gpu.keys()
     for k in s_cpu:
         a, b = s_cpu[k], s_gpu[k]
         assert a.dtype == b.dtype, k
         if a.is_floating_point():
-            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12, equal_nan=True, msg=k)
+            torch.testing.assert_close(b, a, equal_nan=True, msg=k, **tol)
         else:
             assert torch.equal(a, b), k
+
+
+def _tolerance(t: mo.Transform) -> dict:
+    """float64 rounding; float32's where the example orthogonalizes in float32 (`ns_dtype`): CUDA's and the
+    CPU's matrix products round differently, and eight steps carry it on."""
+    low = [x.ns_dtype for _, x in walk([t]) if getattr(x, "ns_dtype", "float64") != "float64"]
+    if not low:
+        return dict(rtol=1e-9, atol=1e-12)
+    assert set(low) == {"float32"}, low  # (bfloat16 examples belong in tests/test_orthogonal.py)
+    return dict(rtol=1e-5, atol=1e-7)
 
 
 def _tensors(tree, path=""):

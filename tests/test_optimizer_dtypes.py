@@ -89,7 +89,10 @@ def clip_reference(params, max_norm=1.0, eps=1e-6):
     """torch.nn.utils.clip_grad_norm_, in at least float32 arithmetic (half-precision gradients
     would round the norm): the clipped gradients, in float32 (float64 for float64 parameters)."""
     g32 = [p.grad.to(torch.promote_types(p.dtype, torch.float32)) for p in params]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in g32]))
+    # per-tensor norms by torch's foreach kernel, as clip_grad_norm_(foreach=True) takes them: on CUDA it
+    # sums in another order than linalg.vector_norm, and one unit of float32 rounding in the coefficient
+    # moves a half-precision gradient near zero by a unit, which Adam's g / sqrt(v) turns into a whole step
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g32, 2.0)))
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     return [g * coef for g in g32]
 

@@ -289,6 +289,9 @@ class Modular(torch.optim.Optimizer):
                  for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
         for t in self.transforms:  # what a transform can refuse about the parameters (a device, a dtype)
             t.check_params(named)
+        # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
+        # and a compiled step cannot move it)
+        self._skipped_steps = self._skipped_steps.to(_counter_device(self.param_groups))
 
     # --- torch.optim.Optimizer contract -------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -522,7 +525,7 @@ class Modular(torch.optim.Optimizer):
         self.state.update(new_state)
         self.param_groups[:] = new_groups
         self._store = new_store
-        self._skipped_steps = skipped
+        self._skipped_steps = skipped.to(self._skipped_steps.device)
         self._runtime.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -650,6 +653,14 @@ def _pipeline_arguments(transforms: tuple, nonfinite: Any, config: Any, group_de
             "(or transforms=[...] / config=... by name)"
         )
     return transforms, "skip" if nonfinite is None else nonfinite, group_defaults
+
+
+def _counter_device(groups: list[dict[str, Any]]) -> torch.device:
+    """The device of the first parameter (the CPU when there is none, or it holds no values: meta)."""
+    for g in groups:
+        for p in g["params"]:
+            return p.device if p.device.type != "meta" else torch.device("cpu")
+    return torch.device("cpu")
 
 
 def _check_no_duplicates(group: dict[str, Any], index: int) -> None:

@@ -582,8 +582,12 @@ class Adam(_FusedOptimizer):
             return self._torch_step(ctx, st, updates)
         skip, scaled = ctx.skip, lr_scale(ctx, st)
         if (skip is not None or scaled is not None) and not all(
-                fused for _, a, b in ctx.per_group() for _, fused, _ in _plan(ctx, a, b, self.kernel, self.fused is True)):
-            return False  # torch's foreach kernel cannot skip on the device (or take a tensor lr): the foreach math can
+                fused and (scaled is None or dtype != torch.float64 or ctx.params[a].device.type == "cpu")
+                for _, a, b in ctx.per_group() for _, fused, dtype in _plan(ctx, a, b, self.kernel, self.fused is True)):
+            # torch's foreach kernel cannot skip on the device or take a tensor lr, and CUDA's fused kernel
+            # reads a tensor lr in float32 only (float64 parameters would lose the lr's precision): the
+            # foreach math can
+            return False
         found_inf = by = None
         if skip is not None:  # the fused kernels skip on the device, as under GradScaler
             found_inf, by = skip.to(torch.float32), ~skip if ctx.proceed is None else ctx.proceed
@@ -1189,5 +1193,11 @@ def _skipping_step(inner: torch.optim.Optimizer, params: list[torch.Tensor], ski
                     raise RuntimeError(f"{type(inner).__name__} created its state {k!r} in a way a step the "
                                        "device skips cannot undo")
                 restore.append((v, s.first[k]))
+    by_device = {skip.device: skip}
     for new, old in restore:
-        torch.where(skip, old, new, out=new)
+        # (torch keeps some counts on the CPU for CUDA parameters, e.g. Adam's `step` unless capturable:
+        # restoring those reads the decision on the host, one sync a step)
+        w = by_device.get(new.device)
+        if w is None:
+            w = by_device[new.device] = skip.to(new.device)
+        torch.where(w, old, new, out=new)
