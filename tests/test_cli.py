@@ -127,6 +127,27 @@ def test_the_progress_line_shows_what_was_read():
     assert [x.rsplit(" ", 1)[0] for x in shown] == ["-", "nan", "1.5000 (step 20)", "inf"]
 
 
+def test_every_subcommand_says_what_it_does_and_the_docs_list_it():
+    import argparse
+
+    from modopt.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    # `bench` hands its arguments to benchmarks/bench.py, whose own --help describes it
+    assert [n for n, p in subs.choices.items() if not p.description and n != "bench"] == []
+    synopsis = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text().split("```")[1]
+    assert [n for n in subs.choices if f"modopt {n}" not in synopsis] == []
+
+
+def test_compare_and_sweep_run_one_at_a_time_by_default():
+    from modopt.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["compare", "a.yaml"]).jobs == 1
+    assert parser.parse_args(["sweep", "a.yaml", "--grid", "train.steps=1,2"]).jobs == 1
+
+
 def test_run_refuses_non_empty_out_without_force(tmp_path, capsys):
     cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
     out = tmp_path / "r"

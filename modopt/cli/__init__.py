@@ -65,6 +65,12 @@ def _float_in(lo: float, strict: bool):
     return parse
 
 
+#: `--jobs` of compare and sweep: one default for both (in this process: the progress line and a failing
+#: run's error show directly, and no worker processes start unasked)
+JOBS_HELP = ("runs at a time, in worker processes (default 1: one after the other in this process; each run is "
+             "single-threaded and deterministic, so N changes the wall time, not the results)")
+
+
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_int_in(1, INT64_MAX), help="override train.steps")
     p.add_argument("--seed", type=_int_in(0, SEED_MAX, "a seed is one of"), help="override train.seed")
@@ -106,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for the runs, the tables, the plot and report.html (default runs/compare-<time>)")
     _add_seed_args(p)
     p.add_argument("--baseline", metavar="NAME", help="also give each run's paired difference to the run NAME over the same seeds")
-    p.add_argument("--jobs", type=_int_in(1, 1024), default=1, help="runs at a time, in worker processes (default 1: in this process)")
+    p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
     _add_run_args(p)
 
-    p = sub.add_parser("sweep", help="run a config over a grid of field values x seeds, in parallel, resumable",
+    p = sub.add_parser("sweep", help="run a config over a grid of field values x seeds, resumable",
                        description="Run CONFIG at every point of the grid (the Cartesian product of the --grid options) "
                        "and every seed; reuse the runs in OUT that already finished.")
     p.add_argument("config", metavar="CONFIG", help="a config file or a shipped example's name (modopt examples)")
@@ -118,22 +124,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "(YAML scalars); repeat for a grid of several fields")
     p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
     p.add_argument("--out", help="directory of the sweep; run again with the same OUT to resume (default runs/sweep-<time>)")
-    p.add_argument("--jobs", type=_int_in(1, 1024), help="runs at a time, in worker processes (default: the available cores)")
+    p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
     p.add_argument("--metric", default="final_loss",
                    help="what the plots show (default final_loss; or best_loss, final_eval_loss, best_eval_loss, "
                    "loss_spikes, worst_excursion, clipped_pct, skipped_steps, max_grad_norm, time_per_step_ms)")
     _add_seed_args(p)
     _add_run_args(p)
 
-    p = sub.add_parser("validate", help="check a config file (experiment or pipeline)")
+    p = sub.add_parser("validate", help="check a config file (experiment or pipeline)",
+                       description="Check CONFIG (an experiment or a bare pipeline; YAML, JSON or TOML) as modopt "
+                       "run does before it trains: the fields, the task built, every optimizer built on its model; "
+                       "the pipeline's lint findings are printed as warnings. An error names the file and the field "
+                       "path or line (exit status 1).")
     p.add_argument("config", help="a config file or a shipped example's name (modopt examples)")
-    p.add_argument("--trust-imports", action="store_true")
+    p.add_argument("--trust-imports", action="store_true",
+                   help="allow tasks and optimizer classes named by import path (imports them, running their code)")
 
-    p = sub.add_parser("schema", help="print the JSON schema of configs (for editor completion)")
+    p = sub.add_parser("schema", help="print the JSON schema of configs (for editor completion)",
+                       description="Print the JSON schema of experiment configs (of bare pipeline configs with "
+                       "--pipeline), for an editor's completion and checking: modopt schema > modopt.schema.json.")
     p.add_argument("--pipeline", action="store_true", help="the schema of a bare pipeline config instead of an experiment")
-    p.add_argument("--indent", type=_int_in(0, 64), default=2)
+    p.add_argument("--indent", type=_int_in(0, 64), default=2, help="spaces per indentation level (default 2)")
 
-    p = sub.add_parser("modules", help="list the registered transforms with their fields, defaults and ranges")
+    p = sub.add_parser("modules", help="list the registered transforms with their fields, defaults and ranges",
+                       description="List the registered transforms (every type a config may name) with their fields, "
+                       "types, defaults, allowed ranges and the first line of their docstrings.")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these transforms (case-insensitive)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -1,4 +1,4 @@
-"""`modopt sweep`: an experiment over a grid of settings × seeds, in parallel, resumable.
+"""`modopt sweep`: an experiment over a grid of settings × seeds, resumable.
 
 `--grid PATH=V1,V2,...` names a field of the experiment by its dotted path
 (`optimizer.transforms.0.max_norm`, `train.steps`, `task.options.dim`; a number
@@ -9,7 +9,7 @@ the task and the optimizer built as `modopt validate` does) before anything
 runs; an invalid path or value is refused with the path in the message.
 
 Each point × seed is a `modopt run` directory `OUT/<point>/seed-<S>/`, run in
-`--jobs` worker processes. A directory whose `summary.json` is complete for
+this process one after the other, or `--jobs N` at a time in worker processes. A directory whose `summary.json` is complete for
 the same resolved config is reused, anything else there is run again: a sweep
 that was interrupted (or extended with more values or seeds) continues where
 it stopped. The table, `sweep.json`, one plot per swept field (the metric
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -50,11 +49,6 @@ _EXP_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def _err(*a: Any) -> None:
     print(*a, file=sys.stderr)
-
-
-def default_jobs() -> int:
-    """The cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # --- the grid --------------------------------------------------------------------------------
@@ -199,7 +193,7 @@ def sweep(
     variant: str | None = None,
     overrides: Any = None,
     seeds: list[int] | None = None,
-    jobs: int | None = None,
+    jobs: int = 1,
     metric: str = "final_loss",
     spike_kw: dict[str, Any] | None = None,
     trust_imports: bool = False,
@@ -228,10 +222,9 @@ def sweep(
                 reused += 1
             else:
                 todo.append(job)
-    n_jobs = jobs or default_jobs()
     _err(f"modopt sweep: {len(points)} grid points x {len(ss)} seeds = {len(points) * len(ss)} runs: "
          f"{len(todo)} to run, {reused} finished already (reused)")
-    run_jobs(todo, n_jobs=n_jobs, trust_imports=trust_imports, progress=progress, plots=plots, tool="sweep")
+    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots, tool="sweep")
     for pt in points:
         recs = [seed_record(pt["label"], s, out / pt["dir"] / f"seed-{s}", pt["exp"].task.name, spike_kw)[0] for s in ss]
         pt.update(seeds=ss, per_seed=recs, summary=over_seeds(recs))
