@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .hostdata import on_device
 from .norms import common_acc_dtype, foreach_pnorm, slice_stat
 
 
@@ -99,7 +100,7 @@ def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
         if k:
             by_key.setdefault(k, []).append(i)
     for key, idx in by_key.items():
-        ix = torch.tensor(idx, device=values.device)
+        ix = on_device(idx, torch.int64, values.device)
         buf = out.index_select(0, ix).contiguous()
         for group in key:
             dist.all_reduce(buf, op=op, group=group)
@@ -148,7 +149,7 @@ def reduce(seg: Any, tensors: list[torch.Tensor], stat: float | str) -> torch.Te
     acc = common_acc_dtype(tensors)  # (p-norms come through `Segments.tensor_pnorms`, the step's memo)
     keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
     locals_ = [_local(t) for t in tensors]
-    counts = torch.tensor(seg.counts, dtype=acc, device=_device(locals_))
+    counts = seg.count_tensor(acc, _device(locals_))
     if stat == "mad":
         return seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.abs().sum(dtype=acc))) / counts.clamp(min=1)
     sums = seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.sum(dtype=acc)))

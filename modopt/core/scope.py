@@ -38,6 +38,7 @@ from pydantic import Field, model_validator
 
 from . import distributed
 from .distributed import any_sharded
+from .hostdata import on_device
 from .keys import group_key, value_key
 from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, slice_stat
 from .runner import NormMemo, Step, TransformState, any_pnorms
@@ -163,7 +164,7 @@ class Segments:
         if self.kind == "slices":
             return self.concat([slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)], tensors)
         acc = common_acc_dtype(tensors)
-        counts = torch.tensor(self.counts, dtype=acc, device=_device(tensors))
+        counts = self.count_tensor(acc, _device(tensors))
         if stat == "mad":
             parts = torch.stack(foreach_pnorm(tensors, 1.0)).to(acc)
             return self.segment_sums(parts) / counts.clamp(min=1)
@@ -185,7 +186,15 @@ class Segments:
         out = self._count_vectors.get(key)
         if out is None:
             counts = self.counts if self.kind != "slices" else [c for c, k in zip(self.counts, self.sizes) for _ in range(k)]
-            out = self._count_vectors[key] = torch.tensor(counts, dtype=torch.float64).to(like.dtype).to(like.device)
+            out = self._count_vectors[key] = on_device(counts, torch.float64, like.device).to(like.dtype)
+        return out
+
+    def count_tensor(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The number of elements of each segment as a 1-D tensor of `dtype` on `device`, made once per layout."""
+        key = ("segments", dtype, device)
+        out = self._count_vectors.get(key)
+        if out is None:
+            out = self._count_vectors[key] = on_device(list(self.counts), dtype, device)
         return out
 
     def tensor_pnorms(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:

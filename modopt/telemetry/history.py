@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..core.hostdata import on_device
 from ..core.keys import split_value_key
 from ..core.norms import common_acc_dtype
 
@@ -192,7 +193,7 @@ class History:
         if index is None or index.device != parts.device:
             where = {m: i for i, m in enumerate(self._modules)}
             names = [self._by_id.get(id(p)) or n for p, n in zip(ctx.params, ctx.names)]
-            index = torch.tensor([where[module_of(n, self.module_depth)] for n in names], device=parts.device)
+            index = on_device([where[module_of(n, self.module_depth)] for n in names], torch.int64, parts.device)
             ctx.layout.cache[("telemetry", id(self))] = index
         sq = parts.new_zeros(len(self._modules)).index_add_(0, index, parts * parts)
         return sq.sqrt()
@@ -310,7 +311,7 @@ class History:
         if plan is None:
             plan = self._plan_ids[cols] = len(self._plans)
             self._plans.append(cols)
-        hit = (plan, torch.tensor(cols, dtype=torch.int64, device=device))
+        hit = (plan, on_device(list(cols), torch.int64, device))
         self._col_cache[names] = hit
         return hit
 

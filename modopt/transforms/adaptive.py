@@ -428,7 +428,7 @@ class AutoClip(Scoped):
         if hist is None:
             hist, n = g.new_zeros(0), torch.zeros((), dtype=torch.int64, device=g.device)
         elif not isinstance(n, torch.Tensor):  # a checkpoint from before "length" (None), or a plain number
-            n = torch.tensor(hist.numel() if n is None else int(n), dtype=torch.int64, device=hist.device)
+            n = torch.full((), hist.numel() if n is None else int(n), dtype=torch.int64, device=hist.device)
         old = hist.numel()
         size = old + 1 if self.window is None else self.window
         if size > old:

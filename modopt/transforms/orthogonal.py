@@ -148,8 +148,8 @@ def _skip_weights(skip: torch.Tensor, b: torch.Tensor, beta: float, cache: dict)
     f = cache.get(key)
     if f is None:
         def pick(skipped: float, ahead: float) -> torch.Tensor:
-            return torch.where(skip, torch.tensor(skipped, dtype=b.dtype, device=b.device),
-                               torch.tensor(ahead, dtype=b.dtype, device=b.device))
+            return torch.where(skip, torch.full((), skipped, dtype=b.dtype, device=b.device),
+                               torch.full((), ahead, dtype=b.dtype, device=b.device))
 
         f = cache[key] = (pick(math.nan, 1.0), pick(-0.0, 1 - beta), pick(0.0, beta))
     return f

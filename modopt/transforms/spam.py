@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
+from ..core.hostdata import on_device
 from ..core.moments import Moments
 from ..core.norms import common_acc_dtype
 from ..core.runner import Step, TransformState
@@ -123,7 +124,7 @@ class SPAM(Transform):
         key = ("warmup", t.device)
         found = st.runtime.get(key)
         if found is None:
-            table = torch.tensor(warmup_factors(self.warmup_steps), dtype=torch.float64, device=t.device)
+            table = on_device(warmup_factors(self.warmup_steps), torch.float64, t.device)
             found = st.runtime[key] = (table, torch.arange(len(table), device=t.device))
         table, index = found
         after = t >= self.reset_every  # before the first reset: no warm-up
