@@ -30,6 +30,7 @@ guarded constants or tensors).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -74,6 +75,7 @@ class GroupGate:
                     if k not in self.readers:
                         self.optimizer_keys.setdefault(k, []).append(name)
         self._live = tuple(self.readers)
+        self._checked: list[Any] = []  # the values check_live last found good
 
     def check(self, group: dict[str, Any], index: int, given: Iterable[str] | None = None) -> None:
         """Refuse a group whose keys or values this pipeline cannot run with (`given`: the keys the
@@ -102,8 +104,14 @@ class GroupGate:
                 raise ValueError(f"param group {index}, as read by {key}: {e}") from None
 
     def check_live(self, groups: list[dict[str, Any]]) -> None:
-        """The per-step check: no group key that a transform reads holds a non-finite number."""
+        """The per-step check: no group key that a transform reads holds a non-finite number.
+
+        The values last found good are kept: a step whose groups hold the same objects (no scheduler or
+        hand wrote them since) checks nothing again (one comparison by identity, no Python call)."""
         if torch.compiler.is_compiling():
+            return
+        now = [g.get(k) for g in groups for k in self._live]
+        if len(now) == len(self._checked) and all(map(operator.is_, now, self._checked)):
             return
         for i, g in enumerate(groups):
             for k in self._live:
@@ -113,3 +121,4 @@ class GroupGate:
                         f"param group {i}: {k!r} is {v!r}; a hyperparameter must be finite (set by a scheduler or "
                         "by hand since the last step). Nothing was changed by this step"
                     )
+        self._checked = now

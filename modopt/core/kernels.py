@@ -108,11 +108,14 @@ def fused_ok(kernel: str, device: torch.device, dtype: torch.dtype, sharded: boo
     return (kernel, device.type, dtype) not in KNOWN_BAD
 
 
+_stride = torch.Tensor.stride
+
+
 def _same_layout(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """`grads`, each laid out like its parameter: torch 2.13's fused CPU kernels read a gradient whose
     strides differ from the parameter's (a transposed view) in the parameter's order, silently wrong
     (`torch.optim.Adam(fused=True)` too). A copy in the parameter's layout only where they differ."""
-    if all(g.stride() == p.stride() for p, g in zip(params, grads)):
+    if list(map(_stride, params)) == list(map(_stride, grads)):  # (C-level: checked every step)
         return grads
     return [g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g) for p, g in zip(params, grads)]
 

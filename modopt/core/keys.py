@@ -12,15 +12,18 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 _GROUP = re.compile(r"^(.+)@group(\d+)$")
 
 
+@lru_cache(maxsize=4096)  # (pure; every step asks for the same few keys: a cached call runs no Python)
 def transform_key(index: int, type_name: str, parent: str = "") -> str:
     """The key of the transform at `index` of a chain (`parent`: the key of the chain holding it)."""
     return f"{parent}/{index}:{type_name}" if parent else f"{index}:{type_name}"
 
 
+@lru_cache(maxsize=4096)
 def value_key(key: str, name: str) -> str:
     """`"<key>.<name>"`: a per-parameter value (or a telemetry entry) of the transform `key`."""
     return f"{key}.{name}"

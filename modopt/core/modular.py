@@ -329,7 +329,8 @@ class Modular(torch.optim.Optimizer):
         Returns `loss` then."""
         if closure is not None and loss is not None:
             raise TypeError("opt.step: give the loss by the closure or by loss=, not both")
-        check_loss(loss, "opt.step(loss=...)")
+        if loss is not None:
+            check_loss(loss, "opt.step(loss=...)")
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -410,7 +411,8 @@ class Modular(torch.optim.Optimizer):
     def _skip_on_device(self) -> bool:
         """`nonfinite="skip"` decides on the device: every transform keeps its state on a skipped step
         (the plan's answer; per step only where a transform's answer reads group values)."""
-        return self.plan.skips_on_device(self.param_groups)
+        found = self.plan.device_skip  # (decided when built, unless group values decide it)
+        return found if found is not None else self.plan.skips_on_device(self.param_groups)
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ unchanged too.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -41,6 +42,9 @@ from .distributed import any_sharded
 from .hostdata import on_device
 from .keys import group_key, value_key
 from .norms import combine_pnorms, common_acc_dtype, foreach_pnorm, parse_ord, slice_stat
+
+#: `parse_ord` of a validated field's `ord` (a float or a name: hashable; typed, so True is not 1), once
+_parsed_ord = lru_cache(maxsize=256, typed=True)(parse_ord)
 from .runner import NormMemo, Step, TransformState, any_pnorms
 from .transform import Transform
 
@@ -146,7 +150,7 @@ class Segments:
     # --- statistics -------------------------------------------------------
     def reduce(self, tensors: list[torch.Tensor], ord: float | str) -> torch.Tensor:
         """The `ord` statistic (or `"mean"`) of each segment, a 1-D tensor accumulated in >= float32."""
-        stat = ord if ord == "mean" else parse_ord(ord)
+        stat = ord if ord == "mean" else _parsed_ord(ord)
         if self.kind != "slices" and isinstance(stat, float):
             # p-norms go through the step's memo (the non-finite check may have them); of the full
             # tensors under FSDP2 (`tensor_pnorms`)

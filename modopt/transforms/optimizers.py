@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import operator
 from typing import Any, ClassVar
 
 import torch
@@ -127,7 +128,7 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     rt = st.runtime
     key = ("packed_steps",) + sub
     ent = rt.get(key)
-    if ent is not None and len(ent[1]) == len(steps) and all(x is y for x, y in zip(ent[1], steps)):
+    if ent is not None and len(ent[1]) == len(steps) and all(map(operator.is_, ent[1], steps)):
         ent[0].add_(by)
         return
     if device is not None and any(s.device != device for s in steps):  # (saved by a non-fused layout)
