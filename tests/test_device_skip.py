@@ -36,7 +36,7 @@ def backward(m, k, poison=False):
 
 
 def pipeline_of(t):
-    return [t] if t.is_optimizer else [t, mo.Adam(lr=1e-2)]
+    return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
 
 
 #: the conformance examples, and the defaults of the transforms whose examples set a field that needs the host
@@ -148,8 +148,14 @@ def test_no_host_sync_and_a_skipped_step_changes_nothing(name, t):
 
 
 def calls_per_cycle(t) -> int:
-    """1, or the `steps` of an `Accumulate` in `t` (whose cycle counts every call, skipped or not)."""
-    return next((x.steps for _, x in walk([t]) if isinstance(x, mo.Accumulate)), 1)
+    """1, or the cycle of a transform in `t` that counts every call, skipped or not: an `Accumulate`'s
+    `steps`, a `Lookahead`'s `k` (a whole skipped cycle leaves the phase as it was)."""
+    for _, x in walk([t]):
+        if isinstance(x, mo.Accumulate):
+            return x.steps
+        if isinstance(x, mo.Lookahead):
+            return x.k
+    return 1
 
 
 @pytest.mark.parametrize("name,t", DEVICE, ids=[n for n, _ in DEVICE])

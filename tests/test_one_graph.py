@@ -51,7 +51,7 @@ def _model():
 
 
 def _pipeline(t):
-    return [t] if t.is_optimizer else [t, mo.Adam(lr=1e-2)]
+    return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
 
 
 def _backward(m, k):
