@@ -83,6 +83,7 @@ NON_DEFAULT = {
     "ZeroNonFinite": mo.ZeroNonFinite(),
     "Accumulate": mo.Accumulate(2),
     "Lookahead": mo.Lookahead(mo.SGD(lr=0.05, momentum=0.9), k=2, alpha=0.3),
+    "ProjectNorm": [mo.ProjectNorm(), mo.ProjectNorm(2.0, min_ndim=1, eps=1e-8)],
     # issue 12: a mask holding a nested mask; every Select field set
     "Masked": mo.Masked(
         mo.ClipNorm(0.5), mo.Masked(mo.Normalize(0.5), where=mo.Select(max_ndim=1)),
@@ -168,6 +169,7 @@ SPECS = {
     "AGC": "tests/test_agc.py::test_matches_formula_per_unit",  # its spec also reads the parameters
     "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
     "Lookahead": "tests/test_wrappers.py::test_lookahead_matches_spec",  # and pytorch_optimizer.Lookahead, bit for bit
+    "ProjectNorm": "tests/test_weights.py::test_project_norm_matches_spec",  # a weight-stage transform
     "Orthogonalize": "tests/test_orthogonal.py::test_orthogonalize_matches_spec",  # float64 NS; bf16 within a bound
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
@@ -204,8 +206,8 @@ NO_SPEC = {
 MASK = mo.Select(exclude=["0.*"])
 MASK_REST = mo.Select(names=["0.*"])
 #: transforms that cannot run inside Masked (they step every parameter of the optimizer themselves)
-UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead"}  # (SkipStep skips the whole step: it sits at the top level;
-# Lookahead pulls every parameter of the optimizer)
+UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm"}  # (SkipStep skips the whole step: it sits at the top level;
+# Lookahead pulls every parameter of the optimizer; a weight-stage transform sits at the top level)
 
 
 def instances(name: str) -> list[mo.Transform]:
@@ -253,6 +255,8 @@ def pipeline_for(t: mo.Transform) -> list[mo.Transform]:
     has one default per shared key."""
     if t.is_optimizer or t.must_be_last:  # (Lookahead ends the pipeline: its inner optimizer writes)
         return [t]
+    if t.stage == "weights":  # after the optimizer's write
+        return [mo.SGD(lr=0.01), t]
     if needs_moments(t) and isinstance(t, mo.Masked):  # its optimizer in its selection (SPAM's warm-up scales the lr)
         return [mo.Masked(*t.transforms, mo.Adam(lr=0.01), where=t.where), mo.Masked(mo.Adam(lr=0.01), where=MASK_REST)]
     if needs_moments(t):

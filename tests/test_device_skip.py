@@ -36,6 +36,8 @@ def backward(m, k, poison=False):
 
 
 def pipeline_of(t):
+    if t.stage == "weights":  # (after the optimizer's write)
+        return [mo.Adam(lr=1e-2), t]
     return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
 
 

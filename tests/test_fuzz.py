@@ -43,8 +43,10 @@ COUNTS: Counter = Counter()
 #: examples per fuzz test (CI default; `MODOPT_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -s` for a long hunt)
 N_EXAMPLES = int(os.environ.get("MODOPT_FUZZ_EXAMPLES", "120"))
 NAMES = sorted(NON_DEFAULT)
-OPTIMIZERS = [n for n in NAMES if instances(n)[0].is_optimizer]
-MODULES = [n for n in NAMES if not instances(n)[0].is_optimizer]
+#: what ends the update stage (an optimizer, or a wrapper around one), what precedes it, what follows the write
+OPTIMIZERS = [n for n in NAMES if instances(n)[0].is_optimizer or instances(n)[0].must_be_last]
+WEIGHTS = [n for n in NAMES if instances(n)[0].stage == "weights"]
+MODULES = [n for n in NAMES if n not in OPTIMIZERS and n not in WEIGHTS]
 
 #: values a perturbed field may take: valid for some fields, invalid for others
 POOL = [None, 0, 1, 2, -1, 0.5, 1e-8, 3.0, 1e6, math.inf, -math.inf, math.nan, True, False, "l1", "linf", "std",
@@ -81,6 +83,8 @@ def pipelines(draw):
         mods.append(draw(perturbed(draw(st.sampled_from(["Adam", "AdamW"])))))
     elif draw(st.booleans()) or not mods:
         mods.append(draw(perturbed(draw(st.sampled_from(OPTIMIZERS)))))
+    if draw(st.booleans()):  # the weight stage, after the write
+        mods.append(draw(perturbed(draw(st.sampled_from(WEIGHTS)))))
     skips = [t for t in mods if isinstance(t, mo.SkipStep)]
     if skips:  # SkipStep goes first, before every transform that keeps state (Modular refuses it elsewhere)
         mods = [skips[0]] + [t for t in mods if not isinstance(t, mo.SkipStep)]

@@ -602,6 +602,7 @@ _SELECTS = {
 # SkipStep skips the whole step and is refused inside Masked (tests/test_stability_more.py)
 _INNER = [(eid, t) for eid, t in base_examples()
           if not t.is_optimizer and eid not in ("Masked", "TorchOptimizer", "Accumulate", "Lookahead") and not needs_moments(t)
+          and t.stage != "weights"
           and not isinstance(t, mo.SkipStep)]
 
 

@@ -51,6 +51,8 @@ def _model():
 
 
 def _pipeline(t):
+    if t.stage == "weights":  # (after the optimizer's write)
+        return [mo.Adam(lr=1e-2), t]
     return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
 
 

@@ -347,7 +347,12 @@ class Modular(torch.optim.Optimizer):
             for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
                 tap(ctx)
             if go:
-                run_step(self.transforms, ctx, write=True)
+                weights = self.plan.weights
+                for key, t in weights:  # (the weight stage reads the weights before this step's write)
+                    t.prepare_weights(ctx, TransformState(ctx, key))
+                if run_step(self.plan.updates, ctx, write=True) and weights:
+                    for key, t in weights:
+                        t.apply_weights(ctx, TransformState(ctx, key))
                 if ctx.skip is not None:  # decided on the device: count it there
                     stats["skipped_steps"] = self._count_skipped(ctx.skip)
                     stats["skipped"] = ctx.skip

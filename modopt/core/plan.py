@@ -12,6 +12,7 @@ the `Plan` and works nothing out again. It holds:
 * `moment_links`: each transform that reads its optimizer's moments (SPAM), with the optimizer that
   offers them (`modopt.core.moments`);
 * `routes`: the optimizer transforms inside `Masked` branches and the parameters they write;
+* the weight stage: the trailing transforms that act on the weights after the optimizer wrote them;
 * whether `nonfinite="skip"` decides on the device: fixed here, unless a transform's answer reads
   param-group values (`Transform.skip_reads_groups`), which a scheduler may change between steps.
 
@@ -52,6 +53,10 @@ class Plan:
     routes: Any
     #: whether the skip is decided on the device, for every param-group value; None: asked per step
     device_skip: bool | None
+    #: the top-level transforms of the update stage (all but the trailing weight transforms)
+    updates: tuple[Transform, ...] = ()
+    #: the weight stage: `(key, transform)` of each trailing transform with `stage = "weights"`, in order
+    weights: tuple[tuple[str, Transform], ...] = ()
 
     def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
         """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
@@ -65,20 +70,37 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
     that cannot run (see the module docs). `groups`: the param groups when known (for the device-skip
     answer of transforms that read them; re-planned by the host when groups are added)."""
     transforms = tuple(transforms)
-    _check_last(transforms)
+    n_updates = _check_stages(transforms)
+    _check_last(transforms[:n_updates])
     _check_skip_first(transforms)
-    folded = folded_scale(transforms)
+    head = transforms[:n_updates]  # (the analyses read the update stage; keys are positions: the same)
+    folded = folded_scale(head)
     links = link(transforms)
     reads_groups = any(t.skip_reads_groups for _, t in walk(transforms))
     device_skip = None if reads_groups else all(t.skips_on_device(groups) for t in transforms)
     return Plan(
         transforms=transforms, nonfinite=nonfinite, keys=tuple(k for k, _ in walk(transforms)),
-        cancelled=cancelled_scales(transforms, nonfinite), folded=folded, moment_links=links,
-        routes=find_routes(transforms), device_skip=device_skip,
+        cancelled=cancelled_scales(head, nonfinite), folded=folded, moment_links=links,
+        routes=find_routes(transforms), device_skip=device_skip, updates=transforms[:n_updates],
+        weights=tuple((f"{i}:{type(t).__name__}", t) for i, t in enumerate(transforms) if i >= n_updates),
     )
 
 
 # --- structure ---------------------------------------------------------------------------------------
+def _check_stages(transforms: tuple[Transform, ...]) -> int:
+    """Weight transforms (`stage = "weights"`) come after every update transform, at the top level; returns
+    how many update transforms lead."""
+    n = len(transforms)
+    while n > 0 and transforms[n - 1].stage == "weights":
+        n -= 1
+    for key, t in walk(transforms[:n]):
+        if t.stage == "weights":
+            where = "inside another transform" if "/" in key else "before an update transform"
+            raise ValueError(f"{key}: {type(t).__name__} acts on the weights after the optimizer wrote them, so it "
+                             f"comes at the end of the pipeline, at its top level (it is {where})")
+    return n
+
+
 def _check_last(transforms: tuple[Transform, ...]) -> None:
     """Transforms that must end the chain (they write the parameters themselves) do."""
     tail: set[int] = set()

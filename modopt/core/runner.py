@@ -584,25 +584,25 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
 
 
 def run_step(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor] | None = None,
-             write: bool = False) -> list[torch.Tensor] | None:
+             write: bool = False) -> list[torch.Tensor] | bool | None:
     """A whole step of `transforms` over `step`, starting from the gradients (or `updates`).
 
     The step's norm memo was opened when the step was made (`collect`, `Step.over`) and
-    is closed when this returns. With `write=True` the parameters move (the last transform may fuse that write);
-    otherwise the final updates are returned (None if a transform stopped the step).
+    is closed when this returns. With `write=True` the parameters move (the last transform may fuse that write)
+    and it returns True, or None when a transform stopped the step; otherwise the final updates are returned
+    (None if a transform stopped the step).
     """
     if updates is None:
         updates = [p.grad for p in step.params]
     try:
         if write and transforms:
-            run(transforms, step, updates, final=True)
-            return None
+            return run(transforms, step, updates, final=True)  # True: written; None: a transform stopped the step
         out = run(transforms, step, updates)
         if out is not None:
             step.flush_(out)
         if write and out is not None:
             step.write_updates(out)
-            return None
+            return True
         return out
     finally:
         step.memo.close()  # it holds the step's tensors: let them go

@@ -170,6 +170,10 @@ class Transform(BaseModel):
     #: True when `skips_on_device` reads param-group values (which a scheduler may change): the plan then
     #: asks it every step instead of once (`modopt.core.plan`)
     skip_reads_groups: ClassVar[bool] = False
+    #: `"update"` (default: `apply` transforms the update) or `"weights"`: a post-step transform that reads
+    #: and writes the parameters after the optimizer wrote them (`prepare_weights` before the step's
+    #: transforms run, `apply_weights` after the write); weight transforms end the pipeline, at its top level
+    stage: ClassVar[Literal["update", "weights"]] = "update"
     _abstract: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
@@ -285,6 +289,15 @@ class Transform(BaseModel):
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """As the last transform, write the parameters itself (fused); return False if not supported."""
         return False
+
+    def prepare_weights(self, ctx: Step, st: TransformState) -> None:
+        """A weight-stage transform (`stage = "weights"`), before the step's update transforms run: read
+        what it needs of the weights as they are (its state when first seen). Default: nothing."""
+
+    def apply_weights(self, ctx: Step, st: TransformState) -> None:
+        """A weight-stage transform, after the optimizer wrote `ctx.params`: write them in place. On a step
+        the device skips (`ctx.skip`), every bit of the parameters and of the state must stay."""
+        raise NotImplementedError(f"{type(self).__name__}.apply_weights")
 
     def routes(self) -> bool:
         """True for a `Masked` whose branch ends in an optimizer transform: it writes the parameters it
