@@ -144,3 +144,40 @@ def test_load_keeps_state_dtypes_for_half_parameters():
     for p in model.parameters():
         for k, v in opt.state[p].items():
             assert o2.state[p][k].dtype == v.dtype and torch.equal(o2.state[p][k], v)
+
+
+def test_a_state_entry_that_is_not_a_parameters_is_saved_and_loaded_as_torch_does():
+    """torch.optim lets `opt.state` hold other entries (its state-dict hook tests do): they travel as they are."""
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = mo.Modular([p], mo.Adam())
+    opt.step()
+    opt.state["test"] = {"note": 1}
+    sd = opt.state_dict()
+    assert sd["state"]["test"] == {"note": 1}
+    again = mo.Modular([p], mo.Adam())
+    again.load_state_dict(sd)
+    assert again.state["test"] == {"note": 1}
+    again.step()
+    sd["state"][7] = {}  # an index no group holds is still refused
+    with pytest.raises(ValueError, match="no param group holds"):
+        mo.Modular([p], mo.Adam()).load_state_dict(sd)
+
+
+def test_a_step_count_saved_as_a_number_loads_as_a_tensor_as_torch_does():
+    p = torch.nn.Parameter(torch.randn(3))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt, ref = mo.Modular([p], mo.Adam()), torch.optim.Adam([q])
+    for o, x in ((opt, p), (ref, q)):
+        x.grad = torch.ones(3)
+        o.step()
+    sd, tsd = opt.state_dict(), ref.state_dict()
+    sd["state"][0]["0:Adam.step"], tsd["state"][0]["step"] = 1.0, 1.0
+    opt2, ref2 = mo.Modular([p], mo.Adam()), torch.optim.Adam([q])
+    opt2.load_state_dict(sd)
+    ref2.load_state_dict(tsd)
+    assert isinstance(opt2.state[p]["0:Adam.step"], torch.Tensor)
+    for o, x in ((opt2, p), (ref2, q)):
+        x.grad = torch.ones(3)
+        o.step()
+    assert torch.equal(p, q) and float(opt2.state[p]["0:Adam.step"]) == 2.0

@@ -296,6 +296,9 @@ class StateLoader:
         if not isinstance(v, torch.Tensor):  # a counter given as a Python number
             if (not math.isfinite(v) and not self.nan_ok) or (b.low is not None and v < b.low):
                 raise ValueError(f"{where} is {v!r}; a counter is a finite number >= {b.low:g}")
+            dtype = _target_dtype(b, p)
+            if dtype is not None:  # a counter kept as a tensor (Adam's step): made one, as torch's load does
+                return torch.tensor(float(v), dtype=dtype).to(device)
             return v
         dtype = _target_dtype(b, p) if v.is_floating_point() or b.kind == "counter" else None
         out = v.detach().to(device=device, dtype=dtype, copy=True)

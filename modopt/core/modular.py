@@ -470,7 +470,7 @@ class Modular(torch.optim.Optimizer):
         per_param, store_hist = history_keys(self.transforms)
         if per_param:  # histories (1-D, any length) travel as lists: see checkpoint.encode_history
             for i, entry in list(sd["state"].items()):
-                if any(k in per_param for k in entry):
+                if isinstance(entry, dict) and any(k in per_param for k in entry):
                     sd["state"][i] = {k: encode_history(v) if k in per_param and isinstance(v, torch.Tensor) else v
                                       for k, v in entry.items()}
         skipped = self._skipped_steps.clone()  # (a compiled step counts in place)
@@ -491,7 +491,8 @@ class Modular(torch.optim.Optimizer):
                 "skipped_steps": skipped,
                 # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
                 # slots its target state dict has) can tell when values were left behind
-                "inventory": sorted({k for e in sd["state"].values() for k in e}
+                # (torch lets `opt.state` hold entries that are not a parameter's: their values are kept as they are)
+                "inventory": sorted({k for e in sd["state"].values() if isinstance(e, dict) for k in e}
                                     | {inventory_key(k, n) for k, v in store.items() for n in v}),
             }
 
@@ -603,6 +604,9 @@ class Modular(torch.optim.Optimizer):
         loader = StateLoader(self.transforms, nonfinite=self._pipeline.nonfinite)
         new_state: dict[torch.Tensor, dict] = {}
         for idx, entry in state.items():
+            if not isinstance(idx, int) and idx not in index:  # not a parameter's (torch allows them): kept as it is
+                new_state[idx] = copy.deepcopy(entry)
+                continue
             if idx not in index:
                 raise ValueError(f"load_state_dict: state for parameter index {idx!r}, which no param group holds")
             p = index[idx]
