@@ -304,7 +304,8 @@ def test_declared_invariants_hold_in_every_state_modopt_writes():
             values += [(f"{key}/{n}", declared_buffers(owners[key])[split_group_key(n)[0]], v)
                        for key, d in opt._store.items() for n, v in d.items()]
             assert values or name in ("Identity", "ClipValue", "ClipNorm", "Normalize", "Centralize",
-                                      "GradientCentralization", "Chain", "LR", "AGC") or not t.state_buffers, name
+                                      "GradientCentralization", "Chain", "LR", "AGC") or not t.state_buffers \
+                or (isinstance(t, mo.ProjectNorm) and t.radius is not None), name  # (a given radius: no state)
             for k, b, v in values:
                 if b.kind == "torch" or not isinstance(v, torch.Tensor):
                     continue
@@ -376,3 +377,41 @@ def test_a_mutated_state_dict_is_refused_with_nothing_changed_or_loads_and_steps
         return
     train(model, opt, 2, seed=1)
     assert all(torch.isfinite(p).all() for p in model.parameters()), (pipe, mutation, key)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(float("nan")), "0.1", None, [0.1], 1j, float("inf")],
+                         ids=["tensor-nan", "string", "none", "list", "complex", "inf"])
+@pytest.mark.parametrize("key", ["lr", "eps", "weight_decay"])
+def test_a_group_value_written_between_steps_is_refused_before_anything_changes(bad, key):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam())
+    p.grad = torch.randn(3)
+    opt.step()
+    before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    opt.param_groups[0][key] = bad
+    p.grad = torch.randn(3)
+    with pytest.raises(ValueError, match=f"param group 0.*'{key}'.*nothing was changed by this step|"
+                                         f"param group 0: '{key}' is .*Nothing was changed"):
+        opt.step()
+    assert torch.equal(p, before[0])
+    assert all(torch.equal(v, opt.state[p][k]) for k, v in before[1].items())
+
+
+def test_an_unchanged_group_value_is_not_checked_again_and_a_good_tensor_lr_passes(monkeypatch):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = mo.Modular([p], mo.Adam(amsgrad=False))
+    calls = []
+    real = mo.Adam.check_group_values
+    monkeypatch.setattr(mo.Adam, "check_group_values", lambda self, values: calls.append(dict(values)) or real(self, values))
+    p.grad = torch.randn(3)
+    opt.step()  # the first step checks every value once (they may have been written since the build)
+    calls.clear()
+    for _ in range(3):
+        p.grad = torch.randn(3)
+        opt.step()
+    assert calls == []  # nothing changed since: nothing checked again
+    opt.param_groups[0]["lr"] = torch.tensor(0.01)
+    opt.param_groups[0]["amsgrad"] = True
+    p.grad = torch.randn(3)
+    opt.step()
+    assert [sorted(c) for c in calls] == [["lr"], ["amsgrad"]]  # only what changed, each checked once

@@ -50,6 +50,13 @@ def _nonfinite(v: Any) -> bool:
     return False
 
 
+def _plain(v: Any) -> bool:
+    """A number or a tuple of numbers (not a bool, a tensor or a string): what the finite check suffices for."""
+    if isinstance(v, tuple):
+        return all(_plain(x) for x in v)
+    return type(v) in (float, int)
+
+
 class GroupGate:
     """Which transform reads which group key, and the checks every door runs (see the module)."""
 
@@ -104,21 +111,36 @@ class GroupGate:
                 raise ValueError(f"param group {index}, as read by {key}: {e}") from None
 
     def check_live(self, groups: list[dict[str, Any]]) -> None:
-        """The per-step check: no group key that a transform reads holds a non-finite number.
+        """The per-step check of the group values that transforms read: what a scheduler or a hand wrote
+        since the last step is refused, naming the group and key, before the step changes anything.
 
-        The values last found good are kept: a step whose groups hold the same objects (no scheduler or
-        hand wrote them since) checks nothing again (one comparison by identity, no Python call)."""
+        The values last found good are kept: a step whose groups hold the same objects checks nothing
+        again (one comparison by identity, no Python call). A changed plain number (a scheduler's) is
+        checked to be finite; any other changed value (a tensor, a string, None, a list) is checked as
+        the transform's field (`check`): a 0-d tensor by its value, one host read when it changes."""
         if torch.compiler.is_compiling():
             return
         now = [g.get(k) for g in groups for k in self._live]
         if len(now) == len(self._checked) and all(map(operator.is_, now, self._checked)):
             return
+        old = self._checked if len(self._checked) == len(now) else [None] * len(now)
+        n = len(self._live)
         for i, g in enumerate(groups):
-            for k in self._live:
-                v = g.get(k)
+            for j, k in enumerate(self._live):
+                v = now[i * n + j]
+                if v is old[i * n + j]:
+                    continue
                 if _nonfinite(v):
                     raise ValueError(
                         f"param group {i}: {k!r} is {v!r}; a hyperparameter must be finite (set by a scheduler or "
                         "by hand since the last step). Nothing was changed by this step"
                     )
+                if k in g and not _plain(v):
+                    for key, t, keys in self.checks:
+                        if k in keys:
+                            try:
+                                t.check_group_values({k: v})
+                            except (ValueError, TypeError) as e:
+                                raise ValueError(f"param group {i}, as read by {key}: {e} (set since the last step; "
+                                                 "nothing was changed by this step)") from None
         self._checked = now
