@@ -184,3 +184,53 @@ def same(a: dict, b: dict) -> None:
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
         else:
             assert x == y, k
+
+
+def tanh_mlp(sizes=(6, 12, 3), dtype=torch.float32, seed=0):
+    """A small `Linear -> Tanh -> Linear` model of `sizes` (in, hidden, out), seeded."""
+    torch.manual_seed(seed)
+    n_in, hidden, n_out = sizes
+    return torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, n_out)).to(dtype)
+
+
+def regression_batches(n, sizes=(6, 12, 3), rows=5, dtype=torch.float32, seed=1):
+    """`n` seeded `(x, y)` batches of `rows` rows for a model of `sizes`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, sizes[0], generator=g, dtype=dtype), torch.randn(rows, sizes[-1], generator=g, dtype=dtype))
+            for _ in range(n)]
+
+
+def mse_backward(model, x, y) -> None:
+    """Fresh gradients of the mean squared error of `model` on `(x, y)`."""
+    model.zero_grad()
+    (model(x) - y).pow(2).mean().backward()
+
+
+def assert_resumes_bit_for_bit(make_model, make_opt, data, cut: int) -> tuple:
+    """Training on `data` straight through, and stopped after `cut` batches, saved with `torch.save`, loaded
+    with `weights_only=True` into a fresh model and optimizer and continued, end with equal parameters, bit
+    for bit. Returns the loaded optimizer state dict (for further checks)."""
+    import io
+
+    def run(model, opt, batches):
+        for x, y in batches:
+            mse_backward(model, x, y)
+            opt.step()
+
+    straight = make_model()
+    run(straight, make_opt(straight), data)
+    model = make_model()
+    opt = make_opt(model)
+    run(model, opt, data[:cut])
+    buf = io.BytesIO()
+    torch.save((model.state_dict(), opt.state_dict()), buf)
+    buf.seek(0)
+    msd, osd = torch.load(buf, weights_only=True)
+    resumed = make_model()
+    resumed.load_state_dict(msd)
+    opt2 = make_opt(resumed)
+    opt2.load_state_dict(osd)
+    run(resumed, opt2, data[cut:])
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    return osd

@@ -3,40 +3,33 @@ parameters after the optimizer wrote them."""
 
 from __future__ import annotations
 
-import io
+import functools
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs, assert_step_changes_nothing
+from checks import Syncs, assert_resumes_bit_for_bit, assert_step_changes_nothing, mse_backward, regression_batches, tanh_mlp
 from modopt.spec.weights import frobenius, project_norm
 
 
-def _model(dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).to(dtype)
+SIZES = (5, 7, 2)
 
 
-def _batches(n, dtype=torch.float64, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 5, generator=g, dtype=dtype), torch.randn(4, 2, generator=g, dtype=dtype)) for _ in range(n)]
-
-
-def _backward(model, x, y):
-    model.zero_grad()
-    (model(x) - y).pow(2).mean().backward()
+_model = functools.partial(tanh_mlp, SIZES)  # (dtype=..., seed=...)
+_batches = functools.partial(regression_batches, sizes=SIZES, rows=4)  # (n, dtype=..., seed=...)
+_backward = mse_backward
 
 
 @pytest.mark.parametrize("kw", [{}, {"radius": 2.0}, {"min_ndim": 1, "eps": 1e-3}, {"radius": 0.5, "min_ndim": 0}])
 def test_project_norm_matches_spec(kw):
     """float64, SGD before it: every step the SGD write, then each chosen tensor back to its radius."""
     t = mo.ProjectNorm(**kw)
-    model = _model()
+    model = _model(dtype=torch.float64)
     opt = mo.Modular(model.parameters(), mo.SGD(lr=0.3), t)
     radii = [t.radius if t.radius is not None else frobenius(p) for p in model.parameters()]
-    for x, y in _batches(6):
+    for x, y in _batches(6, dtype=torch.float64):
         _backward(model, x, y)
         fast = [p.detach() - 0.3 * p.grad for p in model.parameters()]
         want = project_norm(fast, radii, t.eps, t.min_ndim)
@@ -67,13 +60,13 @@ def test_project_norm_holds_the_norm_and_never_makes_nan(shape, scale, dtype):
 
 
 def test_a_skipped_step_keeps_every_bit_without_a_sync():
-    model = _model(torch.float32)
+    model = _model(dtype=torch.float32)
     opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Adam(lr=1e-2), mo.ProjectNorm())
     assert opt.plan.device_skip is True and [k for k, _ in opt.plan.weights] == ["2:ProjectNorm"]
-    for x, y in _batches(3, torch.float32):
+    for x, y in _batches(3, dtype=torch.float32):
         _backward(model, x, y)
         opt.step()
-    _backward(model, *_batches(1, torch.float32, seed=9)[0])
+    _backward(model, *_batches(1, dtype=torch.float32, seed=9)[0])
     for p in model.parameters():
         p.grad.view(-1)[0] = float("nan")
     syncs = Syncs()
@@ -83,44 +76,22 @@ def test_a_skipped_step_keeps_every_bit_without_a_sync():
 
 def test_a_step_the_update_stage_stops_runs_no_weight_stage():
     """Accumulate's first call stops the step: nothing moved, so nothing is projected (every bit kept)."""
-    model = _model(torch.float32)
+    model = _model(dtype=torch.float32)
     opt = mo.Modular(model.parameters(), mo.Accumulate(2), mo.SGD(lr=0.1), mo.ProjectNorm(3.0))
     before = [p.detach().clone() for p in model.parameters()]
-    _backward(model, *_batches(1, torch.float32)[0])
+    _backward(model, *_batches(1, dtype=torch.float32)[0])
     opt.step()
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q)
-    _backward(model, *_batches(1, torch.float32)[0])
+    _backward(model, *_batches(1, dtype=torch.float32)[0])
     opt.step()  # the cycle's step: written, then projected
     assert abs(frobenius(model[0].weight) - 3.0) < 1e-5
 
 
 def test_the_weight_stage_resumes_bit_for_bit():
-    data = _batches(10, torch.float32)
+    data = _batches(10, dtype=torch.float32)
     make = lambda m: mo.Modular(m.parameters(), mo.Adam(lr=1e-2), mo.ProjectNorm())  # noqa: E731
-    straight_model = _model(torch.float32)
-    straight = make(straight_model)
-    for x, y in data:
-        _backward(straight_model, x, y)
-        straight.step()
-    model = _model(torch.float32)
-    opt = make(model)
-    for x, y in data[:4]:
-        _backward(model, x, y)
-        opt.step()
-    buf = io.BytesIO()
-    torch.save((model.state_dict(), opt.state_dict()), buf)
-    buf.seek(0)
-    msd, osd = torch.load(buf, weights_only=True)
-    model2 = _model(torch.float32, seed=3)
-    model2.load_state_dict(msd)
-    opt2 = make(model2)
-    opt2.load_state_dict(osd)
-    for x, y in data[4:]:
-        _backward(model2, x, y)
-        opt2.step()
-    for p, q in zip(straight_model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
+    assert_resumes_bit_for_bit(lambda: _model(dtype=torch.float32), make, data, cut=4)
 
 
 def test_weight_transforms_end_the_pipeline_at_its_top_level():
