@@ -12,6 +12,7 @@ from .core.scope import Scoped
 from .core.select import Select
 from .core.state import Buffer
 from .core.transform import Chain, Transform
+from .lint import LintWarning
 from .functional import clip_grad_norm_, clip_grad_percentile_, clip_grad_value_, grad_norm, normalize_grads_
 from .rewind import Rewind, RewindConfig, RewindError, RewindEvent
 from .telemetry import History
@@ -25,6 +26,6 @@ __all__ = [
     "available", "register_optimizer", "trust_imports", "attach",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",
     *_transforms_all,
-    "Buffer", "History",
+    "Buffer", "History", "LintWarning",
     "Rewind", "RewindConfig", "RewindError", "RewindEvent",
 ]

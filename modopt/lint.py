@@ -18,6 +18,8 @@ told, not acted on.
   (`update_access = "none"`, `Identity`) are looked through.
 * **a clip that never binds.** `ClipNorm(a)` then `ClipNorm(b)` over the same
   segments with the same `ord` and `b >= a + eps` (the second's): the second never scales.
+* **no optimizer.** A pipeline with no optimizer transform subtracts its last update as it is
+  (SGD with lr 1); `mo.LR(1.0)` says so on purpose.
 * **a clip after a normalization of the same norm.** `Normalize(norm_value=v)` then
   `ClipNorm(b)` over the same segments with the same p-norm `ord` and `b >= v + eps`
   (with a relative margin of 1e-5 for rounding): the normalized norm is at most `v`, so the
@@ -30,9 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.norms import parse_ord
+from .core.transform import walk
 from .core.plan import cancelled_by, cancelled_scales, flatten, folded_scale, pnorm, segments, sets_norm
 
-__all__ = ["Finding", "lint", "cancelled_scales", "folded_scale"]
+__all__ = ["Finding", "LintWarning", "lint", "cancelled_scales", "folded_scale"]
+
+
+class LintWarning(UserWarning):
+    """A lint finding, warned when an optimizer is built: a transform of its pipeline provably has no effect
+    (filter it with `warnings.filterwarnings("ignore", category=mo.LintWarning)`, or build with `lint=False`)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,15 @@ def lint(config: Any) -> list[Finding]:
 
     flat = flatten(config.transforms)
     findings: list[Finding] = []
+    if flat and not any(t.is_optimizer or t.must_be_last for _, t in walk(config.transforms)):
+        last = flat[-1][0]
+        findings.append(Finding(
+            last, "",
+            "the pipeline has no optimizer transform: the update after the last transform is subtracted as it "
+            "is, like SGD with lr 1.",
+            "end it with an optimizer transform (mo.SGD(lr=...), mo.Adam(), mo.AdamW(), mo.LR(...)), or "
+            "mo.LR(1.0) to keep this on purpose",
+        ))
     for j, (nkey, n) in enumerate(flat):
         if sets_norm(n) is not None:
             if config.nonfinite == "ignore":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import modopt as mo
@@ -108,3 +109,30 @@ def test_validate_prints_lint_warnings(tmp_path, capsys):
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "warning" in out and "0:ClipNormByEMA has no effect" in out and "put Normalize first" in out
+
+
+def test_building_warns_once_what_the_lint_finds_and_lint_false_builds_silently():
+    import warnings
+
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    with pytest.warns(mo.LintWarning, match=r"0:ClipNormByEMA has no effect.*Fix: put Normalize first") as got:
+        mo.Modular([p], mo.ClipNormByEMA(), mo.Normalize(), mo.Adam())
+    assert len(got) == 1 and got[0].filename == __file__  # points at the user's line
+    with pytest.warns(mo.LintWarning, match="no optimizer transform"):
+        mo.Modular([p], mo.ClipNorm(1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mo.Modular([p], mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(), lint=False)
+        mo.Modular([p], mo.Normalize(), mo.ClipNormByEMA(), mo.Adam())  # the order that acts: nothing to say
+        mo.Modular([p], mo.ClipNorm(1.0), mo.LR(1.0))
+
+
+def test_telemetry_says_a_cancelled_scale_is_cancelled():
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = mo.Modular([p], mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(), lint=False)
+    p.grad = torch.randn(3, 2)
+    opt.step()
+    assert bool(opt.stats["0:ClipNormByEMA.cancelled"])
+    opt = mo.Modular([p], mo.Normalize(), mo.ClipNormByEMA(), mo.Adam())
+    opt.step()
+    assert "1:ClipNormByEMA.cancelled" not in opt.stats

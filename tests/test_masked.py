@@ -660,7 +660,8 @@ def test_masked_transform_equals_the_transform_on_the_selection_alone(eid, t, se
         else:
             assert torch.equal(p, clones[n]), n
     inner_stats = {k.split("/", 1)[1] for k in masked.stats if k.startswith("0:Masked/")}
-    assert inner_stats == {k for k in alone.stats if k.startswith("0:")}
+    # (the plan does not look inside Masked for scales a normalization cancels: only the plain run marks one)
+    assert inner_stats == {k for k in alone.stats if k.startswith("0:") and not k.endswith(".cancelled")}
 
 
 def _sel_names(select, split, name):

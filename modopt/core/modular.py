@@ -224,6 +224,8 @@ class Modular(torch.optim.Optimizer):
       (default; parameters and every transform's state stay as they were, and
       `opt.stats["skipped_steps"]` counts it), `"raise"`, `"zero"` (non-finite
       elements become 0) or `"ignore"` (no check, no host sync).
+    * `lint`: warn (`mo.LintWarning`, once, when built) about transforms that
+      provably have no effect (`cfg.lint()`); `False` builds silently.
     * `group_defaults`: defaults for the exposed group keys (`lr=0.1`).
 
     For frameworks that build the optimizer from keywords (HF Trainer's
@@ -240,6 +242,7 @@ class Modular(torch.optim.Optimizer):
         *transforms: Transform,
         nonfinite: str | None = None,
         config: Any = None,
+        lint: bool = True,
         **group_defaults: Any,
     ):
         transforms, nonfinite, group_defaults = _pipeline_arguments(
@@ -289,9 +292,18 @@ class Modular(torch.optim.Optimizer):
                  for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
         for t in self.transforms:  # what a transform can refuse about the parameters (a device, a dtype)
             t.check_params(named)
+        if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
+            self._warn_lint()
         # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
         # and a compiled step cannot move it)
         self._skipped_steps = self._skipped_steps.to(_counter_device(self.param_groups))
+
+    def _warn_lint(self) -> None:
+        from ..lint import LintWarning, lint
+
+        for f in lint(self._pipeline):
+            warnings.warn(f"{f} (modopt.LintWarning: Modular(..., lint=False) or a warnings filter "
+                          "silences it)", LintWarning, stacklevel=caller_stacklevel())
 
     # --- torch.optim.Optimizer contract -------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:

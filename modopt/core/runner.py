@@ -434,16 +434,22 @@ class TransformState:
         """`seg.mul_(updates, scale)`: a transform's positive per-segment scale (`positive_scale()`).
 
         Left out when the normalization right after this transform cancels it (the step's
-        `cancelled`, from `modopt.lint.cancelled_scales`): the result is the same up to
+        `cancelled`, from `modopt.core.plan.cancelled_scales`): the result is the same up to
         rounding, one pass over the updates less, and the norm memo stays valid for the
-        normalization (the runner does not close it after this transform).
+        normalization (the runner does not close it after this transform). Telemetry gets
+        `"<key>.cancelled"` (true): the transform's other entries say what it would have done.
 
         Deferred when the final optimizer folds it into its fused kernel (the step's `folded`,
-        `modopt.lint.folded_scale`, a global scale only): the step keeps it as `pending`, and
+        `modopt.core.plan.folded_scale`, a global scale only): the step keeps it as `pending`, and
         the kernel divides by its reciprocal (`grad_scale`) instead of a multiply here; any
         other transform that runs first applies it (`Step.flush_`).
         """
-        if self.key in self.step.cancelled:
+        if self.key in self.step.cancelled:  # telemetry says so (its `clipped` etc. are what it would have done)
+            cache = self.step.layout.cache
+            true = cache.get(("cancelled", scale.device))
+            if true is None:
+                true = cache[("cancelled", scale.device)] = torch.ones((), dtype=torch.bool, device=scale.device)
+            self.step.stats[value_key(self.key, "cancelled")] = true
             return
         if self.key == self.step.folded and seg.kind == "global":
             self.step.pending = (seg, scale)  # the optimizer's kernel takes it (or the next transform applies it)
