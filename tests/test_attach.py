@@ -387,3 +387,18 @@ def test_lightning_checkpoint_resumes_the_attached_state(tmp_path):
     for p, q in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
     assert str(full.handle.state_dict()) == str(resumed.handle.state_dict())
+
+
+def test_attach_and_modular_step_meta_parameters_without_reading_them():
+    """Meta tensors hold no values: the non-finite check has nothing to read (torch.optim steps them too)."""
+    p = torch.nn.Parameter(torch.empty(3, device="meta"))
+    p.grad = torch.empty(3, device="meta")
+    opt = torch.optim.SGD([p], lr=0.1)
+    mo.attach(opt, mo.ClipNorm(1.0))
+    opt.step()
+    for t in (mo.Adam(), mo.AdamW(), mo.SGD(lr=0.1, momentum=0.9)):
+        m = mo.Modular([p], t)
+        m.step()
+        m.step()
+    with pytest.raises(RuntimeError, match="fused=True: torch has no fused"):
+        mo.Modular([p], mo.Adam(fused=True)).step()

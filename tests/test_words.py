@@ -163,3 +163,18 @@ def test_torch_optimizer_local_class_round_trip_says_to_register():
         mo.PipelineConfig.from_dict({"transforms": [t.to_dict()]}, trust_imports=True)
     with pytest.raises(pydantic.ValidationError, match="torch.optim.Optimizer subclass"):
         mo.TorchOptimizer(int)
+
+
+def test_a_misspelled_field_gets_a_suggestion_and_one_error():
+    with pytest.raises(pydantic.ValidationError, match=r"ClipNorm.max_nrom: unknown field \(did you mean 'max_norm'\?\)") as e:
+        mo.ClipNorm(max_nrom=1.0)
+    assert [err["type"] for err in e.value.errors()] == ["extra_forbidden"]  # not also "max_norm: Field required"
+    with pytest.raises(pydantic.ValidationError, match=r"ClipNorm.bogus: unknown field; the fields: max_norm"):
+        mo.ClipNorm(1.0, bogus=3)
+
+
+def test_a_tensor_for_a_field_is_refused_with_where_it_belongs():
+    with pytest.raises(TypeError, match=r"Adam.lr: got a tensor.*opt.param_groups\[i\]\['lr'\]"):
+        mo.Adam(lr=torch.tensor(1e-3))
+    with pytest.raises(TypeError, match="ClipNorm.max_norm: got a tensor"):
+        mo.ClipNorm(torch.tensor(1.0))

@@ -352,10 +352,7 @@ class Modular(torch.optim.Optimizer):
         ctx.loss = loss
         if ctx.params:
             grads = [p.grad for p in ctx.params]
-            policy = self._pipeline.nonfinite
-            if policy in ("skip", "raise") and grads[0].device.type == "meta":
-                policy = "ignore"  # meta tensors hold no values: there is nothing to check (and no .item())
-            go = apply_nonfinite_policy(policy, ctx, grads, self._skip_on_device)
+            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, self._skip_on_device)
             for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
                 tap(ctx)
             if go:

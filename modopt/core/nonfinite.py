@@ -71,7 +71,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     (`_settle_compiled`): plain `torch.compile` breaks the graph there, and
     `fullgraph=True` fails with `FULLGRAPH_HINT` in dynamo's message.
     """
-    if policy == "ignore" or not grads:
+    if policy == "ignore" or not grads or grads[0].is_meta:  # (meta tensors hold no values: nothing to check)
         return True
     if policy == "zero":
         if any_sharded(grads):  # FSDP2: the decision all-reduced, then each rank zeroes its shards

@@ -35,18 +35,24 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-def did_you_mean(name: Any, candidates: Any) -> str:
-    """`" (did you mean 'x'?)"` for the closest of `candidates` to `name`, or `""`."""
+def closest(name: Any, candidates: Any) -> str | None:
+    """The closest of `candidates` to `name` (difflib's, cutoff 0.6; else the same name in another case), or None."""
     import difflib
 
     if not isinstance(name, str):
-        return ""
+        return None
     cands = [c for c in candidates if isinstance(c, str)]
     close = difflib.get_close_matches(name, cands, n=1, cutoff=0.6)
-    if not close:
-        lowered = {c.lower(): c for c in cands}
-        close = [lowered[name.lower()]] if name.lower() in lowered else []
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    if close:
+        return close[0]
+    lowered = {c.lower(): c for c in cands}
+    return lowered.get(name.lower())
+
+
+def did_you_mean(name: Any, candidates: Any) -> str:
+    """`" (did you mean 'x'?)"` for the closest of `candidates` to `name`, or `""`."""
+    close = closest(name, candidates)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -61,12 +67,21 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _named_error(cls_name: str, e: ValidationError) -> ValidationError:
-    """`e` retitled so that its first line names the transform and fields as `modopt validate` does.
+def _named_error(cls_name: str, e: ValidationError, fields: Any = ()) -> ValidationError:
+    """`e` retitled so that its first line names the transform and fields as `modopt validate` does; an
+    unknown field gets the closest of `fields` as a suggestion, and the "required" error of the field it
+    suggests is left out (one mistake, one message).
 
-    Still a `pydantic.ValidationError` with the same errors (type, location, message, input).
+    Still a `pydantic.ValidationError` with the errors it names (type, location, message, input).
     """
-    errors = e.errors(include_url=False)
+    errors = []
+    for err in e.errors(include_url=False):
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            hint = did_you_mean(str(err["loc"][0]), fields)
+            err = {**err, "msg": f"unknown field{hint}; the fields: {', '.join(fields)}"}
+        errors.append(err)
+    meant = {closest(str(err["loc"][0]), fields) for err in errors if err["type"] == "extra_forbidden"}
+    errors = [err for err in errors if not (err["type"] == "missing" and err["loc"] and err["loc"][0] in meant)]
     parts = []
     for err in errors:
         loc = ".".join(str(x) for x in err["loc"])
@@ -202,10 +217,18 @@ class Transform(BaseModel):
             if name in kwargs:
                 raise TypeError(f"{cls.__name__} got {name!r} both positionally and by name")
             kwargs[name] = args[0]
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) and k in type(self).model_fields:
+                raise TypeError(
+                    f"{type(self).__name__}.{k}: got a tensor; a transform's fields are plain numbers, saved in its "
+                    f"config (give {k}={v.detach().reshape(-1)[0].item() if v.numel() else '...'!r}). A tensor "
+                    f"hyperparameter belongs in the param group once the optimizer is built: "
+                    f"opt.param_groups[i][{k!r}] = tensor (torch's kernels read it there)"
+                )
         try:
             super().__init__(**kwargs)
         except ValidationError as e:
-            raise _named_error(type(self).__name__, e) from None
+            raise _named_error(type(self).__name__, e, list(type(self).field_order())) from None
 
     @classmethod
     def _positional_field(cls) -> str | None:

@@ -37,7 +37,9 @@ _CPU = torch.device("cpu")
 
 
 def _step_tensor(p: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=p.device if device is None else device)
+    if device is None:  # (a meta parameter's count lives on the CPU, as torch.optim keeps it: it is read)
+        device = p.device if not p.is_meta else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 def _placed(st, a: int, b: int, steps: list[torch.Tensor], device: torch.device | None) -> list[torch.Tensor]:
@@ -70,7 +72,7 @@ def _plan(ctx, a: int, b: int, kernel: str, required: bool = False) -> list[tupl
     Each entry: the indices into `[a:b]` (None: all of them), whether torch's
     fused `kernel` applies (decided by `modopt.core.kernels.fused_ok`), and the dtype.
     With `required` (`fused=True`), parameters torch has no fused kernel for are refused, as
-    torch.optim refuses them (a `ValueError` that names one); a combination `kernels.KNOWN_BAD`
+    torch.optim refuses them (a `RuntimeError`, as torch's, that names one); a combination `kernels.KNOWN_BAD`
     lists, and a DTensor, take the foreach path instead (see `modopt.core.kernels`).
     """
     cache = ctx.layout.cache
@@ -88,7 +90,7 @@ def _plan(ctx, a: int, b: int, kernel: str, required: bool = False) -> list[tupl
             if not sharded and (kernel, dev.type, dtype) not in kernels.KNOWN_BAD \
                     and not kernels.fused_ok(kernel, dev, dtype, sharded):
                 name = ctx.names[a + idx[0]] or f"parameter {a + idx[0]}"
-                raise ValueError(f"fused=True: torch has no fused {kernel} kernel for {name} ({dtype} on "
+                raise RuntimeError(f"fused=True: torch has no fused {kernel} kernel for {name} ({dtype} on "
                                  f"{dev.type}); use fused=None (modopt's default) or fused=False")
         cache[key] = plan
     return plan
