@@ -346,3 +346,36 @@ def test_the_migration_page_example_runs(tmp_path, monkeypatch):
     opt = ns["opt"]
     assert isinstance(opt, mo.Modular) and opt.param_groups[0]["weight_decay"] == 0.1
     assert {float(s["1:AdamW.step"]) for s in opt.state.values()} == {10.0}
+
+
+def test_a_torch_checkpoint_of_another_kernel_says_which_kernel_continues():
+    """torch.optim continues with the checkpoint's kernel (its groups' fused/foreach keys); a modopt transform
+    keeps its own: the load says so, and the transform built with the checkpoint's kernel continues bit for bit."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    ref = model()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)  # torch's default kernel (fused=None, foreach=None)
+    for x in data[:3]:
+        topt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        topt.step()
+    sd = topt.state_dict()
+    ours = model()
+    ours.load_state_dict(ref.state_dict())
+    with pytest.warns(UserWarning, match=r"written by torch's default .* kernel; 0:AdamW continues with its own, the "
+                                         r"fused kernel.*Build AdamW\(fused=False\)"):
+        mo.Modular(ours.parameters(), mo.AdamW(lr=1e-2)).load_state_dict(sd)
+    same = mo.Modular(ours.parameters(), mo.AdamW(lr=1e-2, fused=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(sd)
+    for x in data[3:]:
+        for m, o in ((ref, topt), (ours, same)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p, q)

@@ -274,12 +274,42 @@ def from_torch(sd: dict[str, Any], transforms: tuple[Transform, ...], group_keys
         store = dict(handle["transforms"])
     covered = {k for k, _ in walk(transforms[:n_attached])}
     fresh = [k for k, x in walk(transforms) if k != key and k not in covered and declared_buffers(x)]
-    warning = None
+    notes = []
     if fresh:
-        warning = (f"load_state_dict: the torch.optim.{torch_name} state dict has no state for {', '.join(fresh)}: "
-                   f"{'it starts' if len(fresh) == 1 else 'they start'} fresh, as on a first step (the optimizer's "
-                   f"moments, step counts and param groups were loaded into {key})")
+        notes.append(f"load_state_dict: the torch.optim.{torch_name} state dict has no state for {', '.join(fresh)}: "
+                     f"{'it starts' if len(fresh) == 1 else 'they start'} fresh, as on a first step (the optimizer's "
+                     f"moments, step counts and param groups were loaded into {key})")
+    if not wrapped and groups:
+        saved, mine = _torch_kernel(groups[0]), _modopt_kernel(t)
+        if saved != mine:  # torch would continue with the checkpoint's kernel; the transform's own continues here
+            notes.append(
+                f"load_state_dict: the torch.optim.{torch_name} state dict was written by torch's {saved} kernel; "
+                f"{key} continues with its own, the {mine} kernel, so the run continues equal up to float rounding, "
+                f"not bit for bit (torch.optim follows the checkpoint's kernel). Build {type(t).__name__}("
+                f"{_KERNEL_ARGS[saved]}) to continue with the checkpoint's kernel"
+            )
+    warning = "\n".join(notes) or None
     return new_state, new_groups, store, None if handle is None else handle["config"], warning
+
+
+#: the kernel of a torch.optim param group's `fused`/`foreach` keys, and the modopt arguments that pick it
+_KERNEL_ARGS = {"fused": "fused=True", "foreach": "foreach=True", "for-loop": "foreach=False",
+                "default (fused=None, foreach=None)": "fused=False"}
+
+
+def _torch_kernel(group: dict[str, Any]) -> str:
+    """Which kernel torch.optim runs for a param group as saved: its `fused` and `foreach` keys."""
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    return "foreach" if foreach is True else "for-loop" if foreach is False else "default (fused=None, foreach=None)"
+
+
+def _modopt_kernel(t: Any) -> str:
+    """The same name for the kernel an SGD/Adam/AdamW transform runs (its default is torch's fused kernel)."""
+    if t.foreach is not None and t.fused is not True:
+        return "foreach" if t.foreach else "for-loop"
+    return "default (fused=None, foreach=None)" if t.fused is False else "fused"
 
 
 def as_modular_state_dict(sd: dict[str, Any], opt: Any, format_version: int) -> tuple[dict[str, Any], str | None]:
