@@ -178,3 +178,15 @@ def test_a_tensor_for_a_field_is_refused_with_where_it_belongs():
         mo.Adam(lr=torch.tensor(1e-3))
     with pytest.raises(TypeError, match="ClipNorm.max_norm: got a tensor"):
         mo.ClipNorm(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("make", [lambda: mo.ClipNorm(True), lambda: mo.ZClip(warmup_steps=False),
+                                  lambda: mo.Adam(lr=True), lambda: mo.ClipNorm(1.0, ord=True)],
+                         ids=["max_norm", "warmup_steps", "lr", "ord"])
+def test_a_bool_where_a_number_is_needed_is_refused(make):
+    with pytest.raises(pydantic.ValidationError, match=r"a number is needed, got (True|False) \(a bool\)"):
+        make()
+
+
+def test_bool_fields_still_take_bools():
+    assert mo.Adam(amsgrad=True).amsgrad is True and mo.SGD(lr=0.1, momentum=0.9, nesterov=True).nesterov is True

@@ -14,7 +14,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, WithJsonSchema
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
+                      WithJsonSchema, field_validator)
 from pydantic_core import PydanticCustomError
 
 import torch
@@ -124,6 +125,26 @@ def _check_positional(cls: type) -> None:
             f"transform {cls.__name__}: positional = {name!r} is not one of its fields "
             f"({', '.join(cls.model_fields)}){did_you_mean(name, cls.model_fields)}"
         )
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes numbers and not bools (`float`, `PositiveInt`, `Optional[float]`, `Ord`...)."""
+    import typing
+
+    seen: set = set()
+
+    def kinds(a: Any) -> None:
+        origin = typing.get_origin(a)
+        if origin is typing.Annotated:
+            kinds(typing.get_args(a)[0])
+        elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            for x in typing.get_args(a):
+                kinds(x)
+        else:
+            seen.add(a)
+
+    kinds(annotation)
+    return bool(seen & {float, int}) and bool not in seen
+
+
 def plain_input(value: Any) -> Any:
     """Config containers as plain data: OmegaConf's `DictConfig`/`ListConfig` (interpolations
     resolved) and other mappings become dicts and lists, recursively; anything else is returned as is.
@@ -190,6 +211,14 @@ class Transform(BaseModel):
     #: transforms run, `apply_weights` after the write); weight transforms end the pipeline, at its top level
     stage: ClassVar[Literal["update", "weights"]] = "update"
     _abstract: ClassVar[bool] = True
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """`True`/`False` where a number is needed is a mistake (pydantic would read it as 1/0)."""
+        if isinstance(v, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"a number is needed, got {v!r} (a bool)")
+        return v
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
         cls._abstract = abstract
