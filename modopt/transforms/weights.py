@@ -7,8 +7,8 @@ from typing import ClassVar
 import torch
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
 
-from ..core.norms import acc_dtype
-from ..core.runner import Step, TransformState
+from ..core.norms import acc_dtype, common_acc_dtype
+from ..core.runner import Step, TransformState, any_pnorms
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -59,7 +59,12 @@ class ProjectNorm(Transform):
         raise RuntimeError("ProjectNorm acts on the weights: it comes after the optimizer transform, at the end")
 
     def _chosen(self, ctx: Step) -> list[int]:
-        return [i for i, p in enumerate(ctx.params) if p.dim() >= self.min_ndim]
+        """The indices of the step's parameters with at least `min_ndim` dims (worked out once per layout)."""
+        key = ("ProjectNorm.chosen", self.min_ndim)
+        idx = ctx.layout.cache.get(key)
+        if idx is None:
+            idx = ctx.layout.cache[key] = [i for i, p in enumerate(ctx.params) if p.dim() >= self.min_ndim]
+        return idx
 
     def prepare_weights(self, ctx: Step, st: TransformState) -> None:
         """The radius of each tensor first seen: its norm now, before this step's update (or `radius`)."""
@@ -72,17 +77,15 @@ class ProjectNorm(Transform):
         if not idx:
             return
         params = [ctx.params[i] for i in idx]
-        norms = [torch.linalg.vector_norm(p, dtype=acc_dtype(p.dtype)) for p in params]
+        acc = common_acc_dtype(params)
+        norms = any_pnorms(params, 2.0, acc)  # (of the full tensors when sharded: modopt.core.distributed)
         if self.radius is None:
             all_r = st.buffers("radius", lambda i, p: torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype)))
-            radii = [all_r[i] for i in idx]
+            radii = torch.stack([all_r[i] for i in idx]).to(acc)
         else:
-            radii = [self.radius] * len(params)
-        factors = []
-        for n, r in zip(norms, radii):
-            f = torch.where(n > 0, r / (n + self.eps), 1.0)
-            if ctx.skip is not None:  # x * 1 is x, every bit
-                f = torch.where(ctx.skip, 1.0, f)
-            factors.append(f)
-        for p, f in zip(params, factors):
+            radii = torch.full_like(norms, self.radius)
+        factors = torch.where(norms > 0, radii / (norms + self.eps), 1.0)
+        if ctx.skip is not None:  # x * 1 is x, every bit
+            factors = torch.where(ctx.skip, 1.0, factors)
+        for p, f in zip(params, factors.unbind(0)):
             p.mul_(f.to(p.dtype))
