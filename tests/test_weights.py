@@ -4,7 +4,9 @@ parameters after the optimizer wrote them."""
 from __future__ import annotations
 
 import functools
+import math
 
+import pydantic
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -104,6 +106,13 @@ def test_weight_transforms_end_the_pipeline_at_its_top_level():
         mo.attach(torch.optim.SGD([p], lr=0.1), mo.ProjectNorm())
     opt = mo.Modular([p], mo.SGD(lr=0.1), mo.ProjectNorm(), mo.ProjectNorm(1.0))  # two in a row: in order
     assert [k for k, _ in opt.plan.weights] == ["1:ProjectNorm", "2:ProjectNorm"]
+
+
+@pytest.mark.parametrize("kw", [{"radius": math.inf}, {"radius": math.nan}, {"radius": 0.0}, {"eps": math.inf},
+                                {"eps": -1.0}, {"radius": True}, {"min_ndim": -1}])
+def test_project_norm_refuses_fields_that_would_break_the_weights(kw):
+    with pytest.raises(pydantic.ValidationError, match=f"ProjectNorm.{next(iter(kw))}"):
+        mo.ProjectNorm(**kw)
 
 
 def test_project_norm_config_round_trip():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
+from pydantic import Field, NonNegativeInt
 
 from ..core.norms import acc_dtype, common_acc_dtype
 from ..core.runner import Step, TransformState, any_pnorms
@@ -13,6 +13,11 @@ from ..core.state import Buffer
 from ..core.transform import Transform
 
 __all__ = ["ProjectNorm"]
+
+
+def _norm_now(i: int, p: torch.Tensor) -> torch.Tensor:
+    """A tensor's radius when first seen: its Frobenius norm, accumulated in at least float32."""
+    return torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype))
 
 
 class ProjectNorm(Transform):
@@ -45,9 +50,9 @@ class ProjectNorm(Transform):
     """
 
     positional: ClassVar[str | None] = "radius"
-    radius: PositiveFloat | None = None
+    radius: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # (an infinite radius: inf weights)
     min_ndim: NonNegativeInt = 2
-    eps: NonNegativeFloat = 0.0
+    eps: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
     stage: ClassVar[str] = "weights"
     attachable: ClassVar[bool] = False
@@ -69,7 +74,7 @@ class ProjectNorm(Transform):
     def prepare_weights(self, ctx: Step, st: TransformState) -> None:
         """The radius of each tensor first seen: its norm now, before this step's update (or `radius`)."""
         if self.radius is None:
-            st.buffers("radius", lambda i, p: torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype)))
+            st.buffers("radius", _norm_now)
 
     def apply_weights(self, ctx: Step, st: TransformState) -> None:
         """Multiply each chosen parameter by `R / (norm + eps)` (1 where the norm is 0, or the step is skipped)."""
@@ -80,7 +85,7 @@ class ProjectNorm(Transform):
         acc = common_acc_dtype(params)
         norms = any_pnorms(params, 2.0, acc)  # (of the full tensors when sharded: modopt.core.distributed)
         if self.radius is None:
-            all_r = st.buffers("radius", lambda i, p: torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype)))
+            all_r = st.buffers("radius", _norm_now)
             radii = torch.stack([all_r[i] for i in idx]).to(acc)
         else:
             radii = torch.full_like(norms, self.radius)
