@@ -94,7 +94,11 @@ def clip_reference(params, max_norm=1.0, eps=1e-6):
     # moves a half-precision gradient near zero by a unit, which Adam's g / sqrt(v) turns into a whole step
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g32, 2.0)))
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
-    return [g * coef for g in g32]
+    # torch's CUDA kernels multiply a float16/bfloat16 tensor by a 0-d float32 tensor on the device
+    # after rounding it to the tensor's dtype (the foreach kernel's fast route reads the scalar as the
+    # list's dtype; its slow route and `mul_` cast it to the common dtype); the CPU kernels read the
+    # float32 value. modopt's clip multiplies with those kernels, as clip_grad_norm_ does.
+    return [g * (coef.to(p.dtype).to(g.dtype) if p.device.type != "cpu" else coef) for g, p in zip(g32, params)]
 
 
 class TorchReference:

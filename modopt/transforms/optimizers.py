@@ -111,6 +111,22 @@ def _traced(x, like: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=like.device) * x
 
 
+def _count_steps(steps: list[torch.Tensor], by: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`step += by` (1 when None, else a 0-d tensor) for the 0-d step tensors; the new counts.
+
+    Compiled, each new count is its own value, copied into its step tensor, and the bias corrections
+    read those values, one per tensor as torch's compiled Adam does, never a `stack` of the step
+    tensors: inductor's CUDA code read stale counts from a stack of step tensors mutated in the same
+    graph (torch 2.11: wrong bias corrections, and counts left behind on skipped steps)."""
+    if not torch.compiler.is_compiling():
+        torch._foreach_add_(steps, 1 if by is None else [by] * len(steps))
+        return steps
+    new = [s + (1.0 if by is None else by) for s in steps]
+    for s, x in zip(steps, new):
+        s.copy_(x)
+    return new
+
+
 def _pick(xs: list, idx: list[int] | None) -> list:
     return xs if idx is None else [xs[i] for i in idx]
 
@@ -696,7 +712,9 @@ class Adam(_FusedOptimizer):
                 distributed.copy_(v, [ctx.keep(new, old) for old, new in zip(v, v_new)])
             if g["amsgrad"]:
                 torch._foreach_maximum_(vmax, v)
-            t = torch.stack(steps)
+            t = torch.stack(steps)  # (float32 counts; float64 parameters take their bias corrections in float64,
+            if params[0].dtype == torch.float64:  # as torch's fused kernels do)
+                t = t.to(torch.float64)
             lr_v = _lr_value(lr, params[0])  # every lr-dependent quantity reads lr through _lr_value
             if scaled is not None:  # a transform before asked for a factor on this step (modopt.core.moments)
                 lr_v = scaled * lr_v
@@ -734,11 +752,9 @@ class Adam(_FusedOptimizer):
                 grads = torch._foreach_neg(grads)
             if g["weight_decay"] != 0 and not self.decoupled:
                 grads = torch._foreach_add(grads, torch._foreach_mul(params, [wd] * n))
-            keep = None if skip is None else (~skip).to(torch.float32)
-            torch._foreach_add_(steps, [torch.ones_like(steps[0]) if keep is None else keep] * n)
-            t = torch.stack(steps)
-            step_size = (lr / (1 - b1**t)).unbind(0)
-            bc2_sqrt = (1 - b2**t).sqrt().unbind(0)
+            counts = _count_steps(steps, None if skip is None else (~skip).to(torch.float32))
+            step_size = [lr / (1 - b1**t) for t in counts]
+            bc2_sqrt = [(1 - b2**t).sqrt() for t in counts]
             u, new_m, new_v, new_vmax = [], [], [], []
             # per tensor, plain ops: inductor fuses each tensor's chain into one kernel (lists of 0-d
             # tensors in foreach ops compiled to code three times slower on a CPU)
@@ -891,7 +907,7 @@ class ADOPT(Transform):
             torch._foreach_addcmul_(first_v, grads, grads)
             new_v = [torch.where(f, x, y) for f, x, y in zip(first, first_v, later_v)]
             go = proceed_flag(ctx)
-            torch._foreach_add_(steps, [torch.ones_like(steps[0]) if go is None else go.to(torch.float32)] * len(steps))
+            _count_steps(steps, None if go is None else go.to(torch.float32))
             distributed.copy_(m, [ctx.keep(x, old) for x, old in zip(new_m, m)])
             distributed.copy_(v, [ctx.keep(x, old) for x, old in zip(new_v, v)])
             decay = 0.0
