@@ -619,3 +619,33 @@ def test_plots_mark_spikes_and_take_the_pipeline(tmp_path):
         assert (tmp_path / f).read_bytes()[:4] == b"\x89PNG"
     sm = smooth([1.0, None, 100.0, 1.0, 1.0], 3)
     assert sm[1] == pytest.approx(10.0) and sm[0] == pytest.approx(1.0) and sm[3] == pytest.approx(100 ** (1 / 3))
+
+
+@pytest.mark.parametrize("name", ["/abs/dir", "../../x", "/../../x", "a/b", "a\\b", "..", ".", "", "x" * 121, "tab\there"])
+def test_names_that_would_become_paths_are_refused(tmp_path, capsys, name):
+    import yaml
+
+    for data in ({"name": name, "optimizer": {"transforms": [{"type": "SGD", "lr": 0.1}]}},
+                 {"name": "ok", "variants": {name: {"transforms": [{"type": "SGD", "lr": 0.1}]}}}):
+        cfg = tmp_path / "exp.yaml"
+        cfg.write_text(yaml.safe_dump(data))
+        assert run_cli("validate", str(cfg)) == 1
+        err = capsys.readouterr().err
+        assert "one plain name" in err and "Traceback" not in err, err
+        out = tmp_path / "out"
+        assert run_cli("compare", str(cfg), "--out", str(out), "--quiet", "--no-plots") == 1
+        assert not out.exists()  # refused before anything was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]
+
+
+def test_compare_and_sweep_refuse_another_commands_output(tmp_path, capsys):
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
+    run_dir = tmp_path / "r"
+    assert run_cli("run", str(cfg), "--out", str(run_dir), "--quiet", "--no-plots") == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert "checkpoint.pt" in before
+    assert run_cli("compare", str(cfg), "--out", str(run_dir), "--quiet", "--no-plots") == 1
+    assert "holds the output of `modopt run`" in capsys.readouterr().err
+    assert run_cli("sweep", str(cfg), "--out", str(run_dir), "--grid", "train.steps=2", "--quiet", "--no-plots") == 1
+    assert "holds the output of `modopt run`" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing removed or added

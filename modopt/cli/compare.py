@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError
 from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
-from .run import METRIC_FIELDS, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, prepare_dir, read_jsonl, run_experiment, summarize
+from .run import METRIC_FIELDS, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, check_kind, prepare_dir, read_jsonl, run_experiment, summarize
 from .stats import LEVEL, METHOD, format_interval, interval, paired
 
 #: version of the layout of `compare.json` and `sweep.json` (docs/cli.md); bumped on an incompatible change
@@ -306,6 +306,7 @@ def compare(
     planned = plan_compare(configs, overrides, seeds, trust_imports)
     if baseline is not None:
         _check_baseline(baseline, planned)
+    check_kind(out, "compare")
     prepare_dir(out, force=True)
     todo = [Job(label, s, seeded(exp, s), out / label / f"seed-{s}") for label, exp, ss in planned for s in ss]
     run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots)

@@ -161,6 +161,31 @@ class OutputConfig(_Strict):
                             "steps (and at each checkpoint and the end): one host copy per read, none in between")
 
 
+#: a run label becomes a directory name (`runs/<name>-<time>`, `<out>/<variant>/seed-N`): under the
+#: usual 255-byte file-name limit with the time stamp and a variant added
+NAME_MAX = 120
+
+
+def check_name(name: str, what: str) -> str:
+    """`name`, refused unless it is one plain directory name: no path separator, not `.` or `..`, no
+    NUL, not empty, at most `NAME_MAX` characters. A name is a label; `--out` says where runs go."""
+    bad = None
+    if not name or not name.strip():
+        bad = "is empty"
+    elif "/" in name or "\\" in name:
+        bad = "contains a path separator"
+    elif name in (".", ".."):
+        bad = "is a relative directory"
+    elif "\x00" in name or any(ord(c) < 32 for c in name):
+        bad = "contains a control character"
+    elif len(name) > NAME_MAX:
+        bad = f"is {len(name)} characters long (at most {NAME_MAX})"
+    if bad:
+        raise ValueError(f"{what} {name!r} {bad}: it names a run directory, so it must be one plain name "
+                         "(letters, digits, '-', '_', '.'); choose where runs go with --out")
+    return name
+
+
 class Experiment(_Strict):
     """A whole experiment: task, optimizer pipeline(s), training loop, output."""
 
@@ -170,6 +195,18 @@ class Experiment(_Strict):
     variants: dict[str, PipelineConfig] | None = None
     train: TrainConfig = Field(default_factory=TrainConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        return check_name(name, "the name")
+
+    @field_validator("variants")
+    @classmethod
+    def _plain_variant_names(cls, variants):
+        for key in variants or {}:
+            check_name(key, "the variant name")
+        return variants
 
     @model_validator(mode="after")
     def _one_optimizer_source(self):

@@ -308,6 +308,20 @@ def check_dir(out: Path, force: bool) -> None:
         raise ConfigError(f"{out} exists and is not empty; use --resume {out} to continue it, or --force to overwrite")
 
 
+#: the file that marks each kind of output directory: a run's, a comparison's, a sweep's
+KIND_FILES = {"run": "config.yaml", "compare": "compare.json", "sweep": "sweep.json"}
+
+
+def check_kind(out: Path, kind: str) -> None:
+    """Refuse to write `kind`'s output into a directory another command wrote (its files would be replaced
+    or mixed with these): `modopt compare --out` an existing run directory removed that run's checkpoint."""
+    for other, marker in KIND_FILES.items():
+        if other != kind and (out / marker).is_file():
+            raise ConfigError(f"{out} holds the output of `modopt {other}` ({marker}); `modopt {kind}` would "
+                              f"replace or mix with its files: give --out a new directory (or this {kind}'s own, "
+                              "to continue it)")
+
+
 def prepare_dir(out: Path, force: bool) -> None:
     """Create `out`; refuse a non-empty directory unless `force` (then clear the run files)."""
     check_dir(out, force)
