@@ -649,3 +649,15 @@ def test_compare_and_sweep_refuse_another_commands_output(tmp_path, capsys):
     assert run_cli("sweep", str(cfg), "--out", str(run_dir), "--grid", "train.steps=2", "--quiet", "--no-plots") == 1
     assert "holds the output of `modopt run`" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing removed or added
+
+
+def test_a_checkpoint_tmp_link_placed_in_the_run_dir_is_not_followed(tmp_path):
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
+    out = tmp_path / "r"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (out / "checkpoint.tmp").symlink_to(victim)
+    assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots", "--force") == 0
+    assert victim.read_text() == "keep me"
+    assert (out / "checkpoint.pt").is_file() and not (out / "checkpoint.tmp").exists()

@@ -295,8 +295,14 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
+    """`torch.save` to a fresh temporary file beside `path`, then one rename: a kill leaves the old file or
+    the new one. The temporary name is created here (never an existing file or link followed into)."""
     tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()  # (a link is removed, not followed: what it points to is untouched)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
     os.replace(tmp, path)
 
 
