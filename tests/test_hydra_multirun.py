@@ -111,3 +111,14 @@ def test_without_hydra_the_app_says_what_to_install(monkeypatch, capsys):
         hydra_app.main()
     assert e.value.code == 1
     assert "pip install hydra-core" in capsys.readouterr().err
+
+
+def test_a_second_job_into_a_finished_run_dir_is_refused_unless_forced(tmp_path, conf):
+    run = tmp_path / "run"
+    assert _hydra(tmp_path, "+variant=noclip", f"hydra.run.dir={run}").returncode == 0
+    first = (run / "summary.json").read_bytes()
+    r = _hydra(tmp_path, "+variant=clipnorm", f"hydra.run.dir={run}")
+    assert r.returncode != 0 and "already holds a modopt run" in r.stderr and "+force=true" in r.stderr
+    assert (run / "summary.json").read_bytes() == first  # the finished run is untouched
+    assert _hydra(tmp_path, "+variant=clipnorm", "+force=true", f"hydra.run.dir={run}").returncode == 0
+    assert yaml.safe_load((run / "config.yaml").read_text())["name"] == "tiny-clipnorm"

@@ -16,7 +16,9 @@ taken out before validation, so they are added with `+`:
 
 * `+variant=NAME`: the variant to train, for a config with `variants`
   (the run is named `<name>-<variant>`, as with `modopt run --variant`);
-* `+trust_imports=true`: allow tasks and optimizer classes named by import path.
+* `+trust_imports=true`: allow tasks and optimizer classes named by import path;
+* `+force=true`: replace a modopt run already in the job's output directory
+  (without it such a job is refused, as `modopt run` refuses a non-empty `--out`).
 
 `output.dir` of the config is not used: the job's output directory is.
 Hydra (`hydra-core`) is an optional dependency; this module imports it only
@@ -36,7 +38,7 @@ from .experiment import Experiment, default_experiment, experiment_from_data
 #: the name under which the default experiment is stored in Hydra's ConfigStore
 DEFAULT_CONFIG = "modopt_default"
 #: top-level keys of the Hydra config that belong to the app, not to the experiment
-APP_KEYS = ("variant", "trust_imports")
+APP_KEYS = ("variant", "trust_imports", "force")
 
 log: logging.Logger = logging.getLogger("modopt.cli.hydra_app")
 
@@ -55,6 +57,8 @@ def experiment_for_job(data: Any, source: str, default_name: str | None = None) 
     trust = data.pop("trust_imports", False)
     if not isinstance(trust, bool):
         raise ConfigError(f"{source}: trust_imports must be true or false, got {trust!r}")
+    if not isinstance(data.pop("force", False), bool):  # (read by `run_job`)
+        raise ConfigError(f"{source}: force must be true or false")
     if variant is not None and not isinstance(variant, str):
         raise ConfigError(f"{source}: variant must be the name of one of the config's variants, got {variant!r}")
     if "name" not in data and default_name:
@@ -82,8 +86,13 @@ def run_job(cfg: Any) -> dict[str, Any]:
     data = OmegaConf.to_container(cfg, resolve=True)
     exp, trust = experiment_for_job(data, source, hc.job.config_name)
     out = Path(hc.runtime.output_dir)
+    force = bool(isinstance(data, dict) and data.get("force") is True)
+    held = [f for f in ("config.yaml", "checkpoint.pt", "summary.json", "metrics.jsonl") if (out / f).exists()]
+    if held and not force:
+        raise ConfigError(f"{out} already holds a modopt run ({', '.join(held)}); give the job a new hydra.run.dir "
+                          "(or hydra.sweep.dir), or add +force=true to replace that run")
     log.info("%s (%s, %d steps, seed %d) -> %s", exp.name, exp.task.name, exp.train.steps, exp.train.seed, out)
-    summary = run_experiment(exp, out, trust_imports=trust, progress=False, log=log.info)
+    summary = run_experiment(exp, out, trust_imports=trust, progress=False, log=log.info, force=True if force else None)
     log.info(
         "%s: final loss %.4g, eval loss %s, %d loss spikes, %.1f%% clipped",
         exp.name, summary["final_loss"], "-" if summary["final_eval_loss"] is None else f"{summary['final_eval_loss']:.4g}",
