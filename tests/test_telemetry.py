@@ -411,3 +411,67 @@ def test_one_transfer_per_read_back_and_none_in_between(tmp_path, count_methods)
     with Transfers() as t:
         h.read()
     assert t.n == 1
+
+
+# --- sinks that fail, notes and sizes that cannot be recorded --------------------------------------
+
+
+class _FlakySink:
+    """A sink whose writes raise (a full disk) while `broken`; it keeps what it was given otherwise."""
+
+    def __init__(self):
+        self.broken, self.rows, self.calls = False, [], 0
+
+    def write(self, rows):
+        self.calls += 1
+        if self.broken:
+            raise OSError(28, "No space left on device")
+        self.rows.extend(rows)
+
+
+def test_a_failing_sink_never_fails_the_step_and_loses_no_row():
+    model = make_model()
+    opt = mo.Modular(model.parameters(), mo.ClipNorm(0.5), mo.Adam(lr=1e-2))
+    flaky, good = _FlakySink(), _FlakySink()
+    h = History.attach(opt, capacity=16, every=2, sinks=[flaky, good])
+    train(model, opt, 2, h)
+    flaky.broken = True
+    with pytest.warns(UserWarning, match="No space left on device") as caught:
+        train(model, opt, 4, h, seed=2)  # two automatic flushes fail; the steps go on
+    assert len([w for w in caught if "sink" in str(w.message)]) == 1  # reported once, not every flush
+    assert [r["step"] for r in good.rows] == [1, 2, 3, 4, 5, 6]  # the healthy sink is not held back
+    assert [r["step"] for r in flaky.rows] == [1, 2]
+    with pytest.raises(RuntimeError, match="No space left on device.*written again"):
+        h.flush()  # an explicit flush says so
+    flaky.broken = False
+    h.flush()
+    assert [r["step"] for r in flaky.rows] == [1, 2, 3, 4, 5, 6]  # nothing lost, nothing twice
+    assert [r["step"] for r in good.rows] == [1, 2, 3, 4, 5, 6]
+    assert h.delivered == 6
+
+
+@pytest.mark.parametrize("name", ["step", "grad_norm", "clipped_steps", "module_norm/x"])
+def test_note_refuses_the_columns_the_history_fills(name):
+    opt = mo.Modular(make_model().parameters(), mo.Adam())
+    h = History.attach(opt, capacity=4)
+    with pytest.raises(ValueError, match="fills itself"):
+        h.note(**{name: 1.0})
+
+
+@pytest.mark.parametrize("value, match", [
+    (True, "tensor or a number"), ("1", "tensor or a number"),
+    (torch.zeros(20_000), "at most 1024"), (torch.zeros(2, 2), "0-d or 1-D"), (torch.zeros(2, dtype=torch.complex64), "real"),
+])
+def test_note_refuses_what_it_cannot_record_before_the_step(value, match):
+    model = make_model()
+    opt = mo.Modular(model.parameters(), mo.Adam())
+    h = History.attach(opt, capacity=4)
+    with pytest.raises((TypeError, ValueError), match=match):
+        h.note(x=value)
+    train(model, opt, 1, h)  # the refused value was not kept: the next step records as usual
+    assert "x" not in h.read()[-1]
+
+
+def test_capacity_beyond_the_limit_is_a_clear_error():
+    with pytest.raises(ValueError, match="capacity must be at most"):
+        History(capacity=2**62)

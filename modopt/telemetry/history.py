@@ -54,6 +54,10 @@ MODULE = "module_norm/"
 #: the key of `optimizer.state_dict()["param_groups"][0]` that carries an attached history
 ENTRY = "modopt_telemetry"
 _VERSION = 1
+#: the most elements one `note` value may have: each element is a column of every row
+NOTE_MAX = 1024
+#: the most rows a history keeps (its buffer is `capacity x columns x 8` bytes on the device)
+CAPACITY_MAX = 10_000_000
 #: stats that become derived columns of their own (not copied as they are)
 _DERIVED_FROM = ("grad_norm", MODULE.rstrip("/"), "skipped", "nonfinite")
 
@@ -94,6 +98,9 @@ class History:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"History: {field} must be an integer >= {low}, got {v!r}")
+        if capacity > CAPACITY_MAX:
+            raise ValueError(f"History: capacity must be at most {CAPACITY_MAX:,} rows (the buffer is capacity x "
+                             f"columns x 8 bytes on the device), got {capacity:,}; flush to sinks more often instead")
         if every is not None and every > capacity:
             raise ValueError(f"History: every ({every}) must be at most capacity ({capacity}): rows would be "
                              "overwritten before they are read")
@@ -111,7 +118,9 @@ class History:
         self._slot_plan: list[int] = [-1] * capacity
         self._col_cache: dict[tuple, tuple[int, torch.Tensor]] = {}
         self.count = 0  # rows recorded (the step number of the last row)
-        self.delivered = 0  # rows handed to the sinks
+        self.delivered = 0  # rows every sink has taken (the oldest of `_sink_done`)
+        self._sink_done = [0] * len(self.sinks)  # per sink: the last step it wrote without raising
+        self._sink_failing: set[int] = set()  # sinks whose last write raised (reported once until one succeeds)
         self._base = 0  # steps before the first row (start_at)
         self._extra: dict[str, Any] = {}
         self._modules: list[str] | None = None
@@ -204,11 +213,21 @@ class History:
     # --- recording --------------------------------------------------------------------------
     def note(self, **values: Any) -> None:
         """Values to add to the next recorded row (`history.note(loss=loss.detach())` before
-        `opt.step()`): 0-d or 1-D tensors (kept on the device) or numbers."""
+        `opt.step()`): 0-d or 1-D tensors (kept on the device) or numbers.
+
+        Checked here, before the step: a value that could not be recorded would fail the step's
+        recording after the parameters moved."""
         for k, v in values.items():
-            if not isinstance(v, (torch.Tensor, int, float)):
+            if k == "step" or k in DERIVED or k.startswith(MODULE):
+                raise ValueError(f"History.note: {k!r} is a column the history fills itself; give the value another name")
+            if isinstance(v, bool) or not isinstance(v, (torch.Tensor, int, float)):
                 raise TypeError(f"History.note: {k} must be a tensor or a number, got {type(v).__name__}")
-            self._extra[k] = v
+            if isinstance(v, torch.Tensor):
+                if v.dim() > 1 or v.numel() > NOTE_MAX or v.is_complex() or v.device.type == "meta":
+                    raise ValueError(f"History.note: {k} must be a real 0-d or 1-D tensor of at most {NOTE_MAX} "
+                                     f"elements (each is a column of every row), got shape {tuple(v.shape)}, "
+                                     f"{v.dtype} on {v.device.type}")
+        self._extra.update(values)
 
     def record(self, stats: dict[str, torch.Tensor], **extra: Any) -> None:
         """Append one row from a step's `stats` (and `extra`, as in `note`); no host sync."""
@@ -248,7 +267,7 @@ class History:
         self._slot_plan[slot] = cols
         self.count += 1
         if self.every is not None and self.count % self.every == 0:
-            self.flush()
+            self._deliver(raise_errors=False)  # (during the step: a failing sink reports, never raises)
 
     def _derive(self, stats: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[str]]:
         """`DERIVED` of one step as a float64 vector on `device`, and the names it holds."""
@@ -324,6 +343,7 @@ class History:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"History.start_at: step must be an integer >= 0, got {step!r}")
         self.count = self.delivered = self._base = step
+        self._sink_done = [step] * len(self.sinks)
 
     def _held(self) -> list[tuple[int, int]]:
         """`(step, slot)` of every row held, oldest first."""
@@ -347,18 +367,45 @@ class History:
         return rows
 
     def flush(self) -> list[dict[str, Any]]:
-        """Read the rows not yet delivered (one copy), hand them to every sink, and return them."""
+        """Read the rows not yet delivered (one copy), hand each sink the rows it has not taken, and
+        return the rows read. A row counts as delivered to a sink only once its `write` returned: a sink
+        that raises gets the same rows again at the next flush. Here the first such error is raised,
+        after every sink was tried; the automatic flush (`every`) warns instead, once until it recovers."""
+        return self._deliver(raise_errors=True)
+
+    def _deliver(self, raise_errors: bool) -> list[dict[str, Any]]:
         if self.count == self.delivered:
             return []
         lost = self.count - self.delivered - self.capacity
         if lost > 0 and not self._lost_warned:
             self._lost_warned = True
             warnings.warn(f"History: {lost} rows were overwritten before they were read (capacity "
-                          f"{self.capacity}); flush more often or raise capacity", UserWarning, stacklevel=2)
+                          f"{self.capacity}); flush more often or raise capacity", UserWarning, stacklevel=3)
         rows = self.read(since=self.delivered)
-        self.delivered = self.count
-        for s in self.sinks:
-            s.write(rows)
+        self._sink_done = (self._sink_done + [self.delivered] * len(self.sinks))[:len(self.sinks)]  # (sinks added)
+        error = None
+        for i, sink in enumerate(self.sinks):
+            todo = [r for r in rows if r["step"] > self._sink_done[i]]
+            if not todo:
+                continue
+            try:
+                sink.write(todo)
+            except Exception as e:  # (the rows stay pending for this sink)
+                if i not in self._sink_failing:
+                    self._sink_failing.add(i)
+                    if not raise_errors:
+                        warnings.warn(f"History: sink {sink!r} failed to write {len(todo)} rows "
+                                      f"({type(e).__name__}: {e}); they are kept and written again at the next "
+                                      "flush (the step went on)", UserWarning, stacklevel=3)
+                error = error or (sink, e)
+                continue
+            self._sink_failing.discard(i)
+            self._sink_done[i] = todo[-1]["step"]
+        self.delivered = min(self._sink_done, default=self.count) if self.sinks else self.count
+        if error is not None and raise_errors:
+            sink, e = error
+            raise RuntimeError(f"History.flush: sink {sink!r} failed ({type(e).__name__}: {e}); its rows are kept "
+                               "and written again at the next flush") from e
         return rows
 
     def close(self) -> list[dict[str, Any]]:
@@ -450,6 +497,8 @@ class History:
         self._slot_plan = list(sd["slot_plan"])
         self._col_cache = {}
         self.count, self.delivered, self._base = sd["count"], sd["delivered"], sd["base"]
+        self._sink_done = [self.delivered] * len(self.sinks)
+        self._sink_failing = set()
         self._values = None if sd["values"] is None else sd["values"].clone()
         self._totals = None if sd["totals"] is None else sd["totals"].clone()
 
