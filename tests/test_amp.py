@@ -129,3 +129,31 @@ def test_half_statistics_accumulate_in_float32_without_overflow(dtype, ord, scop
         torch.testing.assert_close(norm.double(), want, rtol=1e-3, atol=0)
     for p in ps:
         assert torch.isfinite(p).all() and p.dtype == dtype
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adam])
+def test_attach_on_a_fused_optimizer_under_grad_scaler_clips_unscaled_gradients(cls):
+    # GradScaler.step does not unscale for fused optimizers (they take grad_scale themselves): the
+    # attached clip must still see the true gradients, as after the user's own scaler.unscale_(opt)
+    xs = data(5)
+    runs = {}
+    for explicit in (True, False):
+        model = model_fn()
+        opt = cls(model.parameters(), lr=1e-2, fused=True)
+        handle = mo.attach(opt, mo.ClipNorm(0.1))
+        norms = []
+        for x in xs:
+            opt.zero_grad()
+            scaler = runs.setdefault(explicit, torch.amp.GradScaler("cpu", init_scale=2.0**12))
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if explicit:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            norms.append(handle.stats["0:ClipNorm.norm"].clone())
+        runs[("model", explicit)], runs[("norms", explicit)] = model, norms
+    assert all(bool(n > 0.1) for n in runs[("norms", True)]), "the clip must have been active"
+    for a, b in zip(runs[("norms", True)], runs[("norms", False)]):
+        assert torch.equal(a, b)  # the same unscaled norm
+    for p, q in zip(runs[("model", True)].parameters(), runs[("model", False)].parameters()):
+        assert torch.equal(p, q)  # bit for bit: the same unscale, then the same fused step

@@ -21,6 +21,30 @@ from .transform import Transform, walk
 _FRESH = object()
 
 
+def _unscale_for_transforms(optimizer: torch.optim.Optimizer) -> None:
+    """Unscale the gradients of an optimizer that takes GradScaler's scale itself, before the transforms read them.
+
+    `GradScaler.step` leaves the gradients of an optimizer with `_step_supports_amp_scaling` (torch's
+    fused ones) scaled and hands it `optimizer.grad_scale` and `found_inf` instead of calling
+    `unscale_`. The attached transforms must see the true gradients, so they are unscaled here exactly
+    as `scaler.unscale_(optimizer)` would (the same reciprocal, the same kernel), and `grad_scale`
+    becomes None so the kernel does not divide again; `found_inf` (already taken) still skips the step.
+    """
+    scale = getattr(optimizer, "grad_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                by_device[p.grad.device].append(p.grad)
+    inv = scale.double().reciprocal().float()
+    for device, grads in by_device.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)  # (the scaler's own found_inf is kept)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
+    optimizer.grad_scale = None
+
+
 class AttachHandle:
     """What `attach()` returns: holds the transforms' state; `remove()` detaches them.
 
@@ -143,6 +167,7 @@ class AttachHandle:
     def _run(self) -> None:
         """Run the transforms on the gradients now held by the optimizer's parameters."""
         optimizer = self.optimizer
+        _unscale_for_transforms(optimizer)
         stats: dict[str, torch.Tensor] = {}
         ctx = collect(self, optimizer.param_groups, stats)
         if ctx.params:
