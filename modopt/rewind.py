@@ -56,6 +56,8 @@ TRIGGERS = {1: "non-finite loss", 2: "loss spike", 3: "grad-norm spike"}
 FORMAT_VERSION = 1
 #: how a snapshot marks a tensor in `state_dict()` (its buffer and the device it came from)
 _TENSOR = "__rewind_tensor__"
+#: state keys of torch.optim optimizers whose values are never negative (counts, second moments, sums of squares)
+_NONNEGATIVE_TORCH_STATE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
 
 
 class RewindConfig(BaseModel):
@@ -584,8 +586,8 @@ class Rewind:
             raise ValueError(f"{who}: unsupported format_version {sd['format_version']!r} (this modopt reads {FORMAT_VERSION})")
         counts = {k: sd[k] for k in ("steps_done", "batches_seen", "tries", "lowered_left")}
         for k, v in counts.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{who}: {k!r} must be an int >= 0, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**62:
+                raise ValueError(f"{who}: {k!r} must be an int in [0, 2**62), got {v!r}")
         if counts["batches_seen"] < counts["steps_done"]:
             raise ValueError(f"{who}: 'batches_seen' ({counts['batches_seen']}) is below 'steps_done' ({counts['steps_done']})")
         rewinds = self._load_rewinds(sd["rewinds"], who)
@@ -669,4 +671,71 @@ class Rewind:
         self._load_windows(snap["windows"], who, "snapshot.windows")
         if "store" in snap and not (isinstance(snap.get("skipped_steps"), torch.Tensor) and snap["skipped_steps"].dim() == 0):
             raise ValueError(f"{who}: snapshot.skipped_steps must be a 0-d tensor (the Modular's skipped-step count)")
+        self._check_snapshot_values(snap, who)
         return snap
+
+    def _check_snapshot_values(self, snap: dict[str, Any], who: str) -> None:
+        """The snapshot's values against the live optimizer, as its own `load_state_dict` would check them:
+        a rewind writes them into the optimizer, so a wrong shape, dtype, NaN or out-of-range value here
+        would crash a fused kernel or turn the parameters into NaN after the next rewind."""
+
+        def plain(path: tuple, e: dict[str, Any]) -> torch.Tensor:
+            t = e.get(_TENSOR)
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{who}: snapshot entry {'.'.join(map(str, path))} holds no tensor")
+            try:
+                torch.device(e.get("device"))
+            except (TypeError, RuntimeError, ValueError):
+                raise ValueError(f"{who}: snapshot entry {'.'.join(map(str, path))} names no device "
+                                 f"({e.get('device')!r})") from None
+            return t
+
+        values = _map_tensors({k: snap[k] for k in ("tensors", "state", "groups") if k in snap} | (
+            {"store": snap["store"]} if "store" in snap else {}), plain)
+        flags: list[tuple[str, torch.Tensor]] = []
+        for (name, _), t in zip(self._tensors, values["tensors"]):
+            if t.is_floating_point():
+                flags.append((f"the snapshot's {name}", torch.isfinite(t).all()))
+        opt, params = self.optimizer, self._opt_params()
+        if isinstance(opt, Modular):
+            from .core.checkpoint import StateLoader
+
+            loader = StateLoader(opt.transforms, f"{who}: snapshot", opt._pipeline.nonfinite)
+            for i, entry in values["state"].items():
+                loader.param_state(entry, params[i], None, f"parameter {i}")
+            first = params[0].device if params else torch.device("cpu")
+            loader.store(values["store"], [g["params"][0].device if g["params"] else first for g in opt.param_groups])
+            for gi, (g, saved) in enumerate(zip(opt.param_groups, values["groups"])):
+                if not isinstance(saved, dict):
+                    raise ValueError(f"{who}: snapshot param group {gi} is not a dict")
+                opt._gate.check({**saved, "params": g["params"]}, gi, list(saved))
+            loader.finish()
+        else:
+            for i, entry in values["state"].items():
+                live = opt.state.get(params[i])
+                if not isinstance(entry, dict):
+                    raise ValueError(f"{who}: snapshot state of parameter {i} is not a dict")
+                for k, v in entry.items():
+                    old = live.get(k) if live else None
+                    if isinstance(old, torch.Tensor) and (not isinstance(v, torch.Tensor) or v.shape != old.shape
+                                                          or v.dtype != old.dtype):
+                        raise ValueError(f"{who}: snapshot state {k!r} of parameter {i} is "
+                                         f"{getattr(v, 'shape', type(v).__name__)} {getattr(v, 'dtype', '')}, the "
+                                         f"optimizer's is {tuple(old.shape)} {old.dtype}")
+                    if isinstance(v, torch.Tensor) and v.is_floating_point():
+                        ok = torch.isfinite(v).all()
+                        if k in _NONNEGATIVE_TORCH_STATE:
+                            ok = ok & (v >= 0).all()
+                        flags.append((f"snapshot state {k!r} of parameter {i}", ok))
+            for gi, (g, saved) in enumerate(zip(opt.param_groups, values["groups"])):
+                for k, v in (saved.items() if isinstance(saved, dict) else ()):
+                    old = g.get(k)
+                    number = isinstance(old, (int, float)) and not isinstance(old, bool)
+                    if number and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                        raise ValueError(f"{who}: snapshot param group {gi} has {k}={v!r}; the optimizer's is the "
+                                         f"number {old!r}: a finite number is needed")
+        if flags:
+            bad = torch.stack([f.cpu() for _, f in flags]).logical_not().nonzero().flatten().tolist()
+            if bad:
+                raise ValueError(f"{who}: {flags[bad[0]][0]} is not finite (or is negative where it cannot be): "
+                                 "the checkpoint is damaged or was edited")

@@ -3,6 +3,7 @@ the learning-rate cut, giving up, its state dict, host syncs, and `modopt run` w
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import modopt as mo
+
 from checks import Syncs, flat_state
 from modopt.cli import run as run_mod
 from modopt.cli.experiment import experiment_from_data
@@ -326,13 +328,71 @@ def test_load_state_dict_refuses_what_does_not_fit_and_changes_nothing():
     other = mo.Rewind(mo.Modular(other_model.parameters(), mo.Adam()), model=other_model, every=2)
     with pytest.raises(ValueError, match="the snapshot holds 4 tensors, this guard keeps 2"):
         other.load_state_dict(good)
-    with pytest.raises(ValueError, match="'steps_done' must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"'steps_done' must be an int in \[0, 2\*\*62\), got -1"):
         guard.load_state_dict({**good, "steps_done": -1})
     with pytest.raises(ValueError, match=r"windows.loss.buf must be a tensor of shape \(50,\)"):
         guard.load_state_dict({**good, "windows": {**good["windows"], "loss": {"buf": torch.zeros(3), "count": torch.tensor(0)}}})
     with pytest.raises(ValueError, match="no 'rewinds'"):
         guard.load_state_dict({k: v for k, v in good.items() if k != "rewinds"})
     assert guard.steps_done == 0 and guard.rewinds == []
+
+
+def _edited(sd: dict, edit) -> dict:
+    """A deep copy of a guard's state dict with `edit(copy)` applied."""
+    out = copy.deepcopy(sd)
+    edit(out)
+    return out
+
+
+def _moment(sd: dict, name: str, i: int = 0) -> dict:
+    """The snapshot entry of parameter `i`'s state value whose key ends with `name`."""
+    state = sd["snapshot"]["state"][i]
+    return state[next(k for k in state if str(k).endswith(name))]
+
+
+@pytest.mark.parametrize("kind", ["modular", "torch"])
+@pytest.mark.parametrize("case, match", [
+    ("moment shape", "shape|exp_avg_sq"), ("moment nan", "not finite|free of NaN"), ("moment negative", ">= 0|not finite"),
+    ("param nan", "not finite"), ("lr nan", "lr"), ("lr string", "lr"), ("device", "names no device"),
+    ("steps_done huge", "2\\*\\*62"),
+])
+def test_load_state_dict_checks_the_snapshots_values_and_changes_nothing(kind, case, match):
+    model, opt = make(kind)
+    guard = mo.Rewind(opt, model=model, every=2)
+    for t in range(3):
+        guard.step(train_step(model, opt, t))
+    good = guard.state_dict()
+    edits = {
+        "moment shape": lambda sd: _moment(sd, "exp_avg_sq").update({"__rewind_tensor__": torch.zeros(3)}),
+        "moment nan": lambda sd: _moment(sd, "exp_avg")["__rewind_tensor__"].fill_(float("nan")),
+        "moment negative": lambda sd: _moment(sd, "exp_avg_sq")["__rewind_tensor__"].fill_(-1.0),
+        "param nan": lambda sd: sd["snapshot"]["tensors"][0]["__rewind_tensor__"].fill_(float("nan")),
+        "lr nan": lambda sd: sd["snapshot"]["groups"][0].update(lr=float("nan")),
+        "lr string": lambda sd: sd["snapshot"]["groups"][0].update(lr="0.1"),
+        "device": lambda sd: _moment(sd, "exp_avg").update(device="nowhere:7"),
+        "steps_done huge": lambda sd: sd.update(steps_done=10**30, batches_seen=10**30),
+    }
+    bad = _edited(good, edits[case])
+    before = copy.deepcopy(guard.state_dict())
+    with pytest.raises(ValueError, match=match):
+        guard.load_state_dict(bad)
+    after = guard.state_dict()
+    assert after["steps_done"] == before["steps_done"] and flat_state(after["snapshot"]).keys() == flat_state(before["snapshot"]).keys()
+    assert all(torch.equal(a, b) for a, b in zip(flat_state(after["snapshot"]).values(), flat_state(before["snapshot"]).values())
+               if isinstance(a, torch.Tensor))
+
+
+def test_a_snapshot_of_an_sgd_pipeline_is_refused_by_an_adam_guard():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    sgd = mo.Modular(model.parameters(), mo.SGD(lr=0.1, momentum=0.9))
+    g1 = mo.Rewind(sgd, model=model, every=1)
+    x = torch.randn(8, 4)
+    sgd.zero_grad(); model(x).pow(2).mean().backward(); sgd.step(); g1.step(torch.tensor(1.0))
+    adam = mo.Modular(model.parameters(), mo.Adam())
+    g2 = mo.Rewind(adam, model=model, every=1)
+    with pytest.raises(ValueError, match="belongs to no transform|differs|snapshot"):
+        g2.load_state_dict(g1.state_dict())
 
 
 # --- doors -----------------------------------------------------------------------------------------------------
