@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -186,3 +187,64 @@ def test_a_parameter_in_two_groups_is_still_torchs_error():
     w = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         mo.Modular([{"params": [w]}, {"params": [w]}], mo.Adam())
+
+
+def _torch_adam_checkpoint(model) -> dict:
+    """A torch.optim.Adam checkpoint after two real steps (what a user resumes from)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for seed in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))).pow(2).mean().backward()
+        opt.step()
+    return copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "after_steps"])
+@pytest.mark.parametrize("tamper,match", [
+    (lambda s: s["exp_avg_sq"].fill_(float("nan")), "not finite"),
+    (lambda s: s["exp_avg_sq"].fill_(-1.0), ">= 0"),
+    (lambda s: s["exp_avg"].fill_(float("inf")), "not finite"),
+    (lambda s: s.__setitem__("step", torch.tensor(float("nan"))), "not finite"),
+    (lambda s: s.__setitem__("step", torch.tensor(-5.0)), ">= 0"),
+    (lambda s: s.__setitem__("step", -5.0), ">= 0"),
+    (lambda s: s.pop("exp_avg_sq"), "lacks 'exp_avg_sq'"),
+    (lambda s: s.__setitem__("exp_avg", s["exp_avg"].to(torch.int64)), "floating-point tensor shaped like"),
+    (lambda s: s.__setitem__("exp_avg", torch.zeros(7)), "floating-point tensor shaped like"),
+])
+def test_torch_optimizer_refuses_a_wrapped_state_torchs_step_cannot_use(tamper, match, fresh):
+    # mo.TorchOptimizer(torch.optim.Adam) loading a torch.optim.Adam checkpoint (or its own): each of
+    # these loaded and then made NaN parameters or crashed inside torch's step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    sd = _torch_adam_checkpoint(model)
+    tamper(sd["state"][0])
+    opt = mo.Modular(model.parameters(), mo.TorchOptimizer(torch.optim.Adam, lr=1e-2))
+    if not fresh:
+        train(model, opt, 1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the kernel note of a torch checkpoint)
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(opt))
+    train(model, opt, 1, seed=3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_torch_optimizer_loads_an_untouched_torch_checkpoint_and_continues_as_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    twin = copy.deepcopy(model)
+    sd = _torch_adam_checkpoint(model)
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    _torch_adam_checkpoint(twin)  # the same two steps on the twin
+    ref.load_state_dict(copy.deepcopy(sd))
+    opt = mo.Modular(model.parameters(), mo.TorchOptimizer(torch.optim.Adam, lr=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.load_state_dict(sd)
+    for m, o in ((model, opt), (twin, ref)):
+        o.zero_grad()
+        m(torch.ones(5, 3)).pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

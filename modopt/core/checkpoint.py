@@ -248,6 +248,53 @@ def _check_nested(v: Any, where: str) -> None:
         raise ValueError(f"{where}: unsupported value of type {type(v).__name__}")
 
 
+#: per-parameter state keys of torch.optim's optimizers: the ones shaped like the parameter, the ones
+#: never negative (counts, second moments, sums of squares), and the keys each class always keeps
+_TORCH_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                 "acc_delta", "sum", "exp_inf", "grad_avg", "ax", "prev", "step_size"})
+_TORCH_NONNEGATIVE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
+_TORCH_REQUIRED = {
+    "Adam": {"step", "exp_avg", "exp_avg_sq"}, "AdamW": {"step", "exp_avg", "exp_avg_sq"},
+    "RAdam": {"step", "exp_avg", "exp_avg_sq"}, "NAdam": {"step", "exp_avg", "exp_avg_sq", "mu_product"},
+    "Adamax": {"step", "exp_avg", "exp_inf"}, "Adagrad": {"step", "sum"}, "RMSprop": {"step", "square_avg"},
+    "Adadelta": {"step", "square_avg", "acc_delta"},
+}
+
+
+def check_torch_state(entry: Any, p: torch.Tensor, live: Any, cls_name: str, where: str,
+                      queue: list[tuple[str, torch.Tensor, float | None, bool]]) -> None:
+    """A wrapped torch optimizer's saved state for parameter `p`, against what torch's step will read:
+    the keys (those of the live state `live` when it has one, else the ones `cls_name` always keeps),
+    moments shaped like the parameter and floating point, numbers finite and counts and second moments
+    not negative. The tensor values' own checks go into `queue` (`StateLoader`'s batched read)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: a wrapped optimizer's state is a dict, got {type(entry).__name__}")
+    need = set(live) if isinstance(live, dict) and live else _TORCH_REQUIRED.get(cls_name, set())
+    missing, extra = need - set(entry), (set(entry) - set(live)) if isinstance(live, dict) and live else set()
+    if missing or extra:
+        raise ValueError(f"{where}: torch.optim.{cls_name}'s state for this parameter has "
+                         f"{', '.join(map(repr, sorted(map(str, need)))) or 'no keys'}; the checkpoint "
+                         + (f"lacks {', '.join(map(repr, sorted(map(str, missing))))}" if missing else "")
+                         + (" and " if missing and extra else "")
+                         + (f"adds {', '.join(map(repr, sorted(map(str, extra))))}" if extra else ""))
+    for k, v in entry.items():
+        at = f"{where}[{k!r}]"
+        low = 0.0 if k in _TORCH_NONNEGATIVE else None
+        if isinstance(v, torch.Tensor):
+            if k in _TORCH_PARAM_SHAPED and (tuple(v.shape) != tuple(p.shape) or not v.is_floating_point()):
+                raise ValueError(f"{at} is {tuple(v.shape)} {v.dtype}; torch's step reads it as a floating-point "
+                                 f"tensor shaped like the parameter {tuple(p.shape)}")
+            if k == "step" and v.dim() != 0:
+                raise ValueError(f"{at} has shape {tuple(v.shape)}; a step count is a 0-d tensor or a number")
+            if v.is_floating_point() and not v.is_meta:
+                queue.append((at, v.detach(), low, True))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not math.isfinite(v) or (low is not None and v < low):
+                raise ValueError(f"{at} is {v!r}: it must be a finite number" + (" >= 0" if low is not None else ""))
+        elif k in _TORCH_PARAM_SHAPED and v is not None:
+            raise ValueError(f"{at} is a {type(v).__name__}; torch's step reads a tensor")
+
+
 def _copy_torch_state(v: Any, p: torch.Tensor, key: Any = None) -> Any:
     """A wrapped torch optimizer's state, placed by torch's own rule (its `step` stays where it was,
     floating-point state takes the parameter's dtype and device)."""
@@ -328,6 +375,8 @@ class StateLoader:
                                  "not per parameter")
             _check_kind(b, v, p, what, shape_of(p) if shape_of is not None else None)
             if b.kind == "torch":
+                check_torch_state(v, p, current.get(k) if current else None,
+                                  str(getattr(t, "cls", "")).rsplit(".", 1)[-1], what, self._values)
                 out[k] = _copy_torch_state(v, p)
                 continue
             if b.kind == "history":
