@@ -661,3 +661,40 @@ def test_a_checkpoint_tmp_link_placed_in_the_run_dir_is_not_followed(tmp_path):
     assert run_cli("run", str(cfg), "--out", str(out), "--quiet", "--no-plots", "--force") == 0
     assert victim.read_text() == "keep me"
     assert (out / "checkpoint.pt").is_file() and not (out / "checkpoint.tmp").exists()
+
+
+def test_training_stopped_by_the_config_is_exit_4_and_a_refused_write_exit_1(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import yaml
+
+    monkeypatch.delenv("MODOPT_DEBUG", raising=False)
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 1e30}], steps=6)
+    data = yaml.safe_load(cfg.read_text())
+    data["optimizer"]["nonfinite"] = "raise"
+    cfg.write_text(yaml.safe_dump(data))
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 4
+    err = capsys.readouterr().err
+    assert "training stopped: non-finite gradient" in err and "Traceback" not in err
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "r2" / "checkpoint.tmp"))
+
+    monkeypatch.setattr("modopt.cli.run._atomic_save", full)
+    ok = write_config(tmp_path / "ok.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
+    assert run_cli("run", str(ok), "--out", str(tmp_path / "r2"), "--quiet", "--no-plots") == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "system refused" in err and "Traceback" not in err
+
+
+def test_a_rewind_guard_that_gives_up_is_exit_4(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    monkeypatch.delenv("MODOPT_DEBUG", raising=False)
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 1e30}], steps=12)
+    data = yaml.safe_load(cfg.read_text())
+    data["train"]["rewind"] = {"every": 2, "max_tries": 1, "loss_z": None}  # a non-finite loss triggers
+    cfg.write_text(yaml.safe_dump(data))
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 4
+    err = capsys.readouterr().err
+    assert "training stopped: " in err and "Traceback" not in err

@@ -1,8 +1,11 @@
 """The `modopt` command: run, compare, sweep, validate, schema, modules, examples, bench.
 
 `main(argv)` returns the exit status: 0 on success, 1 on a user error (a config
-that does not validate, a missing file, a bad option value), 2 on bad
-command-line usage, 3 for `--stop-after`, 70 on an internal error.
+that does not validate, a missing file, a bad option value, a path or disk the
+system refused: full, read-only, a name too long), 2 on bad command-line usage,
+3 for `--stop-after`, 4 when training stopped as the config told it to (a
+`Rewind` guard gave up, `nonfinite: raise` met a non-finite gradient), 70 on an
+internal error.
 
 A user error is one readable message on stderr, no traceback. Anything else is
 a bug (in modopt, or in a task / optimizer class given by import path) and is
@@ -12,6 +15,7 @@ reported as one, with its traceback; `MODOPT_DEBUG=1` re-raises every error.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -24,12 +28,16 @@ from typing import Sequence
 from pydantic import ValidationError
 
 from ..config import ConfigError
+from ..rewind import RewindError
 from .experiment import INT64_MAX, SEED_MAX
 
 #: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
 #: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
 #: that did not validate; the OS errors are paths the user named.
 USER_ERRORS = (ConfigError, ValidationError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+#: OS errors that are the machine refusing the user's request (a full or read-only disk, a file-size
+#: limit, a name too long): user errors, exit 1, not bugs
+_SYSTEM_REFUSALS = {errno.ENOSPC, errno.EFBIG, errno.ENAMETOOLONG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM}
 
 
 def _int_in(lo: int, hi: int, what: str = ""):
@@ -205,6 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmodopt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in _SYSTEM_REFUSALS or os.environ.get("MODOPT_DEBUG"):
+            raise
+        print(f"modopt {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror} "
+              "(the system refused a write: free space, pick another --out, or shorten the name)", file=sys.stderr)
+        return 1
+    except (RewindError, FloatingPointError) as e:
+        if os.environ.get("MODOPT_DEBUG"):
+            raise
+        print(f"modopt {args.command}: training stopped: {e}", file=sys.stderr)
+        return 4
     except Exception as e:
         if os.environ.get("MODOPT_DEBUG"):
             raise
