@@ -698,3 +698,25 @@ def test_a_rewind_guard_that_gives_up_is_exit_4(tmp_path, capsys, monkeypatch):
     assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 4
     err = capsys.readouterr().err
     assert "training stopped: " in err and "Traceback" not in err
+
+
+def test_resume_after_editing_read_every_continues_as_the_uninterrupted_run(tmp_path):
+    import yaml
+
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "ClipNorm", "max_norm": 0.5}, {"type": "Adam", "lr": 0.01}], steps=8)
+    data = yaml.safe_load(cfg.read_text())
+    data["train"]["checkpoint_every"] = 2
+    data["output"] = {**data.get("output", {}), "read_every": 2}
+    cfg.write_text(yaml.safe_dump(data))
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "whole"), "--quiet", "--no-plots") == 0
+    cut = tmp_path / "cut"
+    assert run_cli("run", str(cfg), "--out", str(cut), "--quiet", "--no-plots", "--stop-after", "4") == 3
+    saved = yaml.safe_load((cut / "config.yaml").read_text())
+    saved["output"]["read_every"] = 3  # a history of another capacity in the checkpoint
+    (cut / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert run_cli("run", "--resume", str(cut), "--quiet", "--no-plots") == 0
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows(cut) == rows(tmp_path / "whole")

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..config import ConfigError, PipelineConfig, format_validation_error, read_file
 from ..core.registry import trust_imports as _trust
 from ..rewind import RewindConfig
+from ..telemetry.history import CAPACITY_MAX
 from .examples import find_config
 
 
@@ -157,7 +158,7 @@ class OutputConfig(_Strict):
     plots: bool = True
     tensorboard: bool = Field(False, description="also write TensorBoard event files into <run dir>/tensorboard "
                               "(needs the tensorboard package: pip install 'torch-modopt[tensorboard]')")
-    read_every: int = Field(50, ge=1, le=2**31 - 1, description="read the step telemetry back from the device every N "
+    read_every: int = Field(50, ge=1, le=CAPACITY_MAX, description="read the step telemetry back from the device every N "
                             "steps (and at each checkpoint and the end): one host copy per read, none in between")
 
 

@@ -490,6 +490,9 @@ class History:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore `state_dict()`; everything is checked before anything changes."""
         _check_state(sd, self.capacity)
+        if sd["capacity"] != self.capacity:  # every row delivered: keep the numbering and the running counts
+            self._load_resized(sd)
+            return
         self.columns = list(sd["columns"])
         self._index = {n: i for i, n in enumerate(self.columns)}
         self._plans = [tuple(p) for p in sd["plans"]]
@@ -500,6 +503,19 @@ class History:
         self._sink_done = [self.delivered] * len(self.sinks)
         self._sink_failing = set()
         self._values = None if sd["values"] is None else sd["values"].clone()
+        self._totals = None if sd["totals"] is None else sd["totals"].clone()
+
+    def _load_resized(self, sd: dict[str, Any]) -> None:
+        """A checkpoint of a history of another capacity whose rows were all delivered (a run resumed
+        with another `read_every`): the row numbering and the running counts continue; the rows held
+        start again from the checkpoint's step (`read`, `window` see only the rows recorded since)."""
+        self.columns, self._index = [], {}
+        self._plans, self._plan_ids, self._col_cache = [], {}, {}
+        self._slot_plan = [-1] * self.capacity
+        self._values = None
+        self.count = self.delivered = self._base = sd["count"]
+        self._sink_done = [self.count] * len(self.sinks)
+        self._sink_failing = set()
         self._totals = None if sd["totals"] is None else sd["totals"].clone()
 
     def _sd_post(self, optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
@@ -557,9 +573,13 @@ def _check_state(sd: Any, capacity: int) -> None:
         raise ValueError(f"History.load_state_dict: not a history state dict (missing {', '.join(missing)})")
     if sd["version"] != _VERSION:
         raise ValueError(f"History.load_state_dict: unsupported version {sd['version']!r} (this modopt reads {_VERSION})")
-    if sd["capacity"] != capacity:
-        raise ValueError(f"History.load_state_dict: capacity {sd['capacity']!r} in the checkpoint, {capacity} here; "
-                         "build the history with the checkpoint's capacity")
+    if not isinstance(sd["capacity"], int) or isinstance(sd["capacity"], bool) or sd["capacity"] < 1:
+        raise ValueError(f"History.load_state_dict: capacity must be an integer >= 1, got {sd['capacity']!r}")
+    if sd["capacity"] != capacity and sd["count"] != sd["delivered"]:
+        raise ValueError(f"History.load_state_dict: capacity {sd['capacity']!r} in the checkpoint, {capacity} here, "
+                         f"with {sd['count'] - sd['delivered']} rows not yet delivered; build the history with the "
+                         "checkpoint's capacity (or flush before saving)")
+    capacity = sd["capacity"]  # (the saved buffer's own layout is checked below)
     ints = ("count", "delivered", "base")
     for k in ints:
         if not isinstance(sd[k], int) or isinstance(sd[k], bool) or sd[k] < 0:
