@@ -77,7 +77,7 @@ class RewindConfig(BaseModel):
         "cpu", description="where snapshots live: 'cpu' (pinned when the parameters are on CUDA) or 'device' (next to them)")
     loss_z: float | None = Field(6.0, gt=0, description="the loss spike rule's z (None: only a non-finite loss triggers)")
     grad_norm_z: float | None = Field(None, gt=0, description="the same rule on the gradient norm passed to step() (None: off)")
-    window: int = Field(50, ge=2, description="how many past accepted values the spike rule's mean and std are taken over")
+    window: int = Field(50, ge=2, le=1_000_000, description="how many past accepted values the spike rule's mean and std are taken over")
     min_count: int = Field(20, ge=2, description="the spike rule is active once this many values are in the window")
     rel_std_floor: float = Field(0.01, ge=0, description="the std used is at least this fraction of |mean|")
     lr_factor: float = Field(1.0, gt=0, le=1, description="after a rewind, the learning rate is multiplied by this ...")

@@ -720,3 +720,12 @@ def test_resume_after_editing_read_every_continues_as_the_uninterrupted_run(tmp_
         return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in (d / "metrics.jsonl").read_text().splitlines()]
 
     assert rows(cut) == rows(tmp_path / "whole")
+
+
+def test_a_config_asking_for_more_memory_than_the_machine_has_is_a_user_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MODOPT_DEBUG", raising=False)
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=2, batch_size=10**13)
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 1
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "train.batch_size" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()  # a failed start leaves no run directory

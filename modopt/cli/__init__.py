@@ -19,6 +19,7 @@ import errno
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -38,6 +39,13 @@ USER_ERRORS = (ConfigError, ValidationError, FileNotFoundError, IsADirectoryErro
 #: OS errors that are the machine refusing the user's request (a full or read-only disk, a file-size
 #: limit, a name too long): user errors, exit 1, not bugs
 _SYSTEM_REFUSALS = {errno.ENOSPC, errno.EFBIG, errno.ENAMETOOLONG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM}
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation the machine refused (torch's CPU allocator raises a RuntimeError saying so)."""
+    import torch
+
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def _int_in(lo: int, hi: int, what: str = ""):
@@ -218,6 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"modopt {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror} "
               "(the system refused a write: free space, pick another --out, or shorten the name)", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e) or os.environ.get("MODOPT_DEBUG"):
+            raise
+        said = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.)?\s*", "", str(e).splitlines()[0])[:200]
+        print(f"modopt {args.command}: error: out of memory ({said}): the config asks for "
+              "more memory than this machine has (train.batch_size, the task's options, a rewind window)", file=sys.stderr)
         return 1
     except (RewindError, FloatingPointError) as e:
         if os.environ.get("MODOPT_DEBUG"):
