@@ -41,6 +41,28 @@ USER_ERRORS = (ConfigError, ValidationError, FileNotFoundError, IsADirectoryErro
 _SYSTEM_REFUSALS = {errno.ENOSPC, errno.EFBIG, errno.ENAMETOOLONG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM}
 
 
+def _outcome(e: BaseException, command: str) -> int | None:
+    """The exit status of an error that is not a bug, after its one line on stderr; None for a bug.
+
+    A request the machine refused (a full or read-only disk, a name too long, more memory than it
+    has) is the user's, exit 1; training that stopped as the config told it to (a Rewind guard that
+    gave up, `nonfinite: raise`) is exit 4."""
+    if isinstance(e, OSError) and e.errno in _SYSTEM_REFUSALS:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"modopt {command}: error: {where}{e.strerror} (the system refused a write: free space, pick "
+              "another --out, or shorten the name)", file=sys.stderr)
+        return 1
+    if _out_of_memory(e):
+        said = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.)?\s*", "", str(e).splitlines()[0])[:200]
+        print(f"modopt {command}: error: out of memory ({said}): the config asks for more memory than this "
+              "machine has (train.batch_size, the task's options, a rewind window)", file=sys.stderr)
+        return 1
+    if isinstance(e, (RewindError, FloatingPointError)):
+        print(f"modopt {command}: training stopped: {e}", file=sys.stderr)
+        return 4
+    return None
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """An allocation the machine refused (torch's CPU allocator raises a RuntimeError saying so)."""
     import torch
@@ -221,27 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmodopt {args.command}: interrupted", file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno not in _SYSTEM_REFUSALS or os.environ.get("MODOPT_DEBUG"):
-            raise
-        print(f"modopt {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror} "
-              "(the system refused a write: free space, pick another --out, or shorten the name)", file=sys.stderr)
-        return 1
-    except (MemoryError, RuntimeError) as e:
-        if not _out_of_memory(e) or os.environ.get("MODOPT_DEBUG"):
-            raise
-        said = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.)?\s*", "", str(e).splitlines()[0])[:200]
-        print(f"modopt {args.command}: error: out of memory ({said}): the config asks for "
-              "more memory than this machine has (train.batch_size, the task's options, a rewind window)", file=sys.stderr)
-        return 1
-    except (RewindError, FloatingPointError) as e:
-        if os.environ.get("MODOPT_DEBUG"):
-            raise
-        print(f"modopt {args.command}: training stopped: {e}", file=sys.stderr)
-        return 4
     except Exception as e:
         if os.environ.get("MODOPT_DEBUG"):
             raise
+        code = _outcome(e, args.command)
+        if code is not None:
+            return code
         traceback.print_exc()
         print(
             f"modopt {args.command}: internal error: {type(e).__name__}: {e}\n"
