@@ -130,6 +130,12 @@ NON_DEFAULT = {
                       inverse_dims=True, min_size=2),
         mo.StableSPAM(reset_every=None, scope="group"),
     ],
+    # the caution family (issue 40): here before SGD (u is the gradient); after an optimizer, with the
+    # references, in tests/test_caution.py
+    "Cautious": [mo.Cautious("c_optim"), mo.Cautious("heavyball"), mo.Cautious("none")],
+    "Grams": mo.Grams(),
+    "WeightDecay": mo.WeightDecay(0.05, cautious=True),
+    "CautiousWeightDecay": mo.CautiousWeightDecay(0.05, cautious=False),
 }
 
 
@@ -180,6 +186,11 @@ SPECS = {
     "ADOPT": "tests/test_stability_more.py::test_adopt_matches_spec",  # and pytorch_optimizer.ADOPT, bit for bit
     "SPAM": "tests/test_spam.py::test_spam_matches_spec",  # and pytorch_optimizer.SPAM (moments bit for bit)
     "StableSPAM": "tests/test_spam.py::test_stable_spam_matches_spec",  # and pytorch_optimizer.StableSPAM, bit for bit
+    # their specs also read the gradients (Cautious, Grams) or the parameters and the group's lr (the decays)
+    "Cautious": "tests/test_caution.py::test_cautious_matches_spec",  # and pytorch_optimizer, timm (parity tests)
+    "Grams": "tests/test_caution.py::test_grams_matches_spec",  # and pytorch_optimizer.Grams
+    "WeightDecay": "tests/test_caution.py::test_weight_decay_matches_spec",
+    "CautiousWeightDecay": "tests/test_caution.py::test_weight_decay_matches_spec",
 }
 
 # name -> why the transform has no float64 spec, and what checks it instead

@@ -5,7 +5,7 @@ documents the math and is the oracle of the runtime tests. One file per
 family, mirroring `modopt/transforms`.
 """
 
-from . import adaptive, agc, core, ema, growth, guards, orthogonal, percentile, scope, spam, stability, stats
+from . import adaptive, agc, caution, core, ema, growth, guards, orthogonal, percentile, scope, spam, stability, stats
 
-__all__ = ["adaptive", "agc", "core", "ema", "growth", "guards", "orthogonal", "percentile", "scope", "spam", "stability",
+__all__ = ["adaptive", "agc", "caution", "core", "ema", "growth", "guards", "orthogonal", "percentile", "scope", "spam", "stability",
            "stats"]

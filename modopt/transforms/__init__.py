@@ -10,11 +10,12 @@ every name without running the package.
 
 from __future__ import annotations
 
-from . import (accumulate, adaptive, agc, clipping, ema, growth, guards, masked, normalization, optimizers, orthogonal,
-               percentile, spam, stability, weights, wrappers)
+from . import (accumulate, adaptive, agc, caution, clipping, ema, growth, guards, masked, normalization, optimizers,
+               orthogonal, percentile, spam, stability, weights, wrappers)
 from .accumulate import *  # noqa: F403
 from .adaptive import *  # noqa: F403
 from .agc import *  # noqa: F403
+from .caution import *  # noqa: F403
 from .clipping import *  # noqa: F403
 from .ema import *  # noqa: F403
 from .growth import *  # noqa: F403
@@ -33,6 +34,7 @@ __all__: list[str] = []
 __all__ += accumulate.__all__
 __all__ += adaptive.__all__
 __all__ += agc.__all__
+__all__ += caution.__all__
 __all__ += clipping.__all__
 __all__ += ema.__all__
 __all__ += growth.__all__

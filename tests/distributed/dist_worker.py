@@ -54,6 +54,12 @@ def cases() -> dict[str, list]:
         # issue 12: a global clip over a selection (the statistic of the full selected tensors, the
         # layer that rank 1 holds empty shards of included), and routing to two optimizers by group
         "Masked-ClipNorm-global": [mo.Masked(mo.ClipNorm(0.03), where=mo.Select(exclude=["0.*"])), mo.SGD(lr=0.1)],
+        # issue 40: the kept count of each full tensor (rank 1 holds an empty shard of the last layer), so
+        # every rank rescales by the same s; a count per shard would give another trajectory
+        "Cautious-Adam": [mo.Adam(lr=0.01), mo.Cautious()],
+        "Cautious-c_optim-SGD": [mo.SGD(lr=0.1, momentum=0.9), mo.Cautious("c_optim")],
+        "Cautious-heavyball-CautiousWeightDecay": [mo.Adam(lr=0.01), mo.Cautious("heavyball"),
+                                                   mo.CautiousWeightDecay(0.1)],
         "Masked-routing": [
             mo.Masked(mo.SGD(lr=0.1, momentum=0.9), where=mo.Select(groups=[0])),
             mo.Masked(mo.ClipNorm(0.05, scope="group"), mo.Adam(lr=0.01), where=mo.Select(groups=[1])),
@@ -121,7 +127,7 @@ def train(mode: str, rank: int, pipeline: list) -> tuple[list[torch.Tensor], boo
         opt.zero_grad()
         (wrapped(x) - y).pow(2).mean().backward()
         opt.step()
-        clipped |= any(bool(v.any()) for k, v in opt.stats.items() if k.endswith((".clipped", ".scale")) and
+        clipped |= any(bool(v.any()) for k, v in opt.stats.items() if k.endswith((".clipped", ".scale", ".kept")) and
                        (k.endswith(".clipped") or bool((v != 1).any())))
     out = []
     for p in model.parameters():

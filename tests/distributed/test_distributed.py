@@ -137,6 +137,37 @@ def test_local_shard_statistics_would_not_match(reference):
     assert diff > 1e-3
 
 
+def test_cautious_counts_of_one_shard_would_not_match(reference, monkeypatch):
+    """The Cautious cases are sensitive: counting the kept elements of rank 0's rows alone (scaled up to the
+    tensor's size) instead of the full tensor's gives another trajectory."""
+    from modopt.transforms import caution
+
+    make = caution.tensor_segments
+
+    class Halves:
+        def __init__(self, seg):
+            self.seg = seg
+
+        def __getattr__(self, name):
+            return getattr(self.seg, name)
+
+        def reduce(self, masks, stat):  # rank 0's rows, the way FSDP2 shards dim 0
+            halves = [m[: m.shape[0] // 2 + m.shape[0] % 2] if m.dim() else m for m in masks]
+            frac = torch.stack([h.sum(dtype=torch.float32) / max(h.numel(), 1) for h in halves])
+            return frac * self.seg.element_counts(frac)
+
+    monkeypatch.setattr(caution, "tensor_segments", lambda ctx: Halves(make(ctx)))
+    model = dist_worker.make_model()
+    opt = mo.Modular(dist_worker.param_groups(model), *dist_worker.cases()["Cautious-Adam"])
+    for step in range(dist_worker.STEPS):
+        x, y = dist_worker.batch(step)
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    diff = max((p.detach() - r).abs().max().item() for p, r in zip(model.parameters(), reference["Cautious-Adam"]["params"]))
+    assert diff > 1e-4
+
+
 def test_fsdp2_skips_a_step_on_the_device_on_every_rank(fsdp):
     """The default nonfinite="skip" under FSDP2 decides on the device from all-reduced norms: a NaN in
     one rank's shard skips the step on both ranks, with no host sync, and the run ends where the
