@@ -205,10 +205,24 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
+def world_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of the 0-d `x` over every rank of the default process group (`x` itself without one).
+
+    For a value each rank computes from its own data (a data-parallel loss): a decision taken on it
+    is then the same on every rank. One all-reduce, no host read."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
+
+
 def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     """0-d plain bool: does any element of any (full) gradient hold inf or NaN; the same on every rank."""
     maxabs = tensor_pnorms(grads, math.inf, torch.float32)
     return ~torch.isfinite(maxabs).all()
 
 
-__all__ = ["any_nonfinite", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]
+__all__ = ["world_mean", "any_nonfinite", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]

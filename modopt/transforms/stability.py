@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
+from ..core import distributed
 from ..core.norms import acc_dtype, combine_pnorms, common_acc_dtype
 from ..core.runner import check_loss
 from ..core.transform import Transform
@@ -151,7 +152,9 @@ class SkipStep(Transform):
     tests the norm alone. Under the default `nonfinite="skip"`, with transforms that skip on the
     device, the decision stays on the device (no host sync); otherwise the host decides (one sync).
     It comes first in the pipeline (after stateless transforms only), at its top level, and cannot
-    be attached to a torch optimizer.
+    be attached to a torch optimizer. Under `torch.distributed` the loss tested is the mean of every
+    rank's loss (one all-reduce), so every rank takes the same decision (the gradient norm is already
+    the same on every rank: DDP averages the gradients, FSDP2's norms are of the full tensors).
 
     Telemetry: `spike` (this step is skipped for a spike), `norm`, `norm_spike`, `loss`, `loss_spike`.
 
@@ -214,6 +217,7 @@ class SkipStep(Transform):
         if self.watch != "norm" and ctx.loss is not None:
             check_loss(ctx.loss, "SkipStep (the closure's return value)")
             loss = torch.as_tensor(ctx.loss).detach().reshape(()).to(device=dev, dtype=torch.float32)
+            loss = distributed.world_mean(loss)  # (each data-parallel rank's loss is its own: decide on their mean)
             hit = self._test(st, "loss", loss, go)
             st.record("loss", loss)
             st.record("loss_spike", hit)

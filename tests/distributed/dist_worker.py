@@ -143,6 +143,11 @@ def run_all(mode: str, rank: int) -> dict:
             results[name] = {"params": params, "clipped": clipped, "plain_state": plain, "error": None}
         except Exception:  # reported to the test, which fails with the traceback
             results[name] = {"params": None, "clipped": False, "error": traceback.format_exc()}
+    if mode == "ddp":
+        try:
+            results[LOSS_CASE] = run_skipstep_loss(rank)
+        except Exception:
+            results[LOSS_CASE] = {"error": traceback.format_exc()}
     if mode == "fsdp":
         try:
             results[SKIP_CASE] = run_skip(rank)
@@ -155,6 +160,45 @@ def run_all(mode: str, rank: int) -> dict:
             except Exception as e:
                 results[name] = {"params": None, "clipped": False, "error": f"{type(e).__name__}: {e}"}
     return results
+
+
+#: SkipStep on the loss under DDP: at LOSS_SPIKE_STEP rank 1 alone reports a loss 1000x its own
+LOSS_CASE, LOSS_STEPS, LOSS_SPIKE_STEP = "__skipstep-loss__", 8, 6
+
+
+def loss_pipeline() -> list:
+    return [mo.SkipStep(watch="loss", window=8, min_steps=4), mo.SGD(lr=0.05)]
+
+
+def run_skipstep_loss(rank: int) -> dict:
+    """DDP with SkipStep(watch="loss"): each rank passes its own loss; rank 1's alone spikes at
+    LOSS_SPIKE_STEP. Every rank must skip that step (and only that one): the replicas stay equal."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    wrapped = DistributedDataParallel(model)
+    opt = mo.Modular(param_groups(model), *loss_pipeline())
+    skipped = []
+    for step in range(LOSS_STEPS):
+        x, y = batch(step)
+        half = x.shape[0] // WORLD
+        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        opt.zero_grad()
+        loss = (wrapped(x) - y).pow(2).mean()
+        loss.backward()
+        reported = loss.detach() * (1000.0 if step == LOSS_SPIKE_STEP and rank == 1 else 1.0)
+        opt.step(loss=reported)
+        skipped.append(bool(opt.stats["skipped"]))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    flags = torch.tensor([float(s) for s in skipped])
+    any_skip = flags.clone()
+    dist.all_reduce(any_skip, op=dist.ReduceOp.MAX)
+    return {"skipped": skipped, "replicas_equal": bool(torch.equal(hi, lo)),
+            "skips_agree": bool(torch.equal(any_skip, flags)), "error": None}
 
 
 #: the device-decided skip under FSDP2 (issue 18): one rank alone holds a NaN in its shard at NAN_STEP

@@ -189,6 +189,15 @@ def test_fsdp2_skips_a_step_on_the_device_on_every_rank(fsdp):
         torch.testing.assert_close(b, a.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"parameter {i}: {m}")
 
 
+def test_ddp_skipstep_on_one_ranks_loss_spike_skips_on_every_rank(ddp):
+    """SkipStep(watch="loss") under DDP tests the mean of the ranks' losses: a spike in rank 1's loss
+    alone skips the step on both ranks (it skipped on rank 1 only, and the replicas diverged)."""
+    got = ddp[dist_worker.LOSS_CASE]
+    assert got["error"] is None, got["error"]
+    assert got["skipped"] == [k == dist_worker.LOSS_SPIKE_STEP for k in range(dist_worker.LOSS_STEPS)]
+    assert got["skips_agree"] and got["replicas_equal"]
+
+
 @pytest.mark.parametrize("case", list(dist_worker.ERROR_CASES))
 def test_fsdp2_per_slice_scope_of_sharded_parameter_is_a_clear_error(fsdp, case):
     err = fsdp[case]["error"]
