@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Iterable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .core import distributed
 from .core.modular import Modular
 
 __all__ = ["Rewind", "RewindConfig", "RewindError", "RewindEvent"]
@@ -342,7 +343,7 @@ class Rewind:
         when the snapshot was already restored `max_tries` times.
         """
         cfg = self.config
-        x = self._scalar(loss, "loss")
+        x = distributed.world_mean(self._scalar(loss, "loss"))  # (every rank decides on the same value)
         self._pos.add_(1)
         kind = torch.where(torch.isfinite(x), 0, 1)
         value, limit = x, torch.full_like(x, math.nan)
@@ -353,7 +354,7 @@ class Rewind:
             limit = torch.where(spike, lim, limit)
         g = None
         if grad_norm is not None:
-            g = self._scalar(grad_norm, "grad_norm")
+            g = distributed.world_mean(self._scalar(grad_norm, "grad_norm"))
             if cfg.grad_norm_z is not None:
                 active, lim = self._norm_win.limit(cfg.grad_norm_z, cfg.min_count, cfg.rel_std_floor)
                 spike = (kind == 0) & active & torch.isfinite(g) & (g > lim)

@@ -148,6 +148,10 @@ def run_all(mode: str, rank: int) -> dict:
             results[LOSS_CASE] = run_skipstep_loss(rank)
         except Exception:
             results[LOSS_CASE] = {"error": traceback.format_exc()}
+        try:
+            results[REWIND_CASE] = run_rewind(rank)
+        except Exception:
+            results[REWIND_CASE] = {"error": traceback.format_exc()}
     if mode == "fsdp":
         try:
             results[SKIP_CASE] = run_skip(rank)
@@ -199,6 +203,44 @@ def run_skipstep_loss(rank: int) -> dict:
     dist.all_reduce(any_skip, op=dist.ReduceOp.MAX)
     return {"skipped": skipped, "replicas_equal": bool(torch.equal(hi, lo)),
             "skips_agree": bool(torch.equal(any_skip, flags)), "error": None}
+
+
+#: Rewind under DDP: at REWIND_NAN_STEP rank 1 alone reports a NaN loss
+REWIND_CASE, REWIND_STEPS, REWIND_NAN_STEP = "__rewind__", 8, 5
+
+
+def run_rewind(rank: int) -> dict:
+    """DDP with a Rewind guard fed each rank's own loss; rank 1's alone is NaN at REWIND_NAN_STEP.
+    Every rank must rewind at the same check, to the same snapshot: the replicas stay equal."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    wrapped = DistributedDataParallel(model)
+    opt = mo.Modular(param_groups(model), mo.ClipNorm(1.0), mo.SGD(lr=0.05))
+    guard = mo.Rewind(opt, model=model, every=2, loss_z=None)
+    events = []
+    for _ in range(REWIND_STEPS):
+        step = guard.batches_seen
+        x, y = batch(step)
+        half = x.shape[0] // WORLD
+        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        opt.zero_grad()
+        loss = (wrapped(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        bad = step == REWIND_NAN_STEP and rank == 1
+        event = guard.step(torch.full_like(loss, float("nan")) if bad else loss.detach())
+        events.append(None if event is None else (event.step, event.restored_to))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    n = torch.tensor([float(len(guard.rewinds))])
+    n_max = n.clone()
+    dist.all_reduce(n_max, op=dist.ReduceOp.MAX)
+    return {"events": events, "rewinds": len(guard.rewinds), "rewinds_agree": bool(torch.equal(n, n_max)),
+            "replicas_equal": bool(torch.equal(hi, lo)), "error": None}
 
 
 #: the device-decided skip under FSDP2 (issue 18): one rank alone holds a NaN in its shard at NAN_STEP

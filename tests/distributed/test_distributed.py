@@ -198,6 +198,14 @@ def test_ddp_skipstep_on_one_ranks_loss_spike_skips_on_every_rank(ddp):
     assert got["skips_agree"] and got["replicas_equal"]
 
 
+def test_ddp_rewind_on_one_ranks_nan_loss_rewinds_every_rank(ddp):
+    """Rewind under DDP decides on the mean of the ranks' losses: a NaN loss on rank 1 alone rewinds
+    both ranks at the same check (it rewound rank 1 alone)."""
+    got = ddp[dist_worker.REWIND_CASE]
+    assert got["error"] is None, got["error"]
+    assert got["rewinds"] == 1 and got["rewinds_agree"] and got["replicas_equal"]
+
+
 @pytest.mark.parametrize("case", list(dist_worker.ERROR_CASES))
 def test_fsdp2_per_slice_scope_of_sharded_parameter_is_a_clear_error(fsdp, case):
     err = fsdp[case]["error"]
