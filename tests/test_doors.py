@@ -88,7 +88,7 @@ def test_group_values_are_checked_as_the_transforms_own_fields():
         ({"eps": -1e-8}, mo.Adam(), r"'eps' = -1e-08"),
         ({"weight_decay": NAN}, mo.AdamW(), r"'weight_decay' = nan"),
         ({"momentum": 0.0, "nesterov": True}, mo.SGD(0.1), "nesterov requires momentum > 0"),
-        ({"lr": "0.1"}, mo.Adam(), "'lr' = '0.1': a string where a number is needed"),  # the kernels would get the string
+        ({"lr": "0.1"}, mo.Adam(), "'lr' = '0.1': a number is needed, got the string '0.1'"),  # the kernels would get the string
     ]
     for group, t, match in cases:
         with pytest.raises(ValueError, match=r"param group 0, as read by 0:\w+: " + match):

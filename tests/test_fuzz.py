@@ -46,7 +46,9 @@ NAMES = sorted(NON_DEFAULT)
 #: what ends the update stage (an optimizer, or a wrapper around one), what precedes it, what follows the write
 OPTIMIZERS = [n for n in NAMES if instances(n)[0].is_optimizer or instances(n)[0].must_be_last]
 WEIGHTS = [n for n in NAMES if instances(n)[0].stage == "weights"]
-MODULES = [n for n in NAMES if n not in OPTIMIZERS and n not in WEIGHTS]
+#: transforms that read the lr an optimizer before them exposes: drawn right after one
+AFTER_OPTIMIZER = [n for n in ("WeightDecay", "CautiousWeightDecay") if n in NAMES]
+MODULES = [n for n in NAMES if n not in OPTIMIZERS and n not in WEIGHTS and n not in AFTER_OPTIMIZER]
 
 #: values a perturbed field may take: valid for some fields, invalid for others
 POOL = [None, 0, 1, 2, -1, 0.5, 1e-8, 3.0, 1e6, math.inf, -math.inf, math.nan, True, False, "l1", "linf", "std",
@@ -83,6 +85,8 @@ def pipelines(draw):
         mods.append(draw(perturbed(draw(st.sampled_from(["Adam", "AdamW"])))))
     elif draw(st.booleans()) or not mods:
         mods.append(draw(perturbed(draw(st.sampled_from(OPTIMIZERS)))))
+        if AFTER_OPTIMIZER and not mods[-1].must_be_last and draw(st.booleans()):
+            mods.append(draw(perturbed(draw(st.sampled_from(AFTER_OPTIMIZER)))))
     if draw(st.booleans()):  # the weight stage, after the write
         mods.append(draw(perturbed(draw(st.sampled_from(WEIGHTS)))))
     skips = [t for t in mods if isinstance(t, mo.SkipStep)]

@@ -190,3 +190,34 @@ def test_a_bool_where_a_number_is_needed_is_refused(make):
 
 def test_bool_fields_still_take_bools():
     assert mo.Adam(amsgrad=True).amsgrad is True and mo.SGD(lr=0.1, momentum=0.9, nesterov=True).nesterov is True
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: mo.ClipNorm("1"), "got the string '1'"),
+    (lambda: mo.Adam(lr="1e-3"), "got the string '1e-3'"),
+    (lambda: mo.ZClip(warmup_steps="25"), "got the string '25'"),
+    (lambda: mo.Normalize(norm_value=float("inf")), "finite number"),
+    (lambda: mo.ClipNorm(float("nan")), "finite number"),
+    (lambda: mo.Adam(eps=float("inf")), "finite number"),
+    (lambda: mo.ZClip(warmup_steps=10**30), "below 2\\*\\*62"),
+    (lambda: mo.ZClip(warmup_steps=1e30), "below 2\\*\\*62"),
+], ids=["str-max_norm", "str-lr", "str-count", "inf-norm_value", "nan-max_norm", "inf-eps", "huge-int", "huge-float-count"])
+def test_strings_non_finite_values_and_huge_counts_are_refused(make, match):
+    with pytest.raises(pydantic.ValidationError, match=match):
+        make()
+
+
+def test_string_fields_and_infinite_orders_still_work():
+    assert mo.ClipNorm(1.0, ord="l1").ord == 1.0 or mo.ClipNorm(1.0, ord="l1").ord == "l1"
+    assert mo.ClipNorm(1.0, ord=float("inf")) == mo.ClipNorm(1.0, ord="linf")
+    assert mo.ClipNorm(1.0, scope="tensor").scope == "tensor"
+
+
+def test_exponent_numbers_in_yaml_are_floats_as_in_yaml_1_2(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("transforms:\n  - {type: ClipNorm, max_norm: 1e0}\n  - {type: Adam, lr: 3e-4, eps: .1e-7}\n")
+    opt = mo.Modular([torch.nn.Parameter(torch.zeros(2))], config=str(path))
+    assert opt.param_groups[0]["lr"] == 3e-4 and opt.param_groups[0]["eps"] == 1e-8
+    path.write_text("transforms:\n  - {type: Adam, lr: '3e-4'}\n")  # quoted: a string, refused
+    with pytest.raises(Exception, match="got the string '3e-4'"):
+        mo.Modular([torch.nn.Parameter(torch.zeros(2))], config=str(path))

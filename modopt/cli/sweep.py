@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError
+from ..core.configfile import load_yaml
 from .compare import (
     METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
     run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
@@ -44,7 +45,6 @@ RESERVED = {
     "variants": "choose one variant with --variant, then sweep optimizer.*",
 }
 
-_EXP_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _err(*a: Any) -> None:
@@ -53,13 +53,11 @@ def _err(*a: Any) -> None:
 
 # --- the grid --------------------------------------------------------------------------------
 def parse_value(text: str) -> Any:
-    """A YAML scalar; `1e-3` is a float too (YAML 1.1 reads an exponent without a dot as a string)."""
+    """A YAML scalar, read as config files are (`1e-3` is a float)."""
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         raise ValueError(f"{text!r} is not a YAML scalar (a number, null, true/false or a word)") from None
-    if isinstance(value, str) and _EXP_NUMBER.fullmatch(text.strip()):
-        return float(text)
     if isinstance(value, (dict, list)):
         raise ValueError(f"{text!r} is not a YAML scalar (a number, null, true/false or a word)")
     return value

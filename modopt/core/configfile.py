@@ -63,7 +63,7 @@ class _MergeCycle(Exception):
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` (same tags, same results) whose merge keys cannot blow up.
+    """`yaml.SafeLoader` (same tags; exponent floats as YAML 1.2 reads them) whose merge keys cannot blow up.
 
     PyYAML resolves `<<: [*a, *a, ...]` by copying the entry lists of the merged mappings into the
     mapping, duplicates included, so nested merges grow tenfold per level inside `safe_load` itself,
@@ -95,13 +95,27 @@ class _BoundedLoader(yaml.SafeLoader):
         flat[id(node)] = node  # holding the node keeps its id from being reused
 
 
+def load_yaml(text: str) -> Any:
+    """YAML text as plain data, read as config files are (`_BoundedLoader`)."""
+    return yaml.load(text, Loader=_BoundedLoader)
+
+
+# YAML 1.1 (PyYAML) reads `1e-3` and `2E+5` (no dot) as strings, YAML 1.2 and JSON as numbers: a config
+# writes learning rates that way, so they are read as floats here (the 1.1 forms still read as before)
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
+
 def parse_text(text: str, fmt: str, source: str = "<config>") -> Any:
     """Parse config text to plain data; syntax errors name the line.
 
     The data is checked by `check_limits` (size after alias expansion, depth, cycles)."""
     try:
         if fmt == "yaml":
-            data = yaml.load(text, Loader=_BoundedLoader)
+            data = load_yaml(text)
         elif fmt == "json":
             data = json.loads(text)
         else:

@@ -10,6 +10,7 @@ this step: nothing after it runs and the parameters do not move).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal
@@ -125,24 +126,51 @@ def _check_positional(cls: type) -> None:
             f"transform {cls.__name__}: positional = {name!r} is not one of its fields "
             f"({', '.join(cls.model_fields)}){did_you_mean(name, cls.model_fields)}"
         )
-def _numeric(annotation: Any) -> bool:
-    """Whether a field's type takes numbers and not bools (`float`, `PositiveInt`, `Optional[float]`, `Ord`...)."""
+def _kinds(annotation: Any) -> set:
+    """The plain types a field's annotation is made of (through `Annotated`, `Union`, `Optional`)."""
     import typing
 
     seen: set = set()
 
-    def kinds(a: Any) -> None:
+    def walk(a: Any) -> None:
         origin = typing.get_origin(a)
         if origin is typing.Annotated:
-            kinds(typing.get_args(a)[0])
+            walk(typing.get_args(a)[0])
         elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
             for x in typing.get_args(a):
-                kinds(x)
+                walk(x)
         else:
             seen.add(a)
 
-    kinds(annotation)
+    walk(annotation)
+    return seen
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes numbers and not bools (`float`, `PositiveInt`, `Optional[float]`, `Ord`...)."""
+    seen = _kinds(annotation)
     return bool(seen & {float, int}) and bool not in seen
+
+
+def _integral(annotation: Any) -> bool:
+    """Whether a field's type takes integers and not floats (a count: `PositiveInt`, `int | None`)."""
+    seen = _kinds(annotation)
+    return int in seen and float not in seen
+
+
+def _takes_strings(annotation: Any) -> bool:
+    """Whether a field's type also takes some strings (`Ord`'s names, a `Literal` of words)."""
+    import typing
+
+    def any_str(a: Any) -> bool:
+        origin = typing.get_origin(a)
+        if origin is typing.Literal:
+            return any(isinstance(x, str) for x in typing.get_args(a))
+        if origin is not None:
+            return any(any_str(x) for x in typing.get_args(a) if not isinstance(x, (int, float)))
+        return a is str
+
+    return any_str(annotation)
 
 
 def plain_input(value: Any) -> Any:
@@ -176,7 +204,10 @@ class Transform(BaseModel):
     host) leave it in the same state.
     """
 
-    model_config: ClassVar[ConfigDict] = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # (inf and NaN are not numbers a field takes: `Normalize(norm_value=inf)` made every loss NaN; a
+    # field where inf means something (`ord`) says so itself)
+    model_config: ClassVar[ConfigDict] = ConfigDict(frozen=True, extra="forbid", validate_default=True,
+                                                    allow_inf_nan=False)
 
     #: the one field that may be given positionally (`mo.ClipNorm(1.0)`), or None for none.
     #: Every concrete transform states it (in its own body or a base class's other than
@@ -215,9 +246,17 @@ class Transform(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        """`True`/`False` where a number is needed is a mistake (pydantic would read it as 1/0)."""
-        if isinstance(v, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"a number is needed, got {v!r} (a bool)")
+        """`True`/`False` or a string where a number is needed is a mistake (pydantic would read them as
+        1/0 and as the number written: a quoted `"1e-3"` in a config is a string, not a number)."""
+        if isinstance(v, (bool, str)) and info.field_name:
+            annotation = cls.model_fields[info.field_name].annotation
+            if isinstance(v, bool) and _numeric(annotation):
+                raise ValueError(f"a number is needed, got {v!r} (a bool)")
+            if isinstance(v, str) and _numeric(annotation) and not _takes_strings(annotation):
+                raise ValueError(f"a number is needed, got the string {v!r} (write it without quotes)")
+        elif isinstance(v, (int, float)) and info.field_name and abs(v) >= 2**62 and math.isfinite(v) \
+                and _integral(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"a count below 2**62 is needed, got {v!r}")  # (int64 steps and counters)
         return v
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
