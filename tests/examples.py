@@ -106,7 +106,9 @@ NON_DEFAULT = {
         mo.Muon(lr=0.02, weight_decay=0.01, momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=6,
                 eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
         mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64"),
-        mo.Muon(lr=0.01, ns_coefficients="deepseek_v4", ns_steps=10, ns_safety=1.05, ns_dtype="float64"),  # a named schedule
+        # a named schedule (deepseek_v4 is tested in tests/test_muon_recipe.py: its eight steps of a=3.4445 magnify
+        # rounding by about 2e4 in near-null directions, more than the 1e-6 of the shared compile check)
+        mo.Muon(lr=0.01, ns_coefficients="quintic", ns_safety=1.05, ns_dtype="float64"),
     ],
     # Muon's 2026 recipe (issue 40): NorMuon after Orthogonalize, AdaMuon as one optimizer transform
     "NorMuon": mo.NorMuon(0.9, eps=1e-8, per="larger"),
