@@ -656,7 +656,7 @@ class NorMuon(Transform):
     >>> p = torch.nn.Parameter(torch.zeros(2, 2)); p.grad = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
     >>> opt = mo.Modular([p], mo.Orthogonalize(ns_dtype="float64"), mo.NorMuon(), mo.LR(1.0)); opt.step()
     >>> (-p.data).diag()   # both rows now have the same size, the Frobenius norm is kept
-    tensor([0.9430, 0.9430])
+    tensor([0.9624, 0.9624])
 
     ```
     """
