@@ -95,6 +95,7 @@ NON_DEFAULT = {
         mo.Orthogonalize(ns_coefficients=list(spec_orthogonal.TORCHZERO_COEFFICIENTS), eps=1e-6,
                          adjust_lr="match_rms_adamw", ns_dtype="float32"),
         mo.Orthogonalize(ns_steps=3, adjust_lr="original", ns_dtype="float64"),
+        mo.Orthogonalize(ns_coefficients="polar_express", ns_safety=1.01, ns_dtype="float32"),  # a named schedule
     ],
     "OrthoGrad": [
         mo.OrthoGrad(eps=1e-6, renormalize=False, scope="tensor", dim=0, inverse_dims=True, min_size=3),
@@ -105,6 +106,16 @@ NON_DEFAULT = {
         mo.Muon(lr=0.02, weight_decay=0.01, momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=6,
                 eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
         mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64"),
+        # a named schedule (deepseek_v4 is tested in tests/test_muon_recipe.py: its eight steps of a=3.4445 magnify
+        # rounding by about 2e4 in near-null directions, more than the 1e-6 of the shared compile check)
+        mo.Muon(lr=0.01, ns_coefficients="quintic", ns_safety=1.05, ns_dtype="float64"),
+    ],
+    # Muon's 2026 recipe (issue 40): NorMuon after Orthogonalize, AdaMuon as one optimizer transform
+    "NorMuon": mo.NorMuon(0.9, eps=1e-8, per="larger"),
+    "AdaMuon": [
+        mo.AdaMuon(lr=0.01, betas=(0.8, 0.99), weight_decay=0.01, eps=1e-8, ns_eps=1e-6, adjust_lr_fn="original",
+                   ns_coefficients="quintic", ns_steps=4, ns_safety=1.01, ns_dtype="float32"),
+        mo.AdaMuon(ns_dtype="float64"),
     ],
     # the stability family (issue 20); warm-up 3 and 2, so the 5-step checks cross its end
     "AdaGC": [
@@ -180,6 +191,8 @@ SPECS = {
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
     "Muon": "tests/test_orthogonal.py::test_muon_matches_spec",  # and torch.optim.Muon, bit for bit
+    "NorMuon": "tests/test_muon_recipe.py::test_normuon_matches_spec",  # and pytorch_optimizer.NorMuon (a chain)
+    "AdaMuon": "tests/test_muon_recipe.py::test_adamuon_matches_spec",  # and pytorch_optimizer.AdaMuon, bit for bit
     "AdaGC": "tests/test_stability.py::test_adagc_matches_spec",  # and pytorch_optimizer.AdaGC, bit for bit
     "SkipStep": "tests/test_stability_more.py::test_skip_step_matches_spec",  # and OLMo-core's rule (golden values)
     "Clippy": "tests/test_stability_more.py::test_clippy_matches_spec",  # and golden values by hand

@@ -58,18 +58,64 @@ def polar(x: torch.Tensor) -> torch.Tensor:
     return (u * keep) @ vh
 
 
-def steps_of(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
-    """One `(a, b, c)` per step: one triple for every step, or a list of triples as given."""
+# --- named schedules (the definitions; the runtime keeps its own table, tests/test_muon_recipe.py compares) --
+#: Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv 2505.16932), Algorithm 1: the degree-5
+#: polynomials optimal for singular values in [1e-3, 1], in order; the eighth is the fixed point
+PAPER_POLAR_EXPRESS = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+#: name -> (schedule, default safety factor of the pre-scaling)
+PRESETS: dict[str, tuple[list[tuple[float, float, float]], float]] = {
+    "original": ([NS_COEFFICIENTS], 1.0),
+    "quintic": (TORCHZERO_COEFFICIENTS, 1.0),
+    # microsoft/dion dion/polar_express.py and karpathy/nanochat nanochat/optim.py: five polynomials
+    # for five steps, a 1.02 safety margin in all but the last; the input divided by 1.02 ||X||_F
+    "polar_express": ([
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ], 1.02),
+    # the paper's Algorithm 1: p_k(x / 1.01) for all but the last polynomial; input divided by 1.01 ||X||_F
+    "polar_express_paper": ([(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in PAPER_POLAR_EXPRESS[:-1]]
+                            + [PAPER_POLAR_EXPRESS[-1]], 1.01),
+    # DeepSeek-V4: Keller Jordan's coefficients eight times, then (2, -1.5, 0.5) twice
+    "deepseek_v4": ([NS_COEFFICIENTS] * 8 + [(2.0, -1.5, 0.5)] * 2, 1.0),
+}
+
+
+def safety_of(coefficients: Union[str, Coefficients], ns_safety: Optional[float]) -> float:
+    """The pre-scaling factor: `ns_safety`, or the preset's own when None (1 for explicit coefficients)."""
+    if ns_safety is not None:
+        return ns_safety
+    return PRESETS[coefficients][1] if isinstance(coefficients, str) else 1.0
+
+
+def steps_of(coefficients: Union[str, Coefficients], steps: int) -> list[tuple[float, float, float]]:
+    """One `(a, b, c)` per step: one triple for every step, a list of triples as given, or a preset's
+    first `steps` triples, its last one repeated past its end."""
+    if isinstance(coefficients, str):
+        table = PRESETS[coefficients][0]
+        return [tuple(table[i]) if i < len(table) else tuple(table[-1]) for i in range(steps)]
     if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
         return [tuple(coefficients)] * steps
     return [tuple(c) for c in coefficients]
 
 
-def newton_schulz(x: torch.Tensor, coefficients: Coefficients = NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(x: torch.Tensor, coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, steps: int = 5,
+                  eps: float = 1e-7, safety: float = 1.0) -> torch.Tensor:
     """`steps` quintic Newton-Schulz steps on the matrix `x`, in float64.
 
     Wide orientation (a tall matrix is transposed, and transposed back at the end);
-    `x0 = x / max(||x||_F, eps)` (every singular value at most 1); then with `A = x x^T`:
+    `x0 = x / max(safety ||x||_F, eps)` (every singular value at most 1 / safety); then with `A = x x^T`:
     `x <- a x + b A x + c A A x`. Each singular value s goes through `a s + b s^3 + c s^5`,
     the singular vectors stay.
     """
@@ -77,7 +123,7 @@ def newton_schulz(x: torch.Tensor, coefficients: Coefficients = NS_COEFFICIENTS,
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = x / max(float(torch.linalg.matrix_norm(x)), eps)
+    x = x / max(safety * float(torch.linalg.matrix_norm(x)), eps)
     for a, b, c in steps_of(coefficients, steps):
         gram = x @ x.T
         x = a * x + b * (gram @ x) + c * (gram @ (gram @ x))
@@ -93,19 +139,20 @@ def adjust_ratio(rows: int, cols: int, rule: Optional[str]) -> float:
     return 1.0
 
 
-def orthogonalize(updates: Sequence[torch.Tensor], ns_coefficients: Coefficients = NS_COEFFICIENTS, ns_steps: int = 5,
-                  eps: float = 1e-7, adjust_lr: Optional[str] = "none", ns_dtype: str = "bfloat16",
-                  exact: bool = False) -> list[torch.Tensor]:
+def orthogonalize(updates: Sequence[torch.Tensor], ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS,
+                  ns_steps: int = 5, eps: float = 1e-7, adjust_lr: Optional[str] = "none", ns_dtype: str = "bfloat16",
+                  exact: bool = False, ns_safety: Optional[float] = None) -> list[torch.Tensor]:
     """`Orthogonalize`: each tensor with 2+ dims replaced by the Newton-Schulz iteration of its matrix
     (`exact=True`: by its polar factor), times the `adjust_lr` factor; others unchanged. `ns_dtype` is
     the runtime's working precision: the spec is float64 whatever it says."""
+    safety = safety_of(ns_coefficients, ns_safety)
     out = []
     for u in updates:
         m = matrix_of(u)
         if m is None:
             out.append(u.detach().to(torch.float64).clone())
             continue
-        o = polar(m) if exact else newton_schulz(m, ns_coefficients, ns_steps, eps)
+        o = polar(m) if exact else newton_schulz(m, ns_coefficients, ns_steps, eps, safety)
         out.append((o * adjust_ratio(m.shape[0], m.shape[1], adjust_lr)).reshape(u.shape))
     return out
 
@@ -160,11 +207,13 @@ class Muon:
     fewer than 2 dims take the momentum direction itself, `r = 1`."""
 
     def __init__(self, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: Coefficients = NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
-                 adjust_lr_fn: Optional[str] = None, exact: bool = False, **_runtime_only: Any) -> None:
+                 ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
+                 adjust_lr_fn: Optional[str] = None, exact: bool = False, ns_safety: Optional[float] = None,
+                 **_runtime_only: Any) -> None:
         self.wd: float = weight_decay
         self.momentum: Momentum = Momentum(momentum, nesterov)
-        self.ns: dict[str, Any] = dict(ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, exact=exact)
+        self.ns: dict[str, Any] = dict(ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, exact=exact,
+                                       ns_safety=ns_safety)
         self.adjust: Optional[str] = adjust_lr_fn
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
@@ -176,6 +225,80 @@ class Muon:
             r = 1.0 if m is None else adjust_ratio(m.shape[0], m.shape[1], self.adjust)
             (o,) = orthogonalize([d], **self.ns)
             out.append(p * (1 - lr * self.wd) - (lr * r) * o)
+        return out
+
+
+class NorMuon:
+    """`NorMuon`, one step at a time: for each tensor with 2+ dims (as its matrix `O`, `rows x cols`),
+    `v <- beta2 v + (1 - beta2) mean(O**2)` over each row (`per="larger"`: over the smaller dimension, so per
+    row of a tall or square matrix and per column of a wide one), from zeros; `N = O / (sqrt(v) + eps)`;
+    the output `N ||O||_F / (||N||_F + eps)`. Other tensors are returned unchanged."""
+
+    def __init__(self, beta2: float = 0.95, eps: float = 1e-10, per: str = "row") -> None:
+        self.beta2, self.eps, self.per = beta2, eps, per
+        self.v: dict[int, torch.Tensor] = {}
+
+    def step(self, updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One step: the normalized updates (float64); the second moments move on."""
+        out = []
+        for i, u in enumerate(updates):
+            o = matrix_of(u)
+            if o is None:
+                out.append(u.detach().to(torch.float64).clone())
+                continue
+            rows, cols = o.shape
+            by_row = self.per == "row" or rows >= cols
+            mean_sq = (o * o).mean(dim=1) if by_row else (o * o).mean(dim=0)
+            v = self.v.get(i, torch.zeros_like(mean_sq))
+            v = self.v[i] = self.beta2 * v + (1 - self.beta2) * mean_sq
+            d = v.sqrt() + self.eps
+            n = o / d[:, None] if by_row else o / d[None, :]
+            n = n * (float(torch.linalg.matrix_norm(o)) / (float(torch.linalg.matrix_norm(n)) + self.eps))
+            out.append(n.reshape(u.shape))
+        return out
+
+
+class AdaMuon:
+    """`AdaMuon` (and pytorch_optimizer.AdaMuon), as a parameter trajectory in float64: `step(params, grads,
+    lr)` returns the new parameters. Per matrix (`rows x cols`): `m <- beta1 m + (1 - beta1) g`;
+    `O = NS(m)`; `v <- beta2 v + (1 - beta2) O**2`; `N = O / (sqrt(v / (1 - beta2**t)) + eps)`;
+    `p <- p (1 - lr wd) - lr r sqrt(min(rows, cols)) N / (||N||_F + eps)`, `r` the `adjust_lr_fn` factor.
+    Tensors with fewer than 2 dims: `p (1 - lr wd) - lr m`."""
+
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-10,
+                 ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, ns_steps: int = 5,
+                 ns_eps: float = 1e-7, ns_safety: Optional[float] = None,
+                 adjust_lr_fn: str = "match_rms_adamw", **_runtime_only: Any) -> None:
+        self.betas, self.wd, self.eps, self.adjust = betas, weight_decay, eps, adjust_lr_fn
+        self.ns: dict[str, Any] = dict(coefficients=ns_coefficients, steps=ns_steps, eps=ns_eps,
+                                       safety=safety_of(ns_coefficients, ns_safety))
+        self.m: Optional[list[torch.Tensor]] = None
+        self.v: Optional[list[torch.Tensor]] = None
+        self.t = 0
+
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
+        """One step: the new parameters (float64)."""
+        b1, b2 = self.betas
+        gs = [g.detach().to(torch.float64) for g in grads]
+        if self.m is None:
+            self.m = [torch.zeros_like(g) for g in gs]
+            self.v = [torch.zeros_like(g) for g in gs]
+        assert self.v is not None
+        self.t += 1
+        out = []
+        for i, (p, g) in enumerate(zip(params, gs)):
+            p = p.detach().to(torch.float64) * (1 - lr * self.wd)
+            self.m[i] = b1 * self.m[i] + (1 - b1) * g
+            x = matrix_of(self.m[i])
+            if x is None:
+                out.append(p - lr * self.m[i])
+                continue
+            o = newton_schulz(x, **self.ns)
+            self.v[i] = b2 * self.v[i] + (1 - b2) * (o * o).reshape(g.shape)
+            n = o / ((self.v[i].reshape(o.shape) / (1 - b2**self.t)).sqrt() + self.eps)
+            rows, cols = x.shape
+            n = n * (math.sqrt(min(rows, cols)) / (float(torch.linalg.matrix_norm(n)) + self.eps))
+            out.append(p - lr * adjust_ratio(rows, cols, self.adjust) * n.reshape(g.shape))
         return out
 
 

@@ -7,6 +7,9 @@ exponential moving average (optionally Nesterov) that Muon applies first, and
 `Muon` is the two of them followed by the learning rate and a decoupled weight
 decay, written as the last transform in torch's own order of operations.
 `OrthoGrad` removes the part of each update that is parallel to its weight.
+`NS_PRESETS` names published Newton-Schulz schedules (Polar Express, You's quintic, DeepSeek-V4's),
+which `Orthogonalize`, `Muon` and `AdaMuon` take by name. `NorMuon` normalizes an orthogonalized
+update per neuron, and `AdaMuon` is pytorch_optimizer's adaptive Muon as one optimizer transform.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core.distributed import placed_like
+from ..core.keys import value_key
 from ..core.norms import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
-from ..core.state import Buffer
+from ..core.state import Buffer, proceed_flag
 from ._util import FiniteFloat, FiniteNonNegativeFloat, FinitePositiveFloat
 
-__all__ = ["Orthogonalize", "OrthoGrad", "Momentum", "Muon"]
+__all__ = ["Orthogonalize", "OrthoGrad", "Momentum", "Muon", "NorMuon", "AdaMuon"]
 
 NonNegativeFloat = FiniteNonNegativeFloat  # (finite: see `_util`)
 PositiveFloat = FinitePositiveFloat
@@ -34,6 +38,63 @@ Coefficients = tuple[FiniteFloat, FiniteFloat, FiniteFloat]
 #: `torch.optim.Muon`'s coefficients (Keller Jordan's), used for every step
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 NSDtype = Literal["bfloat16", "float32", "float64"]
+
+# --- named Newton-Schulz schedules ---------------------------------------------------------------------
+#: the Polar Express paper's degree-5 schedule for l = 1e-3 (Amsel, Persson, Musco, Gower 2025,
+#: arXiv 2505.16932, Algorithm 1), before its safety scaling; the last polynomial is the fixed point
+_POLAR_EXPRESS_PAPER_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def _safer(a: float, b: float, c: float, s: float) -> tuple[float, float, float]:
+    """`p(x / s)` for `p(x) = a x + b x^3 + c x^5`: the polynomial made safe against an input above 1 by `s`."""
+    return (a / s, b / s**3, c / s**5)
+
+
+#: name -> (one `(a, b, c)` per step, the pre-scaling safety factor its source uses, the fewest steps
+#: that keep the schedule's meaning). `ns_steps` takes the first triples and repeats the last one past the
+#: end (the paper's rule, Emerging-Optimizers' `repeat_last` and pytorch_optimizer's).
+NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float, int]] = {
+    # Keller Jordan's coefficients, torch.optim.Muon's default (pytorch_optimizer's "original",
+    # Emerging-Optimizers' "simple")
+    "original": ((NS_COEFFICIENTS,), 1.0, 1),
+    # Jiacheng You's five (modded-nanogpt; Emerging-Optimizers' and pytorch_optimizer's "quintic",
+    # torchzero's Orthogonalize default)
+    "quintic": ((
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ), 1.0, 1),
+    # Polar Express for five steps with a 2e-2 safety margin (computed with cushion 2), baked into all
+    # but the last polynomial; the input divided by 1.02 ||X||_F (microsoft/dion `dion/polar_express.py`,
+    # karpathy/nanochat `nanochat/optim.py`; pytorch_optimizer's "polar_express_safer" starts the same)
+    "polar_express": ((
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ), 1.02, 1),
+    # the paper's Algorithm 1: its eight polynomials, all but the last made safe by 1.01, the input
+    # divided by 1.01 ||X||_F (NVIDIA-NeMo/Emerging-Optimizers' "polar_express" holds the same polynomials
+    # rounded to four decimals and divides by ||X||_F alone: ns_safety=1.0)
+    "polar_express_paper": (tuple(_safer(a, b, c, 1.01) for a, b, c in _POLAR_EXPRESS_PAPER_RAW[:-1])
+                            + (_POLAR_EXPRESS_PAPER_RAW[-1],), 1.01, 1),
+    # DeepSeek-V4: eight of Keller Jordan's steps, then two steps of (2, -1.5, 0.5), which settle the
+    # singular values at 1 (Emerging-Optimizers' "deepseekv4"); fewer than ten steps would drop the second stage
+    "deepseek_v4": ((NS_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2, 1.0, 10),
+}
+NSPreset = Literal["original", "quintic", "polar_express", "polar_express_paper", "deepseek_v4"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 AdjustLR = Literal["none", "original", "match_rms_adamw"]
 
@@ -59,8 +120,12 @@ def adjust_ratio(rows: int, cols: int, rule: str | None) -> float:
     return 1.0
 
 
-def coefficient_steps(coefficients: Union[Coefficients, list[Coefficients]], steps: int) -> list[tuple[float, float, float]]:
-    """One `(a, b, c)` per iteration: a single triple repeated `steps` times, or the list as given."""
+def coefficient_steps(coefficients: Union[Coefficients, list[Coefficients], str], steps: int) -> list[tuple[float, float, float]]:
+    """One `(a, b, c)` per iteration: a single triple repeated `steps` times, the list as given, or a
+    preset's (`NS_PRESETS`) first `steps` triples with its last one repeated past its end."""
+    if isinstance(coefficients, str):
+        table = NS_PRESETS[coefficients][0]
+        return [tuple(table[min(i, len(table) - 1)]) for i in range(steps)]
     if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
         return [tuple(coefficients)] * steps
     return [tuple(c) for c in coefficients]
@@ -76,11 +141,13 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
 
 
 def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, safety: float = 1.0) -> torch.Tensor:
     """Newton-Schulz orthogonalization of the 2-D `m`, in `dtype`, op for op as torch.optim.Muon.
 
-    Work on the wide orientation (transpose a tall matrix), divide by `max(||m||_F, eps)` so that
-    every singular value is at most 1, then per step with `A = x x^T`:
+    Work on the wide orientation (transpose a tall matrix), divide by `max(||m||_F * safety, eps)` so
+    that every singular value is at most `1 / safety` (the norm rounded to `dtype`, then multiplied by
+    `safety` in `dtype`, as pytorch_optimizer's `zero_power_via_newton_schulz_5` does; `safety=1`: no
+    multiply, torch's), then per step with `A = x x^T`:
     `x <- a x + (b A + c A A) x` (two `addmm`). The input is never written: torch divides in place, which
     for an input already in `dtype` is the caller's tensor; here only a copy made by the cast is divided in
     place, and an input already in `dtype` is divided into a new tensor.
@@ -90,7 +157,10 @@ def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps:
     tall = m.size(0) > m.size(1)
     if tall:
         x = x.T
-    x = x.div_(x.norm().clamp(min=eps)) if fresh else x / x.norm().clamp(min=eps)
+    norm = x.norm()
+    if safety != 1.0:
+        norm = norm * safety
+    x = x.div_(norm.clamp(min=eps)) if fresh else x / norm.clamp(min=eps)
     for a, b, c in steps:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
@@ -191,10 +261,11 @@ def _zeros_like_update(updates):
 
 
 class _NewtonSchulz(Transform, abstract=True):
-    """The Newton-Schulz fields shared by `Orthogonalize` and `Muon`."""
+    """The Newton-Schulz fields shared by `Orthogonalize`, `Muon` and `AdaMuon`."""
 
-    ns_coefficients: Union[Coefficients, list[Coefficients]] = NS_COEFFICIENTS
+    ns_coefficients: Union[NSPreset, Coefficients, list[Coefficients]] = NS_COEFFICIENTS
     ns_steps: int = Field(5, ge=0, lt=100)
+    ns_safety: Optional[float] = Field(None, ge=1.0, allow_inf_nan=False)
     eps: PositiveFloat = 1e-7
     ns_dtype: NSDtype = "bfloat16"
 
@@ -204,12 +275,27 @@ class _NewtonSchulz(Transform, abstract=True):
         if isinstance(c, list) and len(c) != self.ns_steps:
             raise ValueError(f"ns_coefficients lists {len(c)} (a, b, c) triples, one per step, but ns_steps is "
                              f"{self.ns_steps}: give one triple (used for every step) or ns_steps={len(c)}")
+        if isinstance(c, str) and self.ns_steps < NS_PRESETS[c][2]:
+            raise ValueError(f"ns_coefficients={c!r} is a {NS_PRESETS[c][2]}-step schedule (eight fast steps, then "
+                             f"two that settle the singular values): ns_steps must be at least {NS_PRESETS[c][2]}, "
+                             f"got {self.ns_steps}")
         return self
+
+    def safety(self) -> float:
+        """The factor the input's Frobenius norm is multiplied by before the iteration: `ns_safety`, or the
+        preset's own when it is None (1.02 for `"polar_express"`, 1.01 for `"polar_express_paper"`, else 1)."""
+        if self.ns_safety is not None:
+            return self.ns_safety
+        return NS_PRESETS[self.ns_coefficients][1] if isinstance(self.ns_coefficients, str) else 1.0
+
+    def norm_floor(self) -> float:
+        """The floor of the (safety-scaled) norm the input is divided by: `eps` (`AdaMuon`: `ns_eps`)."""
+        return self.eps
 
     def orthogonalized(self, m: torch.Tensor) -> torch.Tensor:
         """Newton-Schulz of the matrix `m`, in `ns_dtype` (torch.optim.Muon's op order)."""
-        return newton_schulz(m, coefficient_steps(self.ns_coefficients, self.ns_steps), self.eps,
-                             _DTYPES[self.ns_dtype])
+        return newton_schulz(m, coefficient_steps(self.ns_coefficients, self.ns_steps), self.norm_floor(),
+                             _DTYPES[self.ns_dtype], self.safety())
 
     def keeps_positive_zero(self) -> bool:
         """Whether `orthogonalized` maps a matrix of `+0.0` to `+0.0` exactly: `x / max(0, eps)` is `+0.0`, and
@@ -530,4 +616,258 @@ class Muon(_NewtonSchulz):
                 if wd != 0:
                     u = u + p.detach() * (lr * wd)
                 out.append(u)
+        return out
+
+
+class NorMuon(Transform):
+    r"""NorMuon's per-neuron normalization of an orthogonalized update (Li et al. 2025, arXiv 2510.05491).
+
+    Placed after `Orthogonalize`, per matrix-shaped update $O$ (a tensor with
+    more than 2 dims as `reshape(shape[0], -1)`), with a second moment $v$ per
+    row (per output neuron of a `Linear` weight):
+
+    $$
+    v \leftarrow \beta_2 v + (1-\beta_2)\,\operatorname{mean}_{\text{row}}(O \odot O), \qquad
+    \tilde O = \frac{O}{\sqrt{v} + \varepsilon}, \qquad
+    O \leftarrow \tilde O \cdot \frac{\lVert O \rVert_F}{\lVert \tilde O \rVert_F + \varepsilon}
+    $$
+
+    ($v$ starts at zero, no bias correction): every neuron's step gets the same
+    scale over time, and the update keeps the Frobenius norm it had after
+    orthogonalization. Tensors with 0 or 1 dims and empty tensors pass through
+    unchanged (no state). The rule is computed in at least float32 and cast back
+    to the update's dtype; $v$ is kept in that precision (`second_moment`, one
+    value per row or column).
+
+    Defaults are the official code's (ShizukaKuze/NorMuon `normuon.py`) and
+    pytorch_optimizer's `NorMuon`: `beta2=0.95`, `eps=1e-10`, `per="row"`. The
+    parity traps: microsoft/dion's NorMuon uses `eps=1e-8` (and a clamp, not a
+    sum, in the rescale); karpathy/nanochat keeps one value per index of the
+    larger dimension, i.e. the mean over the smaller dimension (`per="larger"`:
+    per row of a tall or square matrix, per column of a wide one) and floors $v$
+    at `1e-10` before its square root where the paper adds $\varepsilon$ after it.
+    The scale is preserved, so `Orthogonalize(adjust_lr=...)` before it and
+    `LR` after it compose as in the reference: NorMuon is
+    `Chain(Momentum(0.95), Orthogonalize(adjust_lr="original"), NorMuon(), LR(lr))`.
+    A step the device skips keeps $v$ bit for bit (no host sync).
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2, 2)); p.grad = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    >>> opt = mo.Modular([p], mo.Orthogonalize(ns_dtype="float64"), mo.NorMuon(), mo.LR(1.0)); opt.step()
+    >>> (-p.data).diag()   # both rows now have the same size, the Frobenius norm is kept
+    tensor([0.9624, 0.9624])
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = "beta2"
+    device_skip = True  # keeps its second moments on a step the device skips (a where on the small buffer)
+
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: PositiveFloat = 1e-10
+    per: Literal["row", "larger"] = "row"
+    state_buffers: ClassVar[dict[str, str | Buffer]] = {"second_moment": Buffer("segment", low=0)}
+
+    def per_row(self, rows: int, cols: int) -> bool:
+        """Whether a `rows x cols` matrix keeps one second moment per row (else one per column)."""
+        return self.per == "row" or rows >= cols
+
+    def segment_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The shape of a parameter's second moment: `(rows, 1, ...)` per row, `(1, *shape[1:])` per column."""
+        if p.dim() < 2:
+            return ()
+        if self.per_row(p.shape[0], math.prod(p.shape[1:])):
+            return (p.shape[0],) + (1,) * (p.dim() - 1)
+        return (1,) + tuple(p.shape[1:])
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Normalize each matrix-shaped update per row (or column) by its second moment, keeping its norm."""
+        out = list(updates)
+        key = value_key(st.key, "second_moment")
+        states = ctx.param_states()
+        for i, u in enumerate(updates):
+            m = as_matrix(u)
+            if m is None:
+                continue
+            acc = acc_dtype(u.dtype)
+            rows, cols = m.shape
+            row = self.per_row(rows, cols)
+            v = states[i].get(key)
+            if v is None:
+                v = states[i][key] = torch.zeros(self.segment_shape(u), dtype=acc, device=u.device)
+            vm = v.view(rows, 1) if row else v.view(1, cols)
+            x = m.to(acc)
+            norm = torch.linalg.vector_norm(x)
+            mean_sq = x.square().mean(dim=1 if row else 0, keepdim=True)
+            if ctx.skip is None:
+                vm.lerp_(mean_sq, 1 - self.beta2)
+            else:  # the same lerp on a new tensor (bit for bit the in-place one), the old values where skipped
+                torch.where(ctx.skip, vm, torch.lerp(vm, mean_sq, 1 - self.beta2), out=vm)
+            y = x / (vm.sqrt() + self.eps)
+            y = y * (norm / (torch.linalg.vector_norm(y) + self.eps))
+            out[i] = laid_out_like(u, y)
+        return out
+
+
+class AdaMuon(_NewtonSchulz):
+    r"""AdaMuon (Si et al. 2025, arXiv 2507.11005): Muon with an elementwise second moment of the orthogonalized step.
+
+    Per parameter, with $g$ the update entering it (the gradient), $t$ its step
+    and $O$ a `rows x cols` matrix:
+
+    $$
+    \begin{aligned}
+    m &\leftarrow \beta_1 m + (1-\beta_1) g, \qquad O = \operatorname{NS}(m) \\
+    v &\leftarrow \beta_2 v + (1-\beta_2)\, O \odot O, \qquad
+    \tilde O = \frac{O}{\sqrt{v / (1-\beta_2^t)} + \varepsilon} \\
+    p &\leftarrow p\,(1 - \text{lr}\,\lambda) - \text{lr}\cdot r \cdot
+        \frac{\sqrt{\min(\text{rows}, \text{cols})}}{\lVert \tilde O \rVert_F + \varepsilon}\, \tilde O
+    \end{aligned}
+    $$
+
+    with $r$ = `adjust_lr_fn`'s factor: `"match_rms_adamw"` (default,
+    $0.2\sqrt{\max(\text{rows}, \text{cols})}$, which gives the step an RMS of
+    0.2 lr on a square matrix) or `"original"` ($\sqrt{\max(1, \text{rows}/\text{cols})}$).
+    No Nesterov, no bias correction of $m$ (the orthogonalization is
+    scale-invariant). It is `pytorch_optimizer.AdaMuon` (4.1.0) for its
+    `use_muon=True` groups, with its defaults: `lr=0.02`, `betas=(0.9, 0.95)`,
+    `weight_decay=0` (decoupled, with the unadjusted lr, applied first),
+    `eps=1e-10` (in the denominator and the norm), and its Newton-Schulz:
+    Keller Jordan's coefficients, 5 steps in bfloat16 with the input divided by
+    `max(||m||_F, ns_eps)`, `ns_eps=1e-7`. The Newton-Schulz fields are
+    `Orthogonalize`'s (presets included); as the reference, $O$ stays in
+    `ns_dtype` through the division and the rescale, and $v$ has the parameter's
+    dtype. As the last transform it writes the parameters in the reference's
+    order of operations, bit for bit on a CPU in float32 and bfloat16; elsewhere
+    in a chain (and compiled) it returns the update.
+
+    One optimizer transform rather than a composition: the reference keeps
+    $\tilde O$ in the Newton-Schulz precision between the orthogonalization and
+    the write (a chain would cast it back to the parameter's dtype between
+    transforms), counts steps for its bias correction, and applies its decay
+    before the step; `lr` and `betas` are group keys, so schedulers drive them.
+
+    Tensors with 0 or 1 dims get the momentum step `lr m` (the reference refuses
+    them: route them to `AdamW` with `mo.Masked`); a tensor with more than 2
+    dims is orthogonalized as `reshape(shape[0], -1)`. A step the device skips
+    leaves the parameters, $m$, $v$ and the step counts bit for bit as they were
+    (no host sync; the new values are made aside and a `where` keeps the old ones).
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2, 2)); p.grad = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    >>> opt = mo.Modular([p], mo.AdaMuon(0.1)); opt.step()
+    >>> p.data   # every element of O over sqrt(v) is about 1/sqrt(1 - 0.95); then RMS 0.2 lr
+    tensor([[-0.0283,  0.0000],
+            [ 0.0000, -0.0283]])
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = "lr"
+    device_skip = True  # keeps its moments, step counts and the parameters on a step the device skips
+
+    lr: NonNegativeFloat = 0.02
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: NonNegativeFloat = 0.0
+    eps: PositiveFloat = 1e-10
+    ns_eps: PositiveFloat = 1e-7
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
+    is_optimizer: ClassVar[bool] = True
+    state_buffers: ClassVar[dict[str, str | Buffer]] = {
+        "step": Buffer("counter", dtype="float32"),  # this parameter's steps taken
+        "exp_avg": "param",
+        "exp_avg_sq": Buffer("param", low=0),
+    }
+
+    @model_validator(mode="after")
+    def _betas_in_range(self):
+        for b in self.betas:
+            if not (0.0 <= b < 1.0):
+                raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        return self
+
+    def norm_floor(self) -> float:
+        """The floor of the norm the Newton-Schulz input is divided by: `ns_eps` (`eps` is the adaptive one)."""
+        return self.ns_eps
+
+    def _steps(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]):
+        """Update the moments and step counts (kept where the device skips); per parameter `(p, o, lr, r, wd)`:
+        the step is `p * (1 - lr wd) - lr r o`, `o` in `ns_dtype` for a matrix."""
+        skip = ctx.skip
+        steps_all = st.buffers("step", lambda i, p: torch.zeros((), dtype=torch.float32, device=p.device))
+        ms_all = st.buffers("exp_avg", _zeros_like_update(updates))
+        vs_all = st.buffers("exp_avg_sq", _zeros_like_update(updates))
+        go = proceed_flag(ctx)
+        out = []
+        for g, a, b in ctx.per_group():
+            lr, wd = g["lr"], g["weight_decay"]
+            beta1, beta2 = g["betas"]
+            steps = list(steps_all[a:b])
+            if torch.compiler.is_compiling():
+                new = [s + (1.0 if go is None else go.to(torch.float32)) for s in steps]
+                for s, x in zip(steps, new):
+                    s.copy_(x)
+                steps = new
+            elif steps:
+                torch._foreach_add_(steps, 1 if go is None else [go.to(torch.float32)] * len(steps))
+            for p, u, m, v, t in zip(ctx.params[a:b], updates[a:b], ms_all[a:b], vs_all[a:b], steps):
+                if skip is None:
+                    m.lerp_(u, 1 - beta1)
+                else:
+                    torch.where(skip, m, torch.lerp(m, u, 1 - beta1), out=m)
+                mat = as_matrix(m)
+                if mat is None:
+                    out.append((p, m, lr, 1.0, wd))
+                    continue
+                # row-major, as the reference's flattened copy: the norm below adds up in its order
+                o = self.orthogonalized(mat).reshape(-1).view(p.shape)
+                new_v = v * beta2 if skip is not None else v.mul_(beta2)
+                new_v.addcmul_(o, o, value=1 - beta2)
+                if skip is not None:
+                    torch.where(skip, v, new_v, out=v)
+                correction = 1 - torch.pow(beta2, t.to(torch.float64))
+                if v.dtype == torch.float64:
+                    scaled = v / correction
+                else:  # the reference divides by a Python float: computed in float32, rounded to v's dtype
+                    scaled = (v.float() / correction.float()).to(v.dtype)
+                o.div_(scaled.sqrt_().add_(self.eps))
+                rows = mat.shape[0]
+                scale = math.sqrt(min(rows, mat.numel() // rows))
+                o.mul_(scale / o.norm().add_(self.eps))
+                r = adjust_ratio(mat.shape[0], mat.shape[1], self.adjust_lr_fn)
+                out.append((p, placed_like(o, p), lr, r, wd))
+        return out
+
+    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
+        """Write the parameters in the reference's order (decay, then `p += -lr r O`): True; False where the
+        runner writes `apply`'s update instead (a compiled step, a tensor `lr`)."""
+        if torch.compiler.is_compiling() or any(isinstance(g["lr"], torch.Tensor) for g in ctx.groups):
+            return False
+        skip = ctx.skip
+        for p, o, lr, r, wd in self._steps(ctx, st, updates):
+            factor, decay = lr * r, lr * wd
+            if skip is None:
+                if decay != 0:
+                    p.mul_(1 - decay)
+                p.add_(o, alpha=-factor)
+            else:
+                new = p.mul(1 - decay) if decay != 0 else p.clone()
+                new.add_(o, alpha=-factor)
+                torch.where(skip, p, new, out=p)
+        return True
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The AdaMuon step as updates: `factor * O + decay * p`, in each update's dtype."""
+        from .optimizers import _lr_value
+
+        out = []
+        for (p, o, lr, r, wd), u in zip(self._steps(ctx, st, updates), updates):
+            lr = _lr_value(lr, u)
+            step = laid_out_like(u, o, lr * r)
+            if wd != 0:
+                step = step + p.detach() * (lr * wd)
+            out.append(step)
         return out
