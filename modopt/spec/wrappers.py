@@ -45,13 +45,21 @@ class ScheduleFree:
     def __init__(self, params: Sequence[torch.Tensor], lr: float, beta: float, weight_decay: float = 0.0,
                  warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0, adam: bool = False,
                  beta2: float = 0.999, eps: float = 1e-8) -> None:
-        self.lr, self.beta, self.wd = lr, beta, weight_decay
-        self.warmup, self.r, self.power = warmup_steps, r, weight_lr_power
-        self.adam, self.beta2, self.eps = adam, beta2, eps
-        self.t, self.weight_sum, self.lr_max = 0, 0.0, 0.0
-        self.z = [p.detach().to(torch.float64).clone() for p in params]
-        self.x = [z.clone() for z in self.z]
-        self.v = [torch.zeros_like(z) for z in self.z]
+        self.lr: float = lr
+        self.beta: float = beta
+        self.wd: float = weight_decay
+        self.warmup: int = warmup_steps
+        self.r: float = r
+        self.power: float = weight_lr_power
+        self.adam: bool = adam
+        self.beta2: float = beta2
+        self.eps: float = eps
+        self.t: int = 0
+        self.weight_sum: float = 0.0
+        self.lr_max: float = 0.0
+        self.z: list[torch.Tensor] = [p.detach().to(torch.float64).clone() for p in params]
+        self.x: list[torch.Tensor] = [z.clone() for z in self.z]
+        self.v: list[torch.Tensor] = [torch.zeros_like(z) for z in self.z]
 
     def y(self) -> list[torch.Tensor]:
         """The training point, `(1 - beta) z + beta x`."""

@@ -136,7 +136,6 @@ def _pow(base: torch.Tensor, exponent: float) -> torch.Tensor:
 class _ScheduleFree(Transform, abstract=True):
     """What Schedule-Free SGD and AdamW share: the schedule, the interpolation, the train and eval forms."""
 
-    positional: ClassVar[str | None] = "lr"
     is_optimizer: ClassVar[bool] = True
     must_be_last: ClassVar[bool] = True  # it writes the parameters (y) and its own sequence z
     attachable: ClassVar[bool] = False
@@ -298,6 +297,7 @@ class ScheduleFreeSGD(_ScheduleFree):
     ```
     """
 
+    positional: ClassVar[str | None] = "lr"
     lr: NonNegativeFloat = 1.0
     momentum: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
     weight_decay: NonNegativeFloat = 0.0
@@ -349,6 +349,7 @@ class ScheduleFreeAdamW(_ScheduleFree):
     ```
     """
 
+    positional: ClassVar[str | None] = "lr"
     lr: NonNegativeFloat = 0.0025
     betas: tuple[float, float] = (0.9, 0.999)
     eps: NonNegativeFloat = 1e-8
