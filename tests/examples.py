@@ -84,6 +84,11 @@ NON_DEFAULT = {
     "Accumulate": mo.Accumulate(2),
     "Lookahead": mo.Lookahead(mo.SGD(lr=0.05, momentum=0.9), k=2, alpha=0.3),
     "ProjectNorm": [mo.ProjectNorm(), mo.ProjectNorm(2.0, min_ndim=1, eps=1e-8)],
+    # warm-up 2, so the 5-step checks cross its end; eps representable in fp16
+    "ScheduleFreeSGD": mo.ScheduleFreeSGD(lr=0.05, momentum=0.8, weight_decay=1e-3, warmup_steps=2, r=0.5,
+                                          weight_lr_power=1.0),
+    "ScheduleFreeAdamW": mo.ScheduleFreeAdamW(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2, warmup_steps=2,
+                                              r=1.0, weight_lr_power=0.5),
     # issue 12: a mask holding a nested mask; every Select field set
     "Masked": mo.Masked(
         mo.ClipNorm(0.5), mo.Masked(mo.Normalize(0.5), where=mo.Select(max_ndim=1)),
@@ -187,6 +192,9 @@ SPECS = {
     "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
     "Lookahead": "tests/test_wrappers.py::test_lookahead_matches_spec",  # and pytorch_optimizer.Lookahead, bit for bit
     "ProjectNorm": "tests/test_weights.py::test_project_norm_matches_spec",  # a weight-stage transform
+    # and schedulefree's SGDScheduleFree / AdamWScheduleFree, bit for bit
+    "ScheduleFreeSGD": "tests/test_schedulefree.py::test_schedule_free_sgd_matches_spec",
+    "ScheduleFreeAdamW": "tests/test_schedulefree.py::test_schedule_free_adamw_matches_spec",
     "Orthogonalize": "tests/test_orthogonal.py::test_orthogonalize_matches_spec",  # float64 NS; bf16 within a bound
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
@@ -230,8 +238,9 @@ NO_SPEC = {
 MASK = mo.Select(exclude=["0.*"])
 MASK_REST = mo.Select(names=["0.*"])
 #: transforms that cannot run inside Masked (they step every parameter of the optimizer themselves)
-UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm"}  # (SkipStep skips the whole step: it sits at the top level;
-# Lookahead pulls every parameter of the optimizer; a weight-stage transform sits at the top level)
+UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm", "ScheduleFreeSGD", "ScheduleFreeAdamW"}
+# (SkipStep skips the whole step: it sits at the top level; Lookahead pulls every parameter of the optimizer; a
+# weight-stage transform sits at the top level; Schedule-Free's eval form swaps every parameter)
 
 
 def instances(name: str) -> list[mo.Transform]:

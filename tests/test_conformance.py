@@ -141,8 +141,8 @@ def test_zero_gradients_keep_parameters_finite(name, t):
         assert torch.isfinite(b).all()
     every = [x for _, x in walk(pipeline_for(t))]  # masked optimizers too
     # (weight decay moves weights with a zero gradient; so does a projection onto a fixed radius)
-    moves = any(isinstance(x, (mo.SGD, mo.Adam, mo.Muon, mo.AdaMuon, mo.ADOPT, mo.WeightDecay))
-                and getattr(x, "weight_decay", 0) for x in every) \
+    moves = any(isinstance(x, (mo.SGD, mo.Adam, mo.Muon, mo.AdaMuon, mo.ADOPT, mo.WeightDecay, mo.ScheduleFreeSGD,
+                               mo.ScheduleFreeAdamW)) and getattr(x, "weight_decay", 0) for x in every) \
         or any(isinstance(x, mo.ProjectNorm) and x.radius is not None for x in every)
     if not moves and name not in ("AdamW", "TorchOptimizer"):
         for a, b in zip(before, params_of(model)):

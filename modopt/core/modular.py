@@ -20,6 +20,7 @@ TOML has no null: in TOML files the string `"null"` stands for None.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import warnings
 from collections import OrderedDict
@@ -347,6 +348,10 @@ class Modular(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._gate.check_live(self.param_groups)
+        for key, t in self.plan.swaps:  # (before anything changes: the step moves the training form)
+            if t.weights_mode(self, key) != "train":
+                raise RuntimeError(f"opt.step(): {key} ({type(t).__name__}) holds the parameters in their eval form "
+                                   "(after opt.eval()); call opt.train() before stepping")
         stats: dict[str, torch.Tensor] = {}
         ctx = collect(self, self.param_groups, stats)
         ctx.loss = loss
@@ -376,6 +381,46 @@ class Modular(torch.optim.Optimizer):
             stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep
         return loss
+
+    # --- train and eval forms of the parameters (Schedule-Free) -----------------------------------------
+    @property
+    def train(self) -> Callable[[], None]:
+        """`opt.train()`: put the parameters in their training form (Schedule-Free's `y`, where the gradient
+        is taken), as `schedulefree`'s optimizers do; nothing when they hold it already. Call it before
+        training steps after `opt.eval()`. A pipeline without a transform that has such forms has no
+        `train` attribute: `AttributeError` saying so (frameworks that look for `optimizer.train`, as
+        the Hugging Face Trainer and accelerate do, then leave the optimizer alone)."""
+        self._swapping("train")
+        return functools.partial(self._swap_weights, "train")
+
+    @property
+    def eval(self) -> Callable[[], None]:
+        """`opt.eval()`: put the parameters in their evaluation form (Schedule-Free's average `x`), as
+        `schedulefree`'s optimizers do; nothing when they hold it already. A step refuses to run until
+        `opt.train()`. No such attribute on a pipeline without such a transform (see `train`)."""
+        self._swapping("eval")
+        return functools.partial(self._swap_weights, "eval")
+
+    def evaluating(self) -> Any:
+        """A context manager: the parameters in their evaluation form inside, back in the form they held
+        outside (`opt.eval()` on entry, `opt.train()` on exit when they were in the training form; the two
+        swaps round as `schedulefree`'s do). `AttributeError` on a pipeline without such a transform."""
+        self._swapping("evaluating")
+        return _Evaluating(self)
+
+    def _swapping(self, what: str) -> None:
+        if not self.plan.swaps:
+            raise AttributeError(
+                f"Modular.{what}: this pipeline has no transform whose parameters have a train and an eval form "
+                "(Schedule-Free: mo.ScheduleFreeAdamW, mo.ScheduleFreeSGD), so there is nothing to swap; "
+                "opt.train, opt.eval and opt.evaluating exist only on such pipelines"
+            )
+
+    @torch._disable_dynamo
+    def _swap_weights(self, to: str) -> None:
+        with torch.no_grad():
+            for key, t in self.plan.swaps:
+                t.swap_weights(self, key, to)  # type: ignore[arg-type]
 
     def add_step_tap(self, tap: Callable[[Any], None]) -> Any:
         """Call `tap(step)` in every step, after the non-finite check and before the transforms
@@ -647,6 +692,24 @@ class Modular(torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
         return f"Modular({inner}; {len(self.param_groups)} param group(s))"
+
+
+class _Evaluating:
+    """`Modular.evaluating()`: the eval form inside, the form held before outside."""
+
+    def __init__(self, opt: Modular) -> None:
+        self.opt = opt
+        self.back = False
+
+    def __enter__(self) -> Modular:
+        opt = self.opt
+        self.back = any(t.weights_mode(opt, key) == "train" for key, t in opt.plan.swaps)
+        opt.eval()
+        return opt
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.back:
+            self.opt.train()
 
 
 def _pipeline_arguments(transforms: tuple, nonfinite: Any, config: Any, group_defaults: dict, load_config) -> tuple:

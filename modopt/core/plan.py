@@ -13,6 +13,9 @@ the `Plan` and works nothing out again. It holds:
   offers them (`modopt.core.moments`);
 * `routes`: the optimizer transforms inside `Masked` branches and the parameters they write;
 * the weight stage: the trailing transforms that act on the weights after the optimizer wrote them;
+* `swaps`: the transforms whose parameters have a train and an eval form (Schedule-Free), which
+  `Modular.train()` / `eval()` call; they sit at the top level (or in plain `Chain`s), with no weight
+  stage after them;
 * whether `nonfinite="skip"` decides on the device: fixed here, unless a transform's answer reads
   param-group values (`Transform.skip_reads_groups`), which a scheduler may change between steps.
 
@@ -57,6 +60,8 @@ class Plan:
     updates: tuple[Transform, ...] = ()
     #: the weight stage: `(key, transform)` of each trailing transform with `stage = "weights"`, in order
     weights: tuple[tuple[str, Transform], ...] = ()
+    #: `(key, transform)` of each transform with `swaps_weights` (Schedule-Free), in chain order
+    swaps: tuple[tuple[str, Transform], ...] = ()
 
     def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
         """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
@@ -73,6 +78,7 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
     n_updates = _check_stages(transforms)
     _check_last(transforms[:n_updates])
     _check_skip_first(transforms)
+    swaps = _check_swaps(transforms, n_updates)
     head = transforms[:n_updates]  # (the analyses read the update stage; keys are positions: the same)
     folded = folded_scale(head)
     links = link(transforms)
@@ -83,6 +89,7 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
         cancelled=cancelled_scales(head, nonfinite), folded=folded, moment_links=links,
         routes=find_routes(transforms), device_skip=device_skip, updates=transforms[:n_updates],
         weights=tuple((f"{i}:{type(t).__name__}", t) for i, t in enumerate(transforms) if i >= n_updates),
+        swaps=swaps,
     )
 
 
@@ -112,6 +119,30 @@ def _check_last(transforms: tuple[Transform, ...]) -> None:
     for key, t in walk(transforms):
         if t.must_be_last and id(t) not in tail:
             raise ValueError(f"{key}: {type(t).__name__} must be the last transform of the pipeline")
+
+
+def _check_swaps(transforms: tuple[Transform, ...], n_updates: int) -> tuple[tuple[str, Transform], ...]:
+    """Transforms whose parameters have a train and an eval form (`swaps_weights`: Schedule-Free) sit at the
+    top level or in plain `Chain`s (a wrapper around one, `Lookahead`, would move the weights it keeps in
+    step with its own copy), and no weight-stage transform follows (it would move `y` alone); returns them."""
+    found = [(key, t) for key, t in walk(transforms) if t.swaps_weights]
+    if not found:
+        return ()
+    owners = dict(walk(transforms))
+    for key, t in found:
+        parts = key.split("/")
+        for depth in range(1, len(parts)):
+            outer = owners["/".join(parts[:depth])]
+            if type(outer) is not Chain:
+                raise ValueError(f"{key}: {type(t).__name__} keeps the parameters in step with its own sequences (their "
+                                 f"train and eval forms), so it cannot run inside {type(outer).__name__}: put it at the "
+                                 "top level of the pipeline")
+    if n_updates < len(transforms):
+        w = transforms[n_updates]
+        raise ValueError(f"{n_updates}:{type(w).__name__} acts on the weights after {found[0][0]} wrote them, which "
+                         f"breaks {type(found[0][1]).__name__}'s relation between the parameters and its own sequences "
+                         "(the eval form would be wrong): leave the weight stage out")
+    return tuple(found)
 
 
 def _check_skip_first(transforms: tuple[Transform, ...]) -> None:

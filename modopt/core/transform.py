@@ -241,6 +241,11 @@ class Transform(BaseModel):
     #: and writes the parameters after the optimizer wrote them (`prepare_weights` before the step's
     #: transforms run, `apply_weights` after the write); weight transforms end the pipeline, at its top level
     stage: ClassVar[Literal["update", "weights"]] = "update"
+    #: True for a transform whose parameters have a train and an eval form (Schedule-Free: `y` while
+    #: training, the average `x` to evaluate): `Modular.train()` / `eval()` / `evaluating()` call its
+    #: `swap_weights`, and a step refuses to run in eval mode (`weights_mode`). It sits at the top level
+    #: of the pipeline (or in plain `Chain`s), with no weight stage after it (`modopt.core.plan`)
+    swaps_weights: ClassVar[bool] = False
     _abstract: ClassVar[bool] = True
 
     @field_validator("*", mode="before")
@@ -389,6 +394,16 @@ class Transform(BaseModel):
         """A weight-stage transform, after the optimizer wrote `ctx.params`: write them in place. On a step
         the device skips (`ctx.skip`), every bit of the parameters and of the state must stay."""
         raise NotImplementedError(f"{type(self).__name__}.apply_weights")
+
+    def weights_mode(self, host: Any, key: str) -> Literal["train", "eval"]:
+        """A transform with `swaps_weights`: which form the parameters hold now (`host`: the optimizer,
+        `key`: this transform's state key)."""
+        raise NotImplementedError(f"{type(self).__name__}.weights_mode")
+
+    def swap_weights(self, host: Any, key: str, to: Literal["train", "eval"]) -> None:
+        """A transform with `swaps_weights`: put the parameters in the form `to` (nothing when they hold it),
+        outside a step; the form is saved state."""
+        raise NotImplementedError(f"{type(self).__name__}.swap_weights")
 
     def routes(self) -> bool:
         """True for a `Masked` whose branch ends in an optimizer transform: it writes the parameters it
