@@ -1,0 +1,87 @@
+"""The table of every registered transform on docs/modules/index.md, made from the registry.
+
+    python docs/transforms_table.py          # rewrite the table in docs/modules/index.md
+    python docs/transforms_table.py --check  # exit 1 if the page's table is not the registry's
+
+Each row: the name (linked to the page that documents it), how it is called positionally, and the
+first sentence of its docstring. tests/test_transforms_table.py runs the check, so a new transform
+without its row fails the suite with this command as the fix.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+PAGE = Path(__file__).parent / "modules" / "index.md"
+START, END = "<!-- transforms-table: start -->", "<!-- transforms-table: end -->"
+
+#: the page (relative to docs/modules/) that documents the transforms of each module
+PAGES = {
+    "modopt.core.transform": "../concepts.md",
+    "modopt.transforms.masked": "../howto/compose.md",
+    "modopt.transforms.accumulate": "accumulate.md",
+    "modopt.transforms.adaptive": "statistical.md",
+    "modopt.transforms.agc": "agc.md",
+    "modopt.transforms.caution": "caution.md",
+    "modopt.transforms.clipping": "clipping.md",
+    "modopt.transforms.ema": "ema.md",
+    "modopt.transforms.growth": "growth.md",
+    "modopt.transforms.guards": "guards.md",
+    "modopt.transforms.normalization": "normalization.md",
+    "modopt.transforms.optimizers": "optimizers.md",
+    "modopt.transforms.orthogonal": "orthogonal.md",
+    "modopt.transforms.percentile": "percentile.md",
+    "modopt.transforms.spam": "spam.md",
+    "modopt.transforms.stability": "stability.md",
+    "modopt.transforms.weights": "weights.md",
+    "modopt.transforms.wrappers": "wrappers.md",
+}
+
+
+def summary(cls: type) -> str:
+    """The first sentence of the class docstring, on one line (a table cell)."""
+    text = " ".join((cls.__doc__ or "").strip().split())
+    # (a sentence ends at . ! ? before a space, but not in "et al." "e.g." "i.e." "vs.")
+    m = re.match(r"(.+?(?<! al)(?<!e\.g)(?<!i\.e)(?<! vs)[.!?])(\s|$)", text)
+    first = m.group(1) if m else text
+    return first.replace("|", "\\|")
+
+
+def table() -> str:
+    import modopt as mo
+    from modopt.core.registry import get_transform
+
+    rows = ["| transform | call | what it does |", "|---|---|---|"]
+    for name in sorted(mo.available(), key=str.lower):
+        cls = get_transform(name)
+        page = PAGES.get(cls.__module__)
+        if page is None:
+            raise SystemExit(f"{name}: no docs page for module {cls.__module__}; add it to PAGES in {__file__}")
+        pos = cls._positional_field()
+        call = f"`mo.{name}({pos})`" if pos else f"`mo.{name}()`"
+        rows.append(f"| [`{name}`]({page}) | {call} | {summary(cls)} |")
+    return "\n".join(rows) + "\n"
+
+
+def render(text: str) -> str:
+    a, b = text.index(START) + len(START), text.index(END)
+    return text[:a] + "\n" + table() + text[b:]
+
+
+def main(argv: list[str]) -> int:
+    text = PAGE.read_text(encoding="utf-8")
+    new = render(text)
+    if "--check" in argv:
+        if new != text:
+            print(f"{PAGE}: the transforms table is not the registry's; run: python docs/transforms_table.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,39 @@
+"""docs/modules/index.md: its table of transforms is the registry's (docs/transforms_table.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import modopt as mo
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("transforms_table", DOCS / "transforms_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_page_lists_every_registered_transform_as_the_registry_says():
+    mod = _module()
+    assert mod.main(["--check"]) == 0, "run: python docs/transforms_table.py"
+    text = mod.PAGE.read_text(encoding="utf-8")
+    listed = re.findall(r"^\| \[`(\w+)`\]\(([^)]+)\)", text, flags=re.M)
+    assert sorted(n for n, _ in listed) == sorted(mo.available())
+    for name, page in listed:  # every link leads to a page that names the transform
+        target = (mod.PAGE.parent / page).resolve()
+        assert target.is_file(), f"{name}: {page} does not exist"
+        assert re.search(rf"\b{name}\b", target.read_text(encoding="utf-8")), f"{name} is not on {page}"
+
+
+def test_a_first_sentence_keeps_abbreviations_whole():
+    mod = _module()
+
+    class Cited:
+        """AdaGC (Wang et al. 2025): clip each tensor, e.g. a bias. More text here."""
+
+    assert mod.summary(Cited) == "AdaGC (Wang et al. 2025): clip each tensor, e.g. a bias."
