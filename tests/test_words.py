@@ -221,3 +221,14 @@ def test_exponent_numbers_in_yaml_are_floats_as_in_yaml_1_2(tmp_path):
     path.write_text("transforms:\n  - {type: Adam, lr: '3e-4'}\n")  # quoted: a string, refused
     with pytest.raises(Exception, match="got the string '3e-4'"):
         mo.Modular([torch.nn.Parameter(torch.zeros(2))], config=str(path))
+
+
+def test_help_shows_each_field_with_its_type_in_words_and_its_default():
+    import inspect
+
+    sig = inspect.signature(mo.ZClip)
+    assert str(sig.parameters["alpha"]) == "alpha: 'float >= 0, < 1' = 0.97"
+    assert str(sig.parameters["scope"]) == "scope: \"'global' | 'group' | 'tensor'\" = 'global'"
+    pos = inspect.signature(mo.ClipNorm).parameters["max_norm"]
+    assert pos.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and pos.default is inspect.Parameter.empty
+    assert "Annotated" not in str(inspect.signature(mo.Masked)) and "function" not in str(sig)

@@ -10,6 +10,7 @@ this step: nothing after it runs and the parameters do not move).
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Iterator, Mapping
@@ -173,6 +174,53 @@ def _takes_strings(annotation: Any) -> bool:
     return any_str(annotation)
 
 
+def _type_text(a: Any) -> str:
+    """A field type in words: `float > 0`, `'global' | 'group' | 'tensor'`, `float | None`."""
+    import typing
+
+    origin = typing.get_origin(a)
+    if a is type(None):
+        return "None"
+    if origin is typing.Literal:
+        return " | ".join(repr(x) for x in typing.get_args(a))
+    if origin is typing.Annotated:
+        base, *meta = typing.get_args(a)
+        return " ".join([_type_text(base), *_bounds_text(meta)])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_text(x) for x in typing.get_args(a))
+    if isinstance(a, type) and origin is None:
+        return a.__name__
+    if origin in (list, tuple, dict, set, frozenset):
+        args = ", ".join("..." if x is Ellipsis else _type_text(x) for x in typing.get_args(a))
+        return f"{origin.__name__}[{args}]"
+    return str(a).replace("typing.", "")
+
+
+def _bounds_text(meta: Any) -> list[str]:
+    """The numeric bounds among a field's metadata (`annotated_types.Gt` ...), as `> 0`, `<= 1`."""
+    out = []
+    for m in meta:
+        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            v = getattr(m, attr, None)
+            if v is not None and type(m).__name__.lower() in (attr, "interval", "fieldinfo"):
+                out.append(f"{op} {v:g}" if isinstance(v, float) else f"{op} {v}")
+    return [", ".join(out)] if out else []
+
+
+def readable_signature(cls: type) -> inspect.Signature:
+    """The class's call signature with its fields' types in words and their defaults: the positional
+    field first (it may be given without its name), the others by name."""
+    params = []
+    pos = cls._positional_field()
+    for name, f in sorted(cls.model_fields.items(), key=lambda kv: kv[0] != pos):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if name == pos else inspect.Parameter.KEYWORD_ONLY
+        text = " ".join([_type_text(f.annotation), *_bounds_text(f.metadata)])
+        default = inspect.Parameter.empty if f.is_required() else (
+            f.default if f.default_factory is None else f.default_factory())
+        params.append(inspect.Parameter(name, kind, default=default, annotation=text))
+    return inspect.Signature(params)
+
+
 def plain_input(value: Any) -> Any:
     """Config containers as plain data: OmegaConf's `DictConfig`/`ListConfig` (interpolations
     resolved) and other mappings become dicts and lists, recursively; anything else is returned as is.
@@ -274,6 +322,7 @@ class Transform(BaseModel):
         if not cls._abstract:
             _check_positional(cls)
             registry.register_transform(cls)
+            cls.__signature__ = readable_signature(cls)  # (what help() and IDEs show)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "omegaconf" in sys.modules:  # built by hydra.utils.instantiate: fields may be DictConfig/ListConfig
