@@ -138,8 +138,8 @@ class GroupGate:
                 if k in g and not _plain(v):
                     for key, t, keys in self.checks:
                         if k in keys:
-                            try:
-                                t.check_group_values({k: v})
+                            try:  # with the group's other values the transform reads: they are checked together
+                                t.check_group_values({kk: g[kk] for kk in keys if kk in g})
                             except (ValueError, TypeError) as e:
                                 raise ValueError(f"param group {i}, as read by {key}: {e} (set since the last step; "
                                                  "nothing was changed by this step)") from None
