@@ -35,9 +35,12 @@ The glue, all of it:
    `test_state_dict_repeated_groups`, because it meets a documented difference.
 6. torch's `test_step_is_noop_for_zero_grads` leaves out the inputs with a weight decay (they decay without
    gradients); Muon decays by default (`weight_decay=0.1`), so its inputs that give none are left out too.
-7. Importing torch's test utilities freezes `torch.backends` flags for the whole process
-   (`torch.backends.disable_global_flags()`); the import below unfreezes them again so that the rest
-   of the suite runs as without this file.
+7. Importing torch's test utilities changes the whole process: it freezes `torch.backends` flags
+   (`torch.backends.disable_global_flags()`), registers hypothesis profiles of its own over the
+   project's ("dev") and loads one (10 or 50 examples, a 200 ms deadline). The import below puts both
+   back as they were (the project's profiles, the profile conftest.py loaded), and with them torch's
+   random generator (the import and the collection of this module draw from it) and `TORCHINDUCTOR_CACHE_DIR` (the import sets it), so
+   that the rest of the suite runs as without this file.
 
 A deliberate difference is a strict xfail that must fail with the named exception and cites the line
 of docs/migration.md ("torch's optimizer test suite") that states it. Each input that meets a
@@ -50,8 +53,7 @@ version CI installs): the module skips on another version, whose database may di
 from __future__ import annotations
 
 import copy
-import functools
-import re
+import os
 import tempfile
 from pathlib import Path
 
@@ -63,7 +65,12 @@ if torch.__version__.split("+")[0] != "2.13.0":
                 f"{torch.__version__}, whose inputs and tolerances may differ", allow_module_level=True)
 pytest.importorskip("expecttest", reason="torch.testing._internal imports expecttest (the dev extra installs it)")
 
+import hypothesis  # noqa: E402
+
 _frozen = torch.backends.flags_frozen()
+_hypothesis_profile = getattr(hypothesis.settings, "_current_profile", None)  # (glue 7)
+_hypothesis_profiles = {n: hypothesis.settings.get_profile(n) for n in getattr(hypothesis.settings, "_profiles", {})}
+_rng, _inductor_dir = torch.random.get_rng_state(), os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 from torch.nn import Parameter  # noqa: E402
 from torch.optim.lr_scheduler import ReduceLROnPlateau  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
@@ -75,7 +82,13 @@ from torch.testing._internal.common_optimizers import (  # noqa: E402
 from torch.testing._internal.common_utils import TestCase  # noqa: E402
 
 if not _frozen:  # (glue 7)
-    setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True  # (the flag it reads)
+for _name, _settings in _hypothesis_profiles.items():  # (glue 7: torch re-registers "dev" and loads its own)
+    hypothesis.settings.register_profile(_name, _settings)
+if _hypothesis_profile is not None:
+    hypothesis.settings.load_profile(_hypothesis_profile)
+if _inductor_dir is None:
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 import modopt as mo  # noqa: E402
 
@@ -266,6 +279,14 @@ def no_names(sd):
 
 def named(params, is_named):
     return [(f"name{i}", p) for i, p in enumerate(params)] if is_named else params
+
+
+def test_the_import_left_the_process_as_it_was():
+    """Glue 7: the rest of the suite runs with the project's hypothesis profile and unfrozen backends flags."""
+    assert not torch.backends.flags_frozen()
+    loaded = hypothesis.settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    assert hypothesis.settings.default.max_examples == loaded.max_examples
+    assert hypothesis.settings.default.deadline == loaded.deadline
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -1119,3 +1140,6 @@ def test_cuda_only(test):
 
 def test_fused_large_tensor():
     pytest.skip("test_fused_large_tensor: torch's largeTensorTest needs 64 GB for a 2**32-element float16 tensor")
+
+
+torch.random.set_rng_state(_rng)  # (glue 7: the import, and this module's parameters, drew from torch's generator)
