@@ -397,6 +397,21 @@ def test_a_group_value_written_between_steps_is_refused_before_anything_changes(
     assert all(torch.equal(v, opt.state[p][k]) for k, v in before[1].items())
 
 
+def test_a_changed_group_value_is_checked_with_the_groups_other_values():
+    # a group's own momentum makes its nesterov=True right (the transform's momentum is 0): found by
+    # tests/test_torch_optim_suite.py (torch's param-group tests); the rule still holds for the group's values
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = mo.Modular([{"params": [p], "momentum": 0.9, "nesterov": True}], mo.SGD())
+    opt.step()
+    opt = mo.Modular([{"params": [p], "momentum": 0.0}], mo.SGD())
+    opt.param_groups[0]["nesterov"] = True
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="nesterov requires momentum > 0"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
 def test_an_unchanged_group_value_is_not_checked_again_and_a_good_tensor_lr_passes(monkeypatch):
     p = torch.nn.Parameter(torch.randn(3))
     opt = mo.Modular([p], mo.Adam(amsgrad=False))

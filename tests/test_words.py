@@ -178,6 +178,9 @@ def test_a_tensor_for_a_field_is_refused_with_where_it_belongs():
         mo.Adam(lr=torch.tensor(1e-3))
     with pytest.raises(TypeError, match="ClipNorm.max_norm: got a tensor"):
         mo.ClipNorm(torch.tensor(1.0))
+    for betas in [(0.9, torch.tensor(0.99)), (torch.tensor(0.9), 0.99)]:  # (they became floats silently)
+        with pytest.raises(TypeError, match=r"Adam.betas: got a tensor in betas.*give betas=\(0\.\d+, 0\.\d+\)"):
+            mo.Adam(betas=betas)
 
 
 @pytest.mark.parametrize("make", [lambda: mo.ClipNorm(True), lambda: mo.ZClip(warmup_steps=False),

@@ -57,6 +57,19 @@ def _plain(v: Any) -> bool:
     return type(v) in (float, int)
 
 
+def _in_group(t: Transform, group: dict[str, Any], keys: tuple[str, ...], changed: str) -> Transform:
+    """`t` with the group's other values for `keys` that are not tensors (no host read), so that a rule between keys is read
+    with this group's values (`nesterov` needs the group's `momentum`, not the transform's); `t` itself where
+    those values do not make a transform (the changed key's own check then says what is wrong)."""
+    context = {kk: group[kk] for kk in keys if kk != changed and kk in group and not isinstance(group[kk], torch.Tensor)}
+    if not context:
+        return t
+    try:
+        return t.model_copy(update=context)
+    except (ValueError, TypeError):
+        return t
+
+
 class GroupGate:
     """Which transform reads which group key, and the checks every door runs (see the module)."""
 
@@ -139,7 +152,7 @@ class GroupGate:
                     for key, t, keys in self.checks:
                         if k in keys:
                             try:
-                                t.check_group_values({k: v})
+                                _in_group(t, g, keys, k).check_group_values({k: v})
                             except (ValueError, TypeError) as e:
                                 raise ValueError(f"param group {i}, as read by {key}: {e} (set since the last step; "
                                                  "nothing was changed by this step)") from None

@@ -340,6 +340,13 @@ class Transform(BaseModel):
                 raise TypeError(f"{cls.__name__} got {name!r} both positionally and by name")
             kwargs[name] = args[0]
         for k, v in kwargs.items():
+            if k in type(self).model_fields and isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+                raise TypeError(  # (betas=(0.9, torch.tensor(0.99)) became a float silently)
+                    f"{type(self).__name__}.{k}: got a tensor in {k}; a transform's fields are plain numbers, saved in "
+                    f"its config (give {k}={type(v)(x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in v)!r})."
+                    f" A tensor hyperparameter belongs in the param group once the optimizer is built: "
+                    f"opt.param_groups[i][{k!r}] = ... (torch's kernels read it there)"
+                )
             if isinstance(v, torch.Tensor) and k in type(self).model_fields:
                 raise TypeError(
                     f"{type(self).__name__}.{k}: got a tensor; a transform's fields are plain numbers, saved in its "
