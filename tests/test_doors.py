@@ -129,7 +129,7 @@ def test_a_group_key_that_names_an_unread_field_is_refused_pointing_to_masked():
     with pytest.raises(ValueError, match=r"'max_norm' is a field of 0:ClipNorm, which does not read it per param "
                                          r"group.*mo\.Masked"):
         mo.Modular([{"params": model.parameters(), "max_norm": 2.0}], mo.ClipNorm(1.0), mo.Adam())
-    with pytest.raises(ValueError, match=r"no transform of this pipeline reads 'momentum' \(a group key of Muon and SGD\)"):
+    with pytest.raises(ValueError, match=r"no transform of this pipeline reads 'momentum' \(a group key of Muon, SGD and ScheduleFreeSGD\)"):
         mo.Modular([{"params": model.parameters(), "momentum": 0.9}], mo.Adam())
     with pytest.raises(ValueError, match="no transform of this pipeline reads 'weight_decay'"):
         mo.Modular([{"params": model.parameters(), "weight_decay": 0.1}], mo.ClipNorm(1.0), mo.LR(0.1))

@@ -70,6 +70,11 @@ def _in_group(t: Transform, group: dict[str, Any], keys: tuple[str, ...], change
         return t
 
 
+
+def _and(names: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
 class GroupGate:
     """Which transform reads which group key, and the checks every door runs (see the module)."""
 
@@ -113,7 +118,7 @@ class GroupGate:
             if k in self.optimizer_keys:
                 raise ValueError(
                     f"param group {index}: no transform of this pipeline reads {k!r} (a group key of "
-                    f"{' and '.join(self.optimizer_keys[k])}); its group keys are: "
+                    f"{_and(self.optimizer_keys[k])}); its group keys are: "
                     f"{', '.join(sorted(self.readers)) or 'none'}"
                 )
         for key, t, keys in self.checks:
