@@ -97,6 +97,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def rank_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s half of `batch(step)` (data parallel over WORLD ranks)."""
+    x, y = batch(step)
+    half = x.shape[0] // WORLD
+    return x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+
+
 def plain_store(opt) -> bool:
     """Every per-transform value (global/group statistics, counters, histories) is a plain tensor."""
     return all(type(v) is torch.Tensor for store in opt._store.values() for v in store.values()
@@ -120,10 +127,7 @@ def train(mode: str, rank: int, pipeline: list) -> tuple[list[torch.Tensor], boo
     opt = mo.Modular(param_groups(model), *pipeline)
     clipped = False
     for step in range(STEPS):
-        x, y = batch(step)
-        if mode != "single":
-            half = x.shape[0] // WORLD
-            x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        x, y = batch(step) if mode == "single" else rank_batch(step, rank)
         opt.zero_grad()
         (wrapped(x) - y).pow(2).mean().backward()
         opt.step()
@@ -185,9 +189,7 @@ def run_skipstep_loss(rank: int) -> dict:
     opt = mo.Modular(param_groups(model), *loss_pipeline())
     skipped = []
     for step in range(LOSS_STEPS):
-        x, y = batch(step)
-        half = x.shape[0] // WORLD
-        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        x, y = rank_batch(step, rank)
         opt.zero_grad()
         loss = (wrapped(x) - y).pow(2).mean()
         loss.backward()
@@ -222,9 +224,7 @@ def run_rewind(rank: int) -> dict:
     events = []
     for _ in range(REWIND_STEPS):
         step = guard.batches_seen
-        x, y = batch(step)
-        half = x.shape[0] // WORLD
-        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        x, y = rank_batch(step, rank)
         opt.zero_grad()
         loss = (wrapped(x) - y).pow(2).mean()
         loss.backward()
@@ -267,9 +267,7 @@ def run_skip(rank: int) -> dict:
     model, opt = _sharded(skip_pipeline())
     skipped = []
     for step in range(SKIP_STEPS):
-        x, y = batch(step)
-        half = x.shape[0] // WORLD
-        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        x, y = rank_batch(step, rank)
         opt.zero_grad()
         (model(x) - y).pow(2).mean().backward()
         if step == NAN_STEP and rank == 1:
@@ -302,9 +300,7 @@ def _sharded(pipeline):
 
 def _fsdp_steps(model, opt, rank: int, steps) -> None:
     for step in steps:
-        x, y = batch(step)
-        half = x.shape[0] // WORLD
-        x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+        x, y = rank_batch(step, rank)
         opt.zero_grad()
         (model(x) - y).pow(2).mean().backward()
         opt.step()
