@@ -621,3 +621,17 @@ def test_telemetry():
     assert stats["2:Clippy.scale"].tolist() == [1.0]  # ADOPT's first step does not move
     assert all(isinstance(v, torch.Tensor) for v in stats.values())
     assert_same(stats["skipped"], torch.tensor(False))
+
+
+@pytest.mark.parametrize("bad", ["1.0", torch.ones(2), torch.tensor(True)], ids=["str", "two-elements", "bool"])
+def test_skipstep_refuses_a_bad_loss_before_writing_its_norm_window(bad):
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = mo.Modular([p], mo.SkipStep(window=4), mo.SGD(lr=0.1))
+    for loss in (1.0, 1.1):
+        p.grad = torch.ones(3)
+        opt.step(loss=loss)
+    before = saved(opt, [p])
+    p.grad = torch.full((3,), 5.0)
+    with pytest.raises(TypeError, match="the loss must be a real number"):
+        opt.step(loss=bad)
+    assert_same(before, saved(opt, [p]))  # the norm window took nothing from the refused step

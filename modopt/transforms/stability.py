@@ -206,6 +206,8 @@ class SkipStep(Transform):
         """Test the loss and the norm against their windows; skip the step on a spike (on the device, or
         None when the host decides), else the updates unchanged."""
         dev = updates[0].device
+        if self.watch != "norm" and ctx.loss is not None:  # (refused before any window is written)
+            check_loss(ctx.loss, "SkipStep (the closure's return value)")
         go = proceed_flag(ctx)  # before this step's own decision: a non-finite step records nothing
         spike = torch.zeros((), dtype=torch.bool, device=dev)
         if self.watch != "loss":
@@ -215,7 +217,6 @@ class SkipStep(Transform):
             st.record("norm_spike", hit)
             spike = spike | hit
         if self.watch != "norm" and ctx.loss is not None:
-            check_loss(ctx.loss, "SkipStep (the closure's return value)")
             loss = torch.as_tensor(ctx.loss).detach().reshape(()).to(device=dev, dtype=torch.float32)
             loss = distributed.world_mean(loss)  # (each data-parallel rank's loss is its own: decide on their mean)
             hit = self._test(st, "loss", loss, go)
