@@ -158,3 +158,14 @@ def test_an_unknown_metric_runs_nothing(tmp_path, capsys):
     assert main(["sweep", str(cfg), "--grid", f"{MAX_NORM}=1", "--metric", "final_los", "--out", str(out)]) == 1
     assert "--metric final_los: not a metric; one of final_loss" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_grid_point_names_stay_plain_names_whatever_the_values():
+    from modopt.cli.experiment import NAME_MAX, check_name
+    from modopt.cli.sweep import _point_name
+
+    for label in ("max_norm=0.5", "path=/data/x,lr=0.1", "a\\\\b=1", "k=" + "9" * 300):
+        name = _point_name("exp", label)
+        assert check_name(name, "the name") == name and len(name) <= NAME_MAX
+    assert _point_name("exp", "max_norm=0.5") == "exp[max_norm=0.5]"
+    assert _point_name("e" * NAME_MAX, "lr=0.1") != _point_name("e" * NAME_MAX, "lr=0.2")

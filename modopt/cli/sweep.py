@@ -33,7 +33,7 @@ from .compare import (
     METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
     run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
 )
-from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
+from .experiment import INT64_MAX, NAME_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
 from .run import METRIC_FIELDS, check_experiment, check_kind, load_run_config, read_jsonl
 from .stats import LEVEL, METHOD
 
@@ -136,6 +136,17 @@ def _dirname(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
+def _point_name(name: str, label: str) -> str:
+    """A grid point's experiment name, `name[label]`, kept a plain name (`check_name`): a value with
+    a path separator is spelt with `_`, and a label too long for the name becomes its digest."""
+    import hashlib
+
+    tag = _dirname(label)
+    if len(name) + len(tag) + 2 > NAME_MAX:
+        tag = hashlib.sha1(label.encode()).hexdigest()[:12]
+    return f"{name[:NAME_MAX - len(tag) - 2]}[{tag}]"
+
+
 def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], trust_imports: bool) -> list[dict[str, Any]]:
     """Every grid point as `{label, values, raw, exp}`, each validated as `modopt validate` does; runs nothing."""
     base = exp.to_dict()
@@ -153,7 +164,7 @@ def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], tr
             set_path(data, path, value)
         label = ",".join(f"{short[p]}={raw}" for (p, _, _), (_, raw) in zip(grid, combo))
         where = "--grid " + " ".join(f"{p}={raw}" for (p, _, _), (_, raw) in zip(grid, combo))
-        data["name"] = f"{exp.name}[{label}]"
+        data["name"] = _point_name(exp.name, label)
         one = experiment_from_data(data, where, trust_imports)
         try:
             check_experiment(one, trust_imports)
