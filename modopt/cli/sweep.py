@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -158,6 +159,9 @@ def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], tr
             experiment_from_data(data, f"--grid {path}={raw}", trust_imports)
     short = _short_names([p for p, _, _ in grid])
     points = []
+    total = math.prod(len(v) for _, v, _ in grid)
+    if total > 200:  # (each point is built and validated: a large grid takes a while before the first run)
+        _err(f"modopt sweep: checking {total} grid points before running any")
     for combo in itertools.product(*(list(zip(v, r)) for _, v, r in grid)):
         data = json.loads(json.dumps(base))
         for (path, _, _), (value, _) in zip(grid, combo):
