@@ -47,6 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .core import distributed
+from .core.checkpoint import TORCH_SQUARES
 from .core.modular import Modular
 
 __all__ = ["Rewind", "RewindConfig", "RewindError", "RewindEvent"]
@@ -724,7 +725,7 @@ class Rewind:
                                          f"{getattr(v, 'shape', type(v).__name__)} {getattr(v, 'dtype', '')}, the "
                                          f"optimizer's is {tuple(old.shape)} {old.dtype}")
                     if isinstance(v, torch.Tensor) and v.is_floating_point():
-                        ok = torch.isfinite(v).all()
+                        ok = (~torch.isnan(v) if k in TORCH_SQUARES else torch.isfinite(v)).all()
                         if k in _NONNEGATIVE_TORCH_STATE:
                             ok = ok & (v >= 0).all()
                         flags.append((f"snapshot state {k!r} of parameter {i}", ok))

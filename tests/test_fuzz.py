@@ -87,7 +87,8 @@ def pipelines(draw):
         mods.append(draw(perturbed(draw(st.sampled_from(OPTIMIZERS)))))
         if AFTER_OPTIMIZER and not mods[-1].must_be_last and draw(st.booleans()):
             mods.append(draw(perturbed(draw(st.sampled_from(AFTER_OPTIMIZER)))))
-    if draw(st.booleans()):  # the weight stage, after the write
+    # the weight stage, after the write (not after Schedule-Free: its y/z relation refuses one)
+    if draw(st.booleans()) and not any(t.swaps_weights for t in mods):
         mods.append(draw(perturbed(draw(st.sampled_from(WEIGHTS)))))
     skips = [t for t in mods if isinstance(t, mo.SkipStep)]
     if skips:  # SkipStep goes first, before every transform that keeps state (Modular refuses it elsewhere)

@@ -201,7 +201,7 @@ def _torch_adam_checkpoint(model) -> dict:
 
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "after_steps"])
 @pytest.mark.parametrize("tamper,match", [
-    (lambda s: s["exp_avg_sq"].fill_(float("nan")), "not finite"),
+    (lambda s: s["exp_avg_sq"].fill_(float("nan")), "not free of NaN"),
     (lambda s: s["exp_avg_sq"].fill_(-1.0), ">= 0"),
     (lambda s: s["exp_avg"].fill_(float("inf")), "not finite"),
     (lambda s: s.__setitem__("step", torch.tensor(float("nan"))), "not finite"),
@@ -248,3 +248,21 @@ def test_torch_optimizer_loads_an_untouched_torch_checkpoint_and_continues_as_to
         o.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("pipeline", [
+    lambda: [mo.ClipNormByEMA(), mo.Adam()], lambda: [mo.ClipNorm(0.1), mo.Adam()],
+    lambda: [mo.Normalize(), mo.SGD(lr=0.1, momentum=0.9)], lambda: [mo.ZeroNonFinite(), mo.AdamW()],
+], ids=["ClipNormByEMA", "ClipNorm", "Normalize", "ZeroNonFinite"])
+def test_an_expanded_gradient_steps_as_its_contiguous_copy(pipeline):
+    # a stride-0 gradient (`t.expand(...)`) cannot be written in place; the step equals the one on an
+    # ordinary gradient of the same values (it raised "more than one element ... refers to a single memory location")
+    p, q = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(4, 3))
+    o1, o2 = mo.Modular([p], *pipeline()), mo.Modular([q], *pipeline())
+    for step in range(3):
+        row = torch.arange(3.0) + step
+        p.grad = row.expand(4, 3)
+        q.grad = row.expand(4, 3).clone()
+        o1.step()
+        o2.step()
+    assert torch.equal(p, q) and not torch.equal(p, torch.zeros(4, 3))

@@ -253,6 +253,9 @@ def _check_nested(v: Any, where: str) -> None:
 _TORCH_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
                                  "acc_delta", "sum", "exp_inf", "grad_avg", "ax", "prev", "step_size"})
 _TORCH_NONNEGATIVE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
+#: sums and means of squares (and Adamax's max): +inf after gradients of 1e20 in a healthy float32 run, so
+#: only NaN is refused there, as for modopt's own `Buffer(finite=False)`
+TORCH_SQUARES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
 _TORCH_REQUIRED = {
     "Adam": {"step", "exp_avg", "exp_avg_sq"}, "AdamW": {"step", "exp_avg", "exp_avg_sq"},
     "RAdam": {"step", "exp_avg", "exp_avg_sq"}, "NAdam": {"step", "exp_avg", "exp_avg_sq", "mu_product"},
@@ -287,9 +290,9 @@ def check_torch_state(entry: Any, p: torch.Tensor, live: Any, cls_name: str, whe
             if k == "step" and v.dim() != 0:
                 raise ValueError(f"{at} has shape {tuple(v.shape)}; a step count is a 0-d tensor or a number")
             if v.is_floating_point() and not v.is_meta:
-                queue.append((at, v.detach(), low, True))
+                queue.append((at, v.detach(), low, k not in TORCH_SQUARES))
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            if not math.isfinite(v) or (low is not None and v < low):
+            if math.isnan(v) or (math.isinf(v) and k not in TORCH_SQUARES) or (low is not None and v < low):
                 raise ValueError(f"{at} is {v!r}: it must be a finite number" + (" >= 0" if low is not None else ""))
         elif k in _TORCH_PARAM_SHAPED and v is not None:
             raise ValueError(f"{at} is a {type(v).__name__}; torch's step reads a tensor")

@@ -655,8 +655,13 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
             layouts.clear()
         layout = layouts[key] = Layout(key, params, groups, group_ids, ranges, names)
     for p in params:
-        if p.grad.is_sparse:
+        g = p.grad
+        if g.is_sparse:
             raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
+        if 0 in g.stride() and torch._debug_has_internal_overlap(g) == 1:
+            # an expanded gradient (`t.expand(...)`): elements share memory, so no transform could write it
+            # in place; the step works on a copy of its own, as torch's kernels read such a gradient whole
+            p.grad = g.contiguous()
     return Step(layout, host, stats)  # a new, open memo: the non-finite check and the transforms share norms
 
 
