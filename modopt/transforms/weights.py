@@ -168,7 +168,8 @@ class QKClip(Transform):
         if not targets:
             return
         maxima = [layer.max_logits for layer, _, _ in targets]
-        s = torch.cat(maxima)  # (a copy: telemetry before the reset)
+        acc = common_acc_dtype([ctx.params[i] for _, q, k in targets for i, _, _ in q + k])
+        s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
         eta = (self.tau / s.clamp_min(self.eps)).clamp_max(1.0)
         eta = torch.where(torch.isnan(s), 1.0, eta)
         if ctx.skip is not None:  # x * 1 is x, every bit
