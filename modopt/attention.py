@@ -7,26 +7,23 @@ which parameters are each head's query and key rows. `AttentionLogits.attach(mod
 
 Why a provider outside the transform: a `Transform` is a frozen pydantic model that serialises to a config,
 so it cannot hold a model, hooks or tensors. The provider registers each watched layer under its query and
-key parameters (a weak map from parameter to layer, in this module); `QKClip` finds the layers through the
-parameters its optimizer steps, when the step's layout is first seen. The config stays `QKClip(tau=...)`,
+key parameters (an attribute of each parameter); `QKClip` finds the layers through the parameters its
+optimizer steps, when the step's layout is first seen. The config stays `QKClip(tau=...)`,
 and the same config works for any model whose attention is watched.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["AttentionLogits"]
 
-#: parameter -> the watched layers whose query or key rows it holds (weak: a freed model frees its entries)
-_WATCHED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (by identity: tensors compare elementwise)
-
+#: the attribute of a parameter listing the watched layers whose query or key rows it holds (an attribute,
+#: not a weak map: a compiled step reads it, and dynamo cannot trace a weak map's lookup)
 _ATTR = "_modopt_attention_layers"
 
 Rows = tuple[torch.Tensor, int, int]
@@ -85,10 +82,9 @@ class AttentionLogits:
         layer = _Layer(name, heads, q, k, q[0][0].device)
         self.layers[name] = layer
         for t, _, _ in q + k:
-            entries = _WATCHED.setdefault(t, [])
+            entries = t.__dict__.setdefault(_ATTR, [])
             if all(e is not layer for e in entries):
                 entries.append(layer)
-            t.__dict__[_ATTR] = entries  # (what QKClip reads: a compiled step cannot look up a weak map)
 
     def record(self, name: str, max_logits: torch.Tensor) -> None:
         """Fold a forward's `[heads]` max logits into layer `name`'s running maximum (on the device)."""
@@ -112,7 +108,7 @@ class AttentionLogits:
         self._handles.clear()
         for layer in self.layers.values():
             for t, _, _ in layer.query + layer.key:
-                entries = _WATCHED.get(t, [])
+                entries = getattr(t, _ATTR, [])
                 entries[:] = [e for e in entries if e is not layer]
         self.layers.clear()
 

@@ -53,7 +53,8 @@ def test_mha_max_logits_are_the_logits_torch_softmaxes(batch_first, bias):
     want = attention_max_logits(x, x, wq, bq, wk, bk, 2, allowed=~causal)
     stats = mo.AttentionLogits.attach(m)
     with torch.enable_grad():
-        m(xin, xin, xin, attn_mask=torch.zeros(5, 5, dtype=torch.float64).masked_fill(causal, -math.inf))  # a float mask: -inf is masked
+        float_mask = torch.zeros(5, 5, dtype=torch.float64).masked_fill(causal, -math.inf)  # -inf: masked
+        m(xin, xin, xin, attn_mask=float_mask)
     torch.testing.assert_close(stats.max_logits()["attention"], torch.tensor(want, dtype=torch.float32))
 
 
@@ -259,6 +260,20 @@ def test_without_a_watched_attention_it_warns_and_changes_nothing():
     assert torch.equal(p.detach(), torch.full((2, 2), 0.5))
 
 
+def test_a_detached_provider_stops_recording_and_the_clip_stops():
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m)
+    stats.detach()
+    x = _x(2, 4, 8)
+    m(x, x, x)[0].sum().backward()
+    assert stats.layers == {} and not m._forward_hooks
+    w = m.in_proj_weight.detach().clone()
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.0), mo.QKClip(1e-3))
+    with pytest.warns(UserWarning, match="does nothing"):
+        opt.step()
+    assert torch.equal(m.in_proj_weight, w)
+
+
 def test_the_provider_refuses_rows_that_do_not_split_into_heads():
     w = torch.zeros(6, 4)
     with pytest.raises(ValueError, match="split into 4 heads"):
@@ -283,3 +298,16 @@ def test_qk_clip_config_round_trip_and_position():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert [k for k, _ in mo.Modular([p], mo.SGD(lr=0.1), mo.QKClip()).plan.weights] == ["1:QKClip"]
+
+
+def test_the_hook_records_the_same_maxima_inside_a_compiled_model():
+    """`torch.compile(model, fullgraph=True)` traces the forward hook: the maxima are the eager ones."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    stats = mo.AttentionLogits.attach(layer)
+    x = _x(2, 6, 16)
+    torch.compile(layer, fullgraph=True)(x).sum().backward()
+    want = mha_max_logits(layer.self_attn, x, x).detach()
+    torch.testing.assert_close(stats.max_logits()["self_attn"], want)
+    assert torch.isfinite(want).all()
