@@ -311,3 +311,21 @@ def test_the_hook_records_the_same_maxima_inside_a_compiled_model():
     want = mha_max_logits(layer.self_attn, x, x).detach()
     torch.testing.assert_close(stats.max_logits()["self_attn"], want)
     assert torch.isfinite(want).all()
+
+
+def test_modopt_run_hooks_the_task_attention_for_the_example_config():
+    """examples/configs/muon_qkclip.yaml as `modopt run` builds it: its pipeline holds QKClip, so the
+    transformer task's nn.MultiheadAttention layers are watched (2 layers x 2 heads recorded)."""
+    from pathlib import Path
+
+    from modopt.cli.experiment import load_experiment
+    from modopt.cli.run import start_run
+
+    exp = load_experiment(Path(__file__).resolve().parents[1] / "examples" / "configs" / "muon_qkclip.yaml")
+    torch.manual_seed(0)
+    task, opt = start_run(exp)
+    loss = task.loss_fn(task.model, task.get_batch(0, 8))
+    loss.backward()
+    opt.step()
+    s = opt.stats["3:QKClip.max_logit"]
+    assert s.shape == (4,) and torch.isfinite(s).all() and [k for k, _ in opt.plan.weights] == ["3:QKClip"]
