@@ -129,7 +129,7 @@ class QKClip(Transform):
     >>> attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
     >>> stats = mo.AttentionLogits.attach(attn)
     >>> opt = mo.Modular(attn.parameters(), mo.SGD(lr=0.0), mo.QKClip(tau=1.0))
-    >>> with torch.no_grad(): attn.in_proj_weight.mul_(10.0)
+    >>> with torch.no_grad(): _ = attn.in_proj_weight.mul_(10.0)
     >>> x = torch.randn(3, 5, 4); attn(x, x, x)[0].sum().backward(); opt.step()
     >>> bool(mo.attention.mha_max_logits(attn, x, x).max() <= 1.0 + 1e-5)
     True
