@@ -4,6 +4,8 @@
     opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Normalize(), mo.Adam(lr=1e-3))
 """
 
+from . import attention
+from .attention import AttentionLogits
 from .config import ConfigError, PipelineConfig, config_schema, load_config
 from .core.attach import attach
 from .core.modular import Modular
@@ -26,6 +28,6 @@ __all__ = [
     "available", "register_optimizer", "trust_imports", "attach",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",
     *_transforms_all,
-    "Buffer", "History", "LintWarning",
+    "Buffer", "History", "LintWarning", "AttentionLogits",
     "Rewind", "RewindConfig", "RewindError", "RewindEvent",
 ]

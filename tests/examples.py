@@ -84,6 +84,9 @@ NON_DEFAULT = {
     "Accumulate": mo.Accumulate(2),
     "Lookahead": mo.Lookahead(mo.SGD(lr=0.05, momentum=0.9), k=2, alpha=0.3),
     "ProjectNorm": [mo.ProjectNorm(), mo.ProjectNorm(2.0, min_ndim=1, eps=1e-8)],
+    # the example models hold no attention: QKClip warns and changes nothing there (it takes part for its config,
+    # state, skip and compile plumbing); tests/test_qkclip.py clips real heads (nn.MultiheadAttention, TinyTransformer)
+    "QKClip": mo.QKClip(50.0, alpha=0.3, eps=1e-3),
     # warm-up 2, so the 5-step checks cross its end; eps representable in fp16
     "ScheduleFreeSGD": mo.ScheduleFreeSGD(lr=0.05, momentum=0.8, weight_decay=1e-3, warmup_steps=2, r=0.5,
                                           weight_lr_power=1.0),
@@ -192,6 +195,7 @@ SPECS = {
     "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
     "Lookahead": "tests/test_wrappers.py::test_lookahead_matches_spec",  # and pytorch_optimizer.Lookahead, bit for bit
     "ProjectNorm": "tests/test_weights.py::test_project_norm_matches_spec",  # a weight-stage transform
+    "QKClip": "tests/test_qkclip.py::test_qk_clip_matches_spec",  # a weight-stage transform reading attention logits
     # and schedulefree's SGDScheduleFree / AdamWScheduleFree, bit for bit
     "ScheduleFreeSGD": "tests/test_schedulefree.py::test_schedule_free_sgd_matches_spec",
     "ScheduleFreeAdamW": "tests/test_schedulefree.py::test_schedule_free_adamw_matches_spec",
@@ -238,7 +242,7 @@ NO_SPEC = {
 MASK = mo.Select(exclude=["0.*"])
 MASK_REST = mo.Select(names=["0.*"])
 #: transforms that cannot run inside Masked (they step every parameter of the optimizer themselves)
-UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm", "ScheduleFreeSGD", "ScheduleFreeAdamW"}
+UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm", "QKClip", "ScheduleFreeSGD", "ScheduleFreeAdamW"}
 # (SkipStep skips the whole step: it sits at the top level; Lookahead pulls every parameter of the optimizer; a
 # weight-stage transform sits at the top level; Schedule-Free's eval form swaps every parameter)
 

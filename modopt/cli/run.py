@@ -503,6 +503,7 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
         raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
+    _watch_attention(pipe, task.model)
     named = list(task.model.named_parameters())
     try:
         opt = pipe.build(named)
@@ -510,6 +511,20 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
         raise ConfigError(f"optimizer: {e}") from None
     dry_step(pipe, named, exp.train)
     return task, opt
+
+
+def _watch_attention(pipe: Any, model: torch.nn.Module) -> None:
+    """A pipeline with `QKClip` reads the per-head max logits: hook the model's `nn.MultiheadAttention`s
+    (`mo.AttentionLogits.attach`), unless the task watched its attention itself."""
+    from ..attention import AttentionLogits, layers_of
+    from ..transforms.weights import QKClip
+
+    if not any(isinstance(t, QKClip) for t in pipe.transforms) or layers_of(model.parameters()):
+        return
+    try:
+        AttentionLogits.attach(model)
+    except ValueError as e:
+        raise ConfigError(f"QKClip: {e}; a task with its own attention watches it in its make_task") from None
 
 
 def dry_step(pipe: Any, named_params: list[tuple[str, torch.Tensor]], train: Any = None) -> None:

@@ -27,3 +27,46 @@ def project_norm(params: Sequence[torch.Tensor], radii: Sequence[float | None], 
 def frobenius(p: torch.Tensor) -> float:
     """`||p||_F` in float64."""
     return math.sqrt(sum(v * v for v in p.detach().to(torch.float64).reshape(-1).tolist()))
+
+
+def qk_clip_factor(s: float, tau: float, eps: float) -> float:
+    """QK-Clip's `eta = min(1, tau / max(S, eps))`; 1 for a NaN `S` (nothing known: leave the head)."""
+    if math.isnan(s):
+        return 1.0
+    return min(1.0, tau / max(s, eps))
+
+
+def qk_clip(query: Sequence[torch.Tensor], key: Sequence[torch.Tensor], max_logits: Sequence[float], tau: float,
+            alpha: float, eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`QKClip` on one layer: each tensor of `query` / `key` holds the layer's query / key rows, split in
+    `len(max_logits)` equal blocks of rows (head h: block h); head h's query rows times `eta_h ** alpha`,
+    key rows times `eta_h ** (1 - alpha)` (float64, one element at a time)."""
+    heads = len(max_logits)
+    etas = [qk_clip_factor(s, tau, eps) for s in max_logits]
+
+    def scaled(t: torch.Tensor, power: float) -> torch.Tensor:
+        rows = t.shape[0] // heads
+        flat = t.detach().to(torch.float64).reshape(t.shape[0], -1).tolist()
+        out = [[v * etas[r // rows] ** power for v in row] for r, row in enumerate(flat)]
+        return torch.tensor(out, dtype=torch.float64).reshape(t.shape)
+
+    return [scaled(t, alpha) for t in query], [scaled(t, 1.0 - alpha) for t in key]
+
+
+def attention_max_logits(xq: torch.Tensor, xk: torch.Tensor, wq: torch.Tensor, bq: torch.Tensor | None,
+                         wk: torch.Tensor, bk: torch.Tensor | None, heads: int,
+                         allowed: torch.Tensor | None = None) -> list[float]:
+    """Each head's max of `q_i · k_j / sqrt(d)` over batch `b` and the positions `allowed[b, i, j]` (or all),
+    for inputs `xq` (B, Lq, E), `xk` (B, Lk, E) and projections `q = xq wq^T + bq` (float64, by head)."""
+    xq, xk, wq, wk = (t.detach().to(torch.float64) for t in (xq, xk, wq, wk))
+    d = wq.shape[0] // heads
+    out = []
+    for h in range(heads):
+        rows = slice(h * d, (h + 1) * d)
+        q = xq @ wq[rows].T + (0.0 if bq is None else bq.detach().to(torch.float64)[rows])
+        k = xk @ wk[rows].T + (0.0 if bk is None else bk.detach().to(torch.float64)[rows])
+        s = torch.einsum("bid,bjd->bij", q, k) / math.sqrt(d)
+        if allowed is not None:
+            s = s[allowed.expand_as(s)]
+        out.append(float(s.max()))
+    return out

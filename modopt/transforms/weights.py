@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
+
+import math
+import warnings
 
 import torch
 from pydantic import Field, NonNegativeInt
@@ -12,7 +15,9 @@ from ..core.runner import Step, TransformState, any_pnorms
 from ..core.state import Buffer
 from ..core.transform import Transform
 
-__all__ = ["ProjectNorm"]
+_Targets = list[tuple[Any, list[tuple[int, int, int]], list[tuple[int, int, int]]]]
+
+__all__ = ["ProjectNorm", "QKClip"]
 
 
 def _norm_now(i: int, p: torch.Tensor) -> torch.Tensor:
@@ -94,3 +99,110 @@ class ProjectNorm(Transform):
             factors = torch.where(ctx.skip, 1.0, factors)
         for p, f in zip(params, factors.unbind(0)):
             p.mul_(f.to(p.dtype))
+
+
+class QKClip(Transform):
+    r"""QK-Clip (Kimi K2's MuonClip, arXiv 2507.20534): after the optimizer's write, shrink the query and
+    key rows of each attention head whose largest pre-softmax logit over the step exceeded $\tau$.
+
+    $$
+    \eta_h = \min\Big(1, \frac{\tau}{\max(S_h, \epsilon)}\Big), \qquad
+    W_q^{(h)} \leftarrow \eta_h^{\alpha}\, W_q^{(h)}, \qquad W_k^{(h)} \leftarrow \eta_h^{1-\alpha}\, W_k^{(h)}
+    $$
+
+    $S_h$ is head h's maximum of $q \cdot k / \sqrt{d}$ over the forwards since the last step, recorded by an
+    `mo.AttentionLogits` provider (`mo.AttentionLogits.attach(model)` hooks `nn.MultiheadAttention`; a
+    user's attention records its own). The floor $\epsilon$ keeps $S_h \le 0$ from making a NaN or a
+    negative factor; a NaN $S_h$ leaves the head alone. So the next forward's logit $\eta_h S_h \le \tau$
+    for the same inputs. Defaults: `tau=100`, `alpha=0.5` (Megatron's `qk_clip_threshold`,
+    `qk_clip_alpha`), `eps=1e-6`.
+
+    The transform holds no model: it finds the watched layers through the parameters its optimizer steps
+    (the provider registers them; see `modopt.attention`), so its config is just its numbers. Only the
+    rows of parameters stepped this step are scaled; the recorded maxima are reset after the clip. A step
+    the non-finite policy skips, or `Accumulate` stops, changes nothing (the maxima keep running). No
+    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip) and `clipped` (how
+    many heads were scaled).
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    >>> stats = mo.AttentionLogits.attach(attn)
+    >>> opt = mo.Modular(attn.parameters(), mo.SGD(lr=0.0), mo.QKClip(tau=1.0))
+    >>> with torch.no_grad(): _ = attn.in_proj_weight.mul_(10.0)
+    >>> x = torch.randn(3, 5, 4); attn(x, x, x)[0].sum().backward(); opt.step()
+    >>> bool(mo.attention.mha_max_logits(attn, x, x).max() <= 1.0 + 1e-5)
+    True
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = "tau"
+    tau: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 100.0
+    alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.5
+    eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-6
+
+    stage: ClassVar[str] = "weights"
+    attachable: ClassVar[bool] = False
+    device_skip: ClassVar[bool] = True  # on a skipped step every factor is exactly 1
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Always raises: a weight-stage transform acts on the parameters, after the optimizer's write."""
+        raise RuntimeError("QKClip acts on the weights: it comes after the optimizer transform, at the end")
+
+    def _targets(self, ctx: Step) -> _Targets:
+        """Per watched layer among the step's parameters: `(layer, query rows, key rows)`, each rows entry
+        `(param index, start, stop)` (worked out once per layout)."""
+        key = "QKClip.targets"
+        found = ctx.layout.cache.get(key)
+        if found is None:
+            found = ctx.layout.cache[key] = _resolve(ctx.params)
+        return found
+
+    def prepare_weights(self, ctx: Step, st: TransformState) -> None:
+        """Nothing before the write: the maxima were recorded by the forwards."""
+
+    def apply_weights(self, ctx: Step, st: TransformState) -> None:
+        """Scale each watched head's query rows by `eta ** alpha` and key rows by `eta ** (1 - alpha)`."""
+        targets = self._targets(ctx)
+        if not targets:
+            return
+        maxima = [layer.max_logits for layer, _, _ in targets]
+        acc = common_acc_dtype([ctx.params[i] for _, q, k in targets for i, _, _ in q + k])
+        s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
+        eta = (self.tau / s.clamp_min(self.eps)).clamp_max(1.0)
+        eta = torch.where(torch.isnan(s), 1.0, eta)
+        if ctx.skip is not None:  # x * 1 is x, every bit
+            eta = torch.where(ctx.skip, 1.0, eta)
+        st.record("max_logit", s)
+        st.record("clipped", (eta < 1.0).sum())
+        fq, fk = eta.pow(self.alpha), eta.pow(1.0 - self.alpha)
+        at = 0
+        for (layer, query, keys), m in zip(targets, maxima):
+            h = layer.heads
+            for rows, f in ((query, fq[at:at + h]), (keys, fk[at:at + h])):
+                for i, start, stop in rows:
+                    p = ctx.params[i]
+                    p[start:stop].view(h, -1).mul_(f.to(p.dtype).unsqueeze(1))
+            at += h
+            if ctx.skip is None:
+                m.fill_(-math.inf)
+            else:  # a skipped step keeps them running
+                m.copy_(torch.where(ctx.skip, m, -math.inf))
+
+
+def _resolve(params: list[torch.Tensor]) -> _Targets:
+    from ..attention import layers_of
+
+    index = {id(p): i for i, p in enumerate(params)}
+    out: _Targets = []
+    for layer in layers_of(params):
+        query = [(index[id(t)], a, b) for t, a, b in layer.query if id(t) in index]
+        keys = [(index[id(t)], a, b) for t, a, b in layer.key if id(t) in index]
+        if query or keys:
+            out.append((layer, query, keys))
+    if not out and params:
+        warnings.warn("QKClip: no parameter of this optimizer holds the query or key rows of a watched attention "
+                      "layer, so it does nothing; call mo.AttentionLogits.attach(model) (or stats.watch(...) for "
+                      "your own attention) before the first step", UserWarning, stacklevel=4)
+    return out

@@ -1,0 +1,217 @@
+"""Forward statistics of attention layers for `QKClip`: each head's maximum pre-softmax logit.
+
+`AttentionLogits` records, on the device and with no host sync, the running maximum of each head's logit
+`q·k / sqrt(d)` over the forwards since the last optimizer step that consumed it, and says which rows of
+which parameters are each head's query and key rows. `AttentionLogits.attach(model)` hooks every
+`torch.nn.MultiheadAttention` of a model; a user's own attention calls `record(name, max_logits)` itself.
+
+Why a provider outside the transform: a `Transform` is a frozen pydantic model that serialises to a config,
+so it cannot hold a model, hooks or tensors. The provider registers each watched layer under its query and
+key parameters (an attribute of each parameter); `QKClip` finds the layers through the parameters its
+optimizer steps, when the step's layout is first seen. The config stays `QKClip(tau=...)`,
+and the same config works for any model whose attention is watched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["AttentionLogits"]
+
+#: the attribute of a parameter listing the watched layers whose query or key rows it holds (an attribute,
+#: not a weak map: a compiled step reads it, and dynamo cannot trace a weak map's lookup)
+_ATTR = "_modopt_attention_layers"
+
+Rows = tuple[torch.Tensor, int, int]
+
+
+class _Layer:
+    """One watched attention layer: its heads, its query and key rows, and the running max per head."""
+
+    __slots__ = ("name", "heads", "query", "key", "max_logits", "__weakref__")
+
+    def __init__(self, name: str, heads: int, query: list[Rows], key: list[Rows], device: torch.device) -> None:
+        self.name, self.heads, self.query, self.key = name, heads, query, key
+        #: `[heads]` float32: the max logit of each head over the forwards since the last clip; -inf: none seen
+        self.max_logits = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
+
+
+def _rows(spec: Any, heads: int, what: str) -> Rows:
+    """`param` (every row) or `(param, start, stop)`: rows start..stop, split evenly into the heads."""
+    if isinstance(spec, torch.Tensor):
+        t, start, stop = spec, 0, (spec.shape[0] if spec.dim() else 0)
+    else:
+        t, start, stop = spec
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        raise TypeError(f"AttentionLogits: {what} must be a tensor with rows (or (tensor, start, stop))")
+    if not 0 <= start < stop <= t.shape[0] or (stop - start) % heads:
+        raise ValueError(f"AttentionLogits: {what} rows {start}:{stop} of a tensor with {t.shape[0]} rows do not "
+                         f"split into {heads} heads")
+    return t, int(start), int(stop)
+
+
+class AttentionLogits:
+    """The per-head maximum pre-softmax logit of watched attention layers, for `QKClip`.
+
+    `AttentionLogits.attach(model)`: watch (hook) every `torch.nn.MultiheadAttention` of `model`.
+    For a user's attention: `stats.watch(name, heads, query=..., key=...)` once, then
+    `stats.record(name, max_logits)` in each forward with a `[heads]` tensor. Only forwards under
+    grad mode (training forwards) are recorded by the hooks; the maximum runs over every recorded forward
+    (the micro-batches of a step) until `QKClip` reads it after the optimizer's write and resets it.
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[str, _Layer] = {}
+        self._handles: list[Any] = []
+
+    # --- a user's own attention ---------------------------------------------------------------------
+    def watch(self, name: str, heads: int, query: Sequence[Any] | Any, key: Sequence[Any] | Any) -> None:
+        """Watch the layer `name` with `heads` heads. `query` and `key`: the parameters (or
+        `(param, start, stop)` row ranges, a list of several: a weight and its bias) holding the query
+        and key rows; each range splits into `heads` equal blocks, head h the h-th (as `view(heads, d, ...)`)."""
+        if name in self.layers:
+            raise ValueError(f"AttentionLogits: {name!r} is watched already")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"AttentionLogits: heads must be a positive int (got {heads!r})")
+        q = [_rows(s, heads, "query") for s in (query if _is_list(query) else [query])]
+        k = [_rows(s, heads, "key") for s in (key if _is_list(key) else [key])]
+        layer = _Layer(name, heads, q, k, q[0][0].device)
+        self.layers[name] = layer
+        for t, _, _ in q + k:
+            entries = t.__dict__.setdefault(_ATTR, [])
+            if all(e is not layer for e in entries):
+                entries.append(layer)
+
+    def record(self, name: str, max_logits: torch.Tensor) -> None:
+        """Fold a forward's `[heads]` max logits into layer `name`'s running maximum (on the device)."""
+        layer = self.layers[name]
+        m = max_logits.detach().to(device=layer.max_logits.device, dtype=torch.float32).reshape(layer.heads)
+        torch.maximum(layer.max_logits, m, out=layer.max_logits)
+
+    def max_logits(self) -> dict[str, torch.Tensor]:
+        """Each layer's running max logit per head (a copy), by name."""
+        return {n: layer.max_logits.clone() for n, layer in self.layers.items()}
+
+    def reset(self) -> None:
+        """Forget the recorded maxima (-inf: nothing seen)."""
+        for layer in self.layers.values():
+            layer.max_logits.fill_(-math.inf)
+
+    def detach(self) -> None:
+        """Remove the hooks and stop watching (the parameters are left as they are)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for layer in self.layers.values():
+            for t, _, _ in layer.query + layer.key:
+                entries = getattr(t, _ATTR, [])
+                entries[:] = [e for e in entries if e is not layer]
+        self.layers.clear()
+
+    # --- torch.nn.MultiheadAttention -------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: torch.nn.Module, stats: AttentionLogits | None = None) -> AttentionLogits:
+        """Watch every `torch.nn.MultiheadAttention` in `model` (by its module name) with a forward hook
+        that recomputes its logits; returns the provider (`stats`, or a new one)."""
+        self = stats if stats is not None else cls()
+        found = False
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.MultiheadAttention):
+                self.watch_mha(name or "attention", mod)
+                found = True
+        if not found:
+            raise ValueError("AttentionLogits.attach: the model holds no torch.nn.MultiheadAttention; for another "
+                             "attention, call stats.watch(...) and stats.record(...) (docs/modules/weights.md)")
+        return self
+
+    def watch_mha(self, name: str, mod: torch.nn.MultiheadAttention) -> None:
+        """Watch one `nn.MultiheadAttention`: query rows `[0:E]`, key rows `[E:2E]` of `in_proj_weight`
+        (and of `in_proj_bias`), or `q_proj_weight` / `k_proj_weight` when key and query sizes differ."""
+        e, h = mod.embed_dim, mod.num_heads
+        if mod._qkv_same_embed_dim:
+            query: list[Any] = [(mod.in_proj_weight, 0, e)]
+            key: list[Any] = [(mod.in_proj_weight, e, 2 * e)]
+        else:
+            query, key = [(mod.q_proj_weight, 0, e)], [(mod.k_proj_weight, 0, e)]
+        if mod.in_proj_bias is not None:
+            query.append((mod.in_proj_bias, 0, e))
+            key.append((mod.in_proj_bias, e, 2 * e))
+        self.watch(name, h, query=query, key=key)
+        self._handles.append(mod.register_forward_hook(_mha_hook(self, name), with_kwargs=True))
+
+
+def _is_list(x: Any) -> bool:
+    """A list of row specs (not one `(param, start, stop)` triple)."""
+    return isinstance(x, list) or (isinstance(x, tuple) and not (len(x) == 3 and isinstance(x[1], int)))
+
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+
+
+def _mha_hook(stats: AttentionLogits, name: str):
+    def hook(mod: torch.nn.MultiheadAttention, args: tuple, kwargs: dict, out: Any) -> None:
+        s = stats  # (held by the hook: the model keeps its provider alive)
+        if name not in s.layers or not torch.is_grad_enabled():
+            return
+        bound = dict(zip(_MHA_ARGS, args))
+        bound.update({k: v for k, v in kwargs.items() if k in _MHA_ARGS})
+        with torch.no_grad():
+            s.record(name, mha_max_logits(mod, bound["query"], bound["key"], bound.get("attn_mask"),
+                                          bound.get("key_padding_mask")))
+
+    return hook
+
+
+def _masked(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Where a mask excludes a position: True in a bool mask, -inf in a float mask."""
+    if mask is None:
+        return None
+    return mask if mask.dtype == torch.bool else torch.isneginf(mask)
+
+
+def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """`[heads]`: each head's max of `q·k / sqrt(d)` over the batch and the positions the masks keep
+    (a position a bool mask marks True, or a float mask sets to -inf, is left out; finite float mask values
+    are not added: the clip bounds `q·k`). `bias_k` and `add_zero_attn` keys are left out."""
+    e, h = mod.embed_dim, mod.num_heads
+    d = e // h
+    if mod._qkv_same_embed_dim:
+        wq, wk = mod.in_proj_weight[:e], mod.in_proj_weight[e:2 * e]
+    else:
+        wq, wk = mod.q_proj_weight, mod.k_proj_weight
+    bq = bk = None
+    if mod.in_proj_bias is not None:
+        bq, bk = mod.in_proj_bias[:e], mod.in_proj_bias[e:2 * e]
+    if query.dim() == 2:  # unbatched (L, E)
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif not mod.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+    q = torch.nn.functional.linear(query, wq, bq).view(b, lq, h, d).transpose(1, 2)
+    k = torch.nn.functional.linear(key, wk, bk).view(b, lk, h, d).transpose(1, 2)
+    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(d)  # (b, h, lq, lk)
+    m = _masked(attn_mask)
+    if m is not None:
+        s = s.masked_fill(m.view(b, h, lq, lk) if m.dim() == 3 else m, -math.inf)
+    m = _masked(key_padding_mask)
+    if m is not None:
+        s = s.masked_fill(m.view(b, 1, 1, lk), -math.inf)
+    return s.amax(dim=(0, 2, 3))
+
+
+def layers_of(params: Iterable[torch.Tensor]) -> list[_Layer]:
+    """The watched layers holding query or key rows among `params`, in first-seen order."""
+    out: list[_Layer] = []
+    for p in params:
+        for layer in getattr(p, _ATTR, ()):
+            if all(x is not layer for x in out):
+                out.append(layer)
+    return out
