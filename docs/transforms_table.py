@@ -49,12 +49,20 @@ def summary(cls: type) -> str:
     return first.replace("|", "\\|")
 
 
+def own_transforms() -> list[str]:
+    """The registered transforms modopt ships (a user's or a test's own registrations are not listed)."""
+    import modopt as mo
+    from modopt.core.registry import get_transform
+
+    return [n for n in mo.available() if get_transform(n).__module__.split(".")[0] == "modopt"]
+
+
 def table() -> str:
     import modopt as mo
     from modopt.core.registry import get_transform
 
     rows = ["| transform | call | what it does |", "|---|---|---|"]
-    for name in sorted(mo.available(), key=str.lower):
+    for name in sorted(own_transforms(), key=str.lower):
         cls = get_transform(name)
         page = PAGES.get(cls.__module__)
         if page is None:
