@@ -211,7 +211,7 @@ def test_grams_matches_pytorch_optimizer(dtype):
 
 def _timm_adamw():
     """timm's `timm/optim/adamw.py`, loaded with its two helper modules only. `import timm` imports
-    torchvision, whose wheel on PyPI is built for CUDA torch and fails to load next to a CPU torch;
+    torchvision, whose wheel on the package index is built for CUDA torch and fails to load next to a CPU torch;
     the optimizer itself needs torch alone. Skips when timm is not installed (it is not in the dev
     extra for that reason)."""
     found = importlib.util.find_spec("timm")
