@@ -234,3 +234,45 @@ def assert_resumes_bit_for_bit(make_model, make_opt, data, cut: int) -> tuple:
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
     return osd
+
+
+# --- seeded tensors and a NaN step, for the orthogonalized optimizers' tests -------------------------------
+def randn(shape, seed, dtype=torch.float64):
+    """A seeded standard normal tensor (drawn in float64, then cast: the same values in every dtype)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def twin_params(shapes, dtype, seed=0):
+    """Two lists of parameters with the same seeded values: one for modopt, one for the reference."""
+    ps = [randn(s, seed + i, dtype) for i, s in enumerate(shapes)]
+    return [torch.nn.Parameter(p.clone()) for p in ps], [torch.nn.Parameter(p.clone()) for p in ps]
+
+
+def seeded_grads(params, k, seed, dtype, nan_at=None):
+    """Gradients of step `k` (seeded by `seed` and `k`); a NaN in the first one when `k == nan_at`."""
+    g = torch.Generator().manual_seed(seed * 1000 + k)
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        if k == nan_at and i == 0:
+            p.grad.view(-1)[0] = math.nan
+
+
+def assert_a_nan_step_changes_no_bit(ours, opt, theirs, ref, steps=6, at=3):
+    """`opt` over `ours` with an extra NaN step after step `at` (skipped on the device, no host sync)
+    ends bit for bit where `ref` over `theirs` ends without it."""
+    syncs = Syncs()
+    for k in range(steps):
+        seeded_grads(ours, k, 0, ours[0].dtype)
+        with syncs:
+            opt.step()
+        if k == at:
+            seeded_grads(ours, 99, 0, ours[0].dtype, nan_at=99)
+            with syncs:
+                opt.step()
+            assert bool(opt.stats["skipped"])
+        seeded_grads(theirs, k, 0, theirs[0].dtype)
+        ref.step()
+    assert syncs.n == 0
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+

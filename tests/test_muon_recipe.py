@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs
+from checks import Syncs, assert_a_nan_step_changes_no_bit, randn, seeded_grads, twin_params
 from modopt.spec import orthogonal as spec
 from modopt.transforms.orthogonal import NS_PRESETS, coefficient_steps, newton_schulz
 
@@ -24,21 +24,10 @@ PRESETS = ["original", "quintic", "polar_express", "polar_express_paper", "deeps
 SHAPES = [(), (5,), (1, 6), (6, 1), (4, 7), (7, 4), (5, 5), (3, 2, 2), (4, 2, 3, 3), (0, 3)]
 
 
-def randn(shape, seed, dtype=torch.float64):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
-def _pair(shapes, dtype, seed=0):
-    ps = [randn(s, seed + i, dtype) for i, s in enumerate(shapes)]
-    return [torch.nn.Parameter(p.clone()) for p in ps], [torch.nn.Parameter(p.clone()) for p in ps]
 
 
-def _grads(params, k, seed, dtype, nan_at=None):
-    g = torch.Generator().manual_seed(seed * 1000 + k)
-    for i, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=g).to(dtype)
-        if k == nan_at and i == 0:
-            p.grad.view(-1)[0] = math.nan
 
 
 def _pto():
@@ -173,11 +162,11 @@ def test_a_preset_serialises_as_its_name_and_rebuilds_exactly(t, tmp_path):
         path.write_text(text)
         again = mo.load_config(path)
         assert again.transforms[0] == t and again.transforms[0].ns_coefficients == t.ns_coefficients
-    a, b = _pair([(6, 4), (4, 6)], torch.float32)
+    a, b = twin_params([(6, 4), (4, 6)], torch.float32)
     oa, ob = mo.Modular(a, t, mo.LR(0.1)) if not t.is_optimizer else mo.Modular(a, t), cfg.build(b)
     for k in range(3):
-        _grads(a, k, 1, torch.float32)
-        _grads(b, k, 1, torch.float32)
+        seeded_grads(a, k, 1, torch.float32)
+        seeded_grads(b, k, 1, torch.float32)
         oa.step()
         ob.step()
     if not t.is_optimizer:
@@ -302,13 +291,13 @@ def test_normuon_chain_equals_pytorch_optimizers_normuon(dtype, adjust):
     normalization and by lr after it where the reference multiplies once at the end: equal to rounding."""
     pto = _pto()
     shapes = [(8, 5), (5, 8), (6, 6), (4, 3, 2, 2)]
-    a, b = _pair(shapes, dtype)
+    a, b = twin_params(shapes, dtype)
     oa = mo.Modular(a, mo.Momentum(0.95), mo.Orthogonalize(adjust_lr="original" if adjust else "none"),
                     mo.NorMuon(), mo.LR(0.02))
     ob = pto.NorMuon([dict(params=b, use_muon=True)])
     for k in range(8):
-        _grads(a, k, 2, dtype)
-        _grads(b, k, 2, dtype)
+        seeded_grads(a, k, 2, dtype)
+        seeded_grads(b, k, 2, dtype)
         oa.step()
         ob.step()
     for p, q in zip(a, b):
@@ -322,11 +311,11 @@ def test_normuon_chain_equals_pytorch_optimizers_normuon(dtype, adjust):
 
 
 def test_normuon_skips_without_a_host_sync():
-    ps, _ = _pair([(6, 4), (4, 6)], torch.float32)
+    ps, _ = twin_params([(6, 4), (4, 6)], torch.float32)
     opt = mo.Modular(ps, mo.Momentum(), mo.Orthogonalize(), mo.NorMuon(), mo.LR(0.02))
     syncs = Syncs()
     for k in range(4):
-        _grads(ps, k, 0, torch.float32, nan_at=2)
+        seeded_grads(ps, k, 0, torch.float32, nan_at=2)
         with syncs:
             opt.step()
         if k == 2:
@@ -380,13 +369,13 @@ def test_adamuon_matches_spec():
     shapes = [(6, 4), (3, 8), (4, 2, 3, 3), (5,), ()]
     for kw in ({}, {"adjust_lr_fn": "original", "weight_decay": 0.1, "betas": (0.5, 0.9)},
                {"ns_coefficients": "polar_express", "eps": 1e-6}):
-        ps, _ = _pair(shapes, torch.float64)
+        ps, _ = twin_params(shapes, torch.float64)
         opt = mo.Modular(ps, mo.AdaMuon(lr=0.03, ns_dtype="float64", **kw))
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
         ref = spec.AdaMuon(**kw)
         want = [p.detach().clone() for p in ps]
         for k in range(7):
-            _grads(ps, k, 3, torch.float64)
+            seeded_grads(ps, k, 3, torch.float64)
             want = ref.step(want, [p.grad for p in ps], opt.param_groups[0]["lr"])
             opt.step()
             sched.step()
@@ -396,12 +385,12 @@ def test_adamuon_matches_spec():
 
 def test_adamuon_in_a_chain_returns_its_update():
     """Not the last transform: the update `lr r O + lr wd p` equals the in-place step up to float32 rounding."""
-    a, b = _pair([(8, 4), (4, 8), (5,)], torch.float32)
+    a, b = twin_params([(8, 4), (4, 8), (5,)], torch.float32)
     oa = mo.Modular(a, mo.AdaMuon(0.02, weight_decay=0.1), mo.ClipValue(1e30))
     ob = mo.Modular(b, mo.AdaMuon(0.02, weight_decay=0.1))
     for k in range(5):
-        _grads(a, k, 0, torch.float32)
-        _grads(b, k, 0, torch.float32)
+        seeded_grads(a, k, 0, torch.float32)
+        seeded_grads(b, k, 0, torch.float32)
         oa.step()
         ob.step()
     for p, q in zip(a, b):
@@ -411,25 +400,10 @@ def test_adamuon_in_a_chain_returns_its_update():
 def test_adamuon_skips_a_nan_step_without_a_host_sync_and_keeps_every_bit():
     """The default step (the device decides): no host sync; the run with a NaN step equals the run without it."""
     pto = _pto()
-    shapes = [(8, 4), (4, 8)]
-    ours, theirs = _pair(shapes, torch.float32)
-    a, b = mo.Modular(ours, mo.AdaMuon(0.02, weight_decay=0.1)), pto.AdaMuon([dict(params=theirs, use_muon=True,
-                                                                                    weight_decay=0.1)])
-    syncs = Syncs()
-    for k in range(6):
-        _grads(ours, k, 0, torch.float32)
-        with syncs:
-            a.step()
-        if k == 3:
-            _grads(ours, 99, 0, torch.float32, nan_at=99)
-            with syncs:
-                a.step()
-            assert bool(a.stats["skipped"])
-        _grads(theirs, k, 0, torch.float32)
-        b.step()
-    assert syncs.n == 0
-    for p, q in zip(ours, theirs):
-        assert torch.equal(p, q)
+    ours, theirs = twin_params([(8, 4), (4, 8)], torch.float32)
+    a = mo.Modular(ours, mo.AdaMuon(0.02, weight_decay=0.1))
+    b = pto.AdaMuon([dict(params=theirs, use_muon=True, weight_decay=0.1)])
+    assert_a_nan_step_changes_no_bit(ours, a, theirs, b)
 
 
 def test_adamuon_fields_and_group_keys():

@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 from torch.torch_version import TorchVersion
 
 import modopt as mo
-from checks import Syncs, same, saved
+from checks import Syncs, assert_a_nan_step_changes_no_bit, randn, same, saved, seeded_grads, twin_params
 from harness import Harness
 from modopt.spec import orthogonal as spec
 from modopt.transforms.orthogonal import newton_schulz
@@ -30,8 +30,6 @@ any_shapes = st.one_of(st.sampled_from(SHAPES), matrix_shapes,
                        st.lists(st.integers(1, 4), min_size=3, max_size=4).map(tuple))
 
 
-def randn(shape, seed, dtype=torch.float64):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
 def assert_close(out, ref, rel, what=""):
@@ -407,17 +405,8 @@ def test_momentum_returns_a_copy_of_its_buffer():
 
 
 # --- Muon ----------------------------------------------------------------------------------------
-def _pair(shapes, dtype, seed=0):
-    ps = [randn(s, seed + i, dtype) for i, s in enumerate(shapes)]
-    return [torch.nn.Parameter(p.clone()) for p in ps], [torch.nn.Parameter(p.clone()) for p in ps]
 
 
-def _grads(params, k, seed, dtype, nan_at=None):
-    g = torch.Generator().manual_seed(seed * 1000 + k)
-    for i, p in enumerate(params):
-        p.grad = torch.randn(p.shape, generator=g).to(dtype)
-        if k == nan_at and i == 0:
-            p.grad.view(-1)[0] = math.nan
 
 
 MUON_SETTINGS = [
@@ -441,14 +430,14 @@ def test_muon_equals_torch_muon_bit_for_bit(dtype, kw, nonfinite, seed):
         pytest.skip(f"torch {torch.__version__}'s Muon divides its bfloat16 momentum buffer in place without "
                     "Nesterov: test_torch_muon_bf16_without_nesterov_writes_its_buffer")
     shapes = [(8, 4), (4, 8), (16, 16), (3, 33), (33, 3)]
-    ours, ref = _pair(shapes, dtype, seed)
+    ours, ref = twin_params(shapes, dtype, seed)
     groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": kw.get("lr", 1e-3) * 2}]  # noqa: E731
     a = mo.Modular(groups(ours), mo.Muon(**kw), nonfinite=nonfinite)
     b = torch.optim.Muon(groups(ref), **kw)
     sa, sb = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.02, 0.04], total_steps=12) for o in (a, b))
     for k in range(12):
-        _grads(ours, k, seed, dtype)
-        _grads(ref, k, seed, dtype)
+        seeded_grads(ours, k, seed, dtype)
+        seeded_grads(ref, k, seed, dtype)
         a.step()
         b.step()
         sa.step()
@@ -473,7 +462,7 @@ def test_torch_muon_bf16_without_nesterov_writes_its_buffer():
     """A behaviour of torch before 2.15 that modopt does not copy: `grad.bfloat16()` is the buffer itself
     when it is already bfloat16, and torch divides it in place by its norm. modopt's buffer stays the
     EMA; from 2.15 torch's does too (and `test_muon_equals_torch_muon_bit_for_bit` runs that case)."""
-    p, q = _pair([(8, 4)], torch.bfloat16)
+    p, q = twin_params([(8, 4)], torch.bfloat16)
     g = randn((8, 4), 7, torch.bfloat16)
     p[0].grad, q[0].grad = g.clone(), g.clone()
     a = mo.Modular(p, mo.Muon(lr=0.0, weight_decay=0.0, nesterov=False))
@@ -496,13 +485,13 @@ def test_muon_matches_spec():
     shapes = [(6, 4), (3, 8), (4, 2, 3, 3), (5,), ()]
     for kw in ({}, {"adjust_lr_fn": "match_rms_adamw", "nesterov": False, "weight_decay": 0.0},
                {"ns_coefficients": spec.TORCHZERO_COEFFICIENTS, "momentum": 0.5}):
-        ps, _ = _pair(shapes, torch.float64)
+        ps, _ = twin_params(shapes, torch.float64)
         opt = mo.Modular(ps, mo.Muon(lr=0.03, ns_dtype="float64", **kw))
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
         ref = spec.Muon(**kw)
         want = [p.detach().clone() for p in ps]
         for k in range(8):
-            _grads(ps, k, 3, torch.float64)
+            seeded_grads(ps, k, 3, torch.float64)
             lr = opt.param_groups[0]["lr"]
             want = ref.step(want, [p.grad for p in ps], lr)
             opt.step()
@@ -514,8 +503,8 @@ def test_muon_matches_spec():
 def _assert_same_run(oa, a, ob, b, steps):
     """`steps` float32 steps of two optimizers on the same gradients; the parameters agree to float32 rounding."""
     for k in range(steps):
-        _grads(a, k, 0, torch.float32)
-        _grads(b, k, 0, torch.float32)
+        seeded_grads(a, k, 0, torch.float32)
+        seeded_grads(b, k, 0, torch.float32)
         oa.step()
         ob.step()
     for p, q in zip(a, b):
@@ -526,7 +515,7 @@ def test_muon_is_its_chain():
     """`Muon(weight_decay=0)` and `Chain(Momentum, Orthogonalize(adjust_lr=...), LR)` make the same step,
     to float32 rounding (Muon adds `-lr*r*O` in one op, the chain multiplies twice, then subtracts)."""
     for nesterov, adjust in ((True, "original"), (False, "match_rms_adamw")):
-        a, b = _pair([(8, 4), (4, 8), (5,)], torch.float32)
+        a, b = twin_params([(8, 4), (4, 8), (5,)], torch.float32)
         oa = mo.Modular(a, mo.Muon(0.02, weight_decay=0.0, nesterov=nesterov, adjust_lr_fn=adjust))
         ob = mo.Modular(b, mo.Chain(mo.Momentum(0.95, nesterov=nesterov), mo.Orthogonalize(adjust_lr=adjust),
                                     mo.LR(0.02)))
@@ -536,7 +525,7 @@ def test_muon_is_its_chain():
 def test_muon_in_a_chain_returns_its_update():
     """Not the last transform (a ClipValue that clips nothing writes the parameters): Muon returns the
     update `lr r O + lr wd p`, equal to torch's in-place step up to float32 rounding."""
-    a, b = _pair([(8, 4), (4, 8)], torch.float32)
+    a, b = twin_params([(8, 4), (4, 8)], torch.float32)
     oa = mo.Modular(a, mo.Muon(0.02), mo.ClipValue(1e30))
     ob = torch.optim.Muon(b, lr=0.02)
     _assert_same_run(oa, a, ob, b, 5)
@@ -545,24 +534,8 @@ def test_muon_in_a_chain_returns_its_update():
 def test_muon_skips_a_nan_step_without_a_host_sync_and_keeps_every_bit():
     """The default step (the device decides): no host sync; a NaN step changes nothing, so the run with
     it equals torch's run without it, bit for bit."""
-    shapes = [(8, 4), (4, 8)]
-    ours, ref = _pair(shapes, torch.float32)
-    a, b = mo.Modular(ours, mo.Muon(0.02)), torch.optim.Muon(ref, lr=0.02)
-    syncs = Syncs()
-    for k in range(6):
-        _grads(ours, k, 0, torch.float32)
-        with syncs:
-            a.step()
-        if k == 3:
-            _grads(ours, 99, 0, torch.float32, nan_at=99)
-            with syncs:
-                a.step()
-            assert bool(a.stats["skipped"])
-        _grads(ref, k, 0, torch.float32)
-        b.step()
-    assert syncs.n == 0
-    for p, q in zip(ours, ref):
-        assert torch.equal(p, q)
+    ours, ref = twin_params([(8, 4), (4, 8)], torch.float32)
+    assert_a_nan_step_changes_no_bit(ours, mo.Modular(ours, mo.Muon(0.02)), ref, torch.optim.Muon(ref, lr=0.02))
 
 
 def _bits(t):
@@ -583,10 +556,10 @@ def test_a_skipped_muon_step_keeps_every_bit_in_each_dtype(dtype, weight_decay, 
     -0.0 buffer element), with and without Nesterov, and with coefficients whose `a < 0` (where
     Newton-Schulz of zeros might give -0.0, so `O` is zeroed with a `where`; this CPU's matrix products
     give +0.0 there too, so that case shows the `where` path keeps every bit, not that it is needed)."""
-    ps, _ = _pair([(8, 4), (4, 8), (6,)], dtype)
+    ps, _ = twin_params([(8, 4), (4, 8), (6,)], dtype)
     opt = mo.Modular(ps, mo.Muon(0.02, weight_decay=weight_decay, **kw))
     for k in range(2):
-        _grads(ps, k, 0, dtype)
+        seeded_grads(ps, k, 0, dtype)
         opt.step()
     with torch.no_grad():  # elements 0-2: -0.0, +0.0, -0.0 in the parameter and the buffer; element 3: a -0.0
         for p in ps:         # parameter beside a negative buffer value
@@ -595,7 +568,7 @@ def test_a_skipped_muon_step_keeps_every_bit_in_each_dtype(dtype, weight_decay, 
             buf.view(-1)[:4] = torch.tensor([-0.0, 0.0, -0.0, -0.5], dtype=dtype)
     before = [_bits(p) for p in ps] + [_bits(v) for p in ps for v in opt.state[p].values()
                                        if isinstance(v, torch.Tensor) and v.dim()]
-    _grads(ps, 2, 0, dtype)
+    seeded_grads(ps, 2, 0, dtype)
     for p in ps:
         p.grad.view(-1)[0] = -1.0  # beside each -0.0 buffer element and at element 3: a negative gradient
         p.grad.view(-1)[3] = -1.0
@@ -615,17 +588,17 @@ def test_a_skipped_muon_step_keeps_every_bit_in_each_dtype(dtype, weight_decay, 
 
 def test_muon_checkpoint_resumes_bit_exactly_with_the_bfloat16_default():
     def make(seed):
-        ps, _ = _pair([(8, 4), (4, 8)], torch.float32, seed)
+        ps, _ = twin_params([(8, 4), (4, 8)], torch.float32, seed)
         return ps, mo.Modular(ps, mo.Muon(0.02, adjust_lr_fn="match_rms_adamw"))
 
     ps, opt = make(0)
     for k in range(3):
-        _grads(ps, k, 1, torch.float32)
+        seeded_grads(ps, k, 1, torch.float32)
         opt.step()
     buf = io.BytesIO()
     torch.save({"p": [p.detach() for p in ps], "opt": opt.state_dict()}, buf)
     for k in range(3, 6):
-        _grads(ps, k, 1, torch.float32)
+        seeded_grads(ps, k, 1, torch.float32)
         opt.step()
     buf.seek(0)
     ck = torch.load(buf, weights_only=True)
@@ -635,7 +608,7 @@ def test_muon_checkpoint_resumes_bit_exactly_with_the_bfloat16_default():
             q.copy_(v)
     opt2.load_state_dict(ck["opt"])
     for k in range(3, 6):
-        _grads(qs, k, 1, torch.float32)
+        seeded_grads(qs, k, 1, torch.float32)
         opt2.step()
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
@@ -647,12 +620,12 @@ def test_muon_default_compiles_fullgraph_close_to_eager():
     matrix differs by up to about 0.03 per entry (NS_TOL); the parameters stay within lr * 0.05 per step.
     A NaN step is skipped on the device inside the graph."""
     torch._dynamo.reset()
-    a, b = _pair([(8, 4), (4, 8), (6,)], torch.float32)
+    a, b = twin_params([(8, 4), (4, 8), (6,)], torch.float32)
     eager, comp = mo.Modular(a, mo.Muon(0.02)), mo.Modular(b, mo.Muon(0.02))
     step = torch.compile(comp.step, fullgraph=True)
     for k in range(6):
         for ps in (a, b):
-            _grads(ps, k, 2, torch.float32, nan_at=4)
+            seeded_grads(ps, k, 2, torch.float32, nan_at=4)
         eager.step()
         step()
         assert bool(comp.stats["skipped"]) == (k == 4)
@@ -712,8 +685,8 @@ def test_the_muon_adamw_recipe_equals_torch_muon_plus_torch_adamw(muon_last):
     muon, adamw = _torch_recipe(m2)
     scheds = [torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, total_iters=8) for o in (opt, muon, adamw)]
     for k in range(8):
-        _grads(list(m1.parameters()), k, 4, torch.float32)
-        _grads(list(m2.parameters()), k, 4, torch.float32)
+        seeded_grads(list(m1.parameters()), k, 4, torch.float32)
+        seeded_grads(list(m2.parameters()), k, 4, torch.float32)
         for o in (opt, muon, adamw):
             o.step()
         for s in scheds:
@@ -727,10 +700,10 @@ def test_the_recipe_skips_a_nan_step_in_every_branch_without_a_host_sync():
     for bit), with the decision on the device."""
     model = TinyLM()
     opt = mo.Modular(model.named_parameters(), *_recipe(False, mo.ClipNorm(1.0)))
-    _grads(list(model.parameters()), 0, 4, torch.float32)
+    seeded_grads(list(model.parameters()), 0, 4, torch.float32)
     opt.step()
     before = saved(opt, model)
-    _grads(list(model.parameters()), 1, 4, torch.float32)
+    seeded_grads(list(model.parameters()), 1, 4, torch.float32)
     model.head.bias.grad[0] = float("nan")  # an AdamW parameter; the Muon branch writes first
     syncs = Syncs()
     with syncs:
@@ -746,10 +719,10 @@ def test_a_branch_that_may_stop_the_step_keeps_the_single_writer_order():
     opt = mo.Modular(m1.named_parameters(), mo.Masked(mo.AdamW(0.02), where=REST),
                      mo.Masked(mo.Accumulate(2), mo.Muon(0.02, weight_decay=0.01), where=HIDDEN))
     before = [p.detach().clone() for p in m1.parameters()]
-    _grads(list(m1.parameters()), 0, 4, torch.float32)
+    seeded_grads(list(m1.parameters()), 0, 4, torch.float32)
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), before))
-    _grads(list(m1.parameters()), 1, 4, torch.float32)
+    seeded_grads(list(m1.parameters()), 1, 4, torch.float32)
     opt.step()
     assert all(not torch.equal(p, q) for p, q in zip(m1.parameters(), before))
 
@@ -757,12 +730,12 @@ def test_a_branch_that_may_stop_the_step_keeps_the_single_writer_order():
 def test_composes_with_the_clipping_family():
     """A global norm clip in front of Muon clips the gradient the momentum sees (equal to torch's
     clip_grad_norm_ then torch.optim.Muon); OrthoGrad then Orthogonalize run as a chain."""
-    a, b = _pair([(8, 4), (4, 8)], torch.float32)
+    a, b = twin_params([(8, 4), (4, 8)], torch.float32)
     oa = mo.Modular(a, mo.ClipNorm(0.5), mo.Muon(0.02))
     ob = torch.optim.Muon(b, lr=0.02)
     for k in range(5):
-        _grads(a, k, 0, torch.float32)
-        _grads(b, k, 0, torch.float32)
+        seeded_grads(a, k, 0, torch.float32)
+        seeded_grads(b, k, 0, torch.float32)
         oa.step()
         torch.nn.utils.clip_grad_norm_(b, 0.5)
         ob.step()
