@@ -25,7 +25,7 @@ import operator
 from typing import Annotated, Union
 
 import torch
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, AllowInfNan, BeforeValidator
 
 NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
 NAMED_STATS = ("mad", "std", "var", "sum")
@@ -86,7 +86,8 @@ def _check_ord(v: float | str) -> float | str:
 
 #: pydantic field type for `ord`: keeps the value as written (`"l2"` stays `"l2"`), except that
 #: every spelling of `p = inf` becomes `"linf"` (`canonical_ord`), so a dumped config is stable
-Ord = Annotated[Union[float, str], BeforeValidator(canonical_ord), AfterValidator(_check_ord)]
+# (the float admits inf and NaN here, unlike other transform fields: `_check_ord` says what is wrong with them)
+Ord = Annotated[Union[Annotated[float, AllowInfNan(True)], str], BeforeValidator(canonical_ord), AfterValidator(_check_ord)]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -322,7 +322,7 @@ class Transform(BaseModel):
         if not cls._abstract:
             _check_positional(cls)
             registry.register_transform(cls)
-            cls.__signature__ = readable_signature(cls)  # (what help() and IDEs show)
+            setattr(cls, "__signature__", readable_signature(cls))  # (what help() shows; set, not declared)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "omegaconf" in sys.modules:  # built by hydra.utils.instantiate: fields may be DictConfig/ListConfig

@@ -201,7 +201,7 @@ def _resolve(params: list[torch.Tensor]) -> _Targets:
         keys = [(index[id(t)], a, b) for t, a, b in layer.key if id(t) in index]
         if query or keys:
             out.append((layer, query, keys))
-    if not out and params:
+    if not out and params and not torch.compiler.is_compiling():  # (dynamo cannot trace a warning: eager says it)
         warnings.warn("QKClip: no parameter of this optimizer holds the query or key rows of a watched attention "
                       "layer, so it does nothing; call mo.AttentionLogits.attach(model) (or stats.watch(...) for "
                       "your own attention) before the first step", UserWarning, stacklevel=4)
