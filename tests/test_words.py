@@ -230,7 +230,7 @@ def test_help_shows_each_field_with_its_type_in_words_and_its_default():
     import inspect
 
     sig = inspect.signature(mo.ZClip)
-    assert str(sig.parameters["alpha"]) == "alpha: 'float >= 0, < 1' = 0.97"
+    assert str(sig.parameters["alpha"]) == "alpha: 'float, 0.0 <= x < 1.0' = 0.97"
     assert str(sig.parameters["scope"]) == "scope: \"'global' | 'group' | 'tensor'\" = 'global'"
     pos = inspect.signature(mo.ClipNorm).parameters["max_norm"]
     assert pos.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and pos.default is inspect.Parameter.empty

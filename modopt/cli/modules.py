@@ -10,6 +10,7 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 
 from ..config import ConfigError
+from ..core.fieldtext import bounds, format_range, type_name
 from ..core.registry import available, get_transform
 
 
@@ -24,63 +25,6 @@ def plain_text(md: str) -> str:
     md = re.sub(r"`([^`]*)`", r"\1", md)
     md = re.sub(r"\$([^$]+)\$", r"\1", md)
     return md.replace("**", "")
-
-
-def _bounds(ann: Any, metadata: list) -> dict[str, float]:
-    """`{gt, ge, lt, le}` from a field's constraints (its metadata and Annotated types inside its annotation)."""
-    import typing
-
-    out: dict[str, float] = {}
-    items = list(metadata)
-    stack = [ann]
-    while stack:
-        a = stack.pop()
-        if typing.get_origin(a) is typing.Annotated:
-            args = typing.get_args(a)
-            items += list(args[1:])
-            stack.append(args[0])
-        else:
-            stack += [x for x in typing.get_args(a) if x is not Ellipsis]
-    for m in items:
-        for key in ("gt", "ge", "lt", "le"):
-            v = getattr(m, key, None)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[key] = v
-    return out
-
-
-def format_range(b: dict[str, float]) -> str:
-    """`{"ge": 0, "lt": 1}` -> `"0 <= x < 1"`; `{"gt": 0}` -> `"> 0"`; `{}` -> `""`."""
-    lo = f"{b['gt']} < " if "gt" in b else f"{b['ge']} <= " if "ge" in b else ""
-    hi = f" < {b['lt']}" if "lt" in b else f" <= {b['le']}" if "le" in b else ""
-    if lo and hi:
-        return f"{lo}x{hi}"
-    if lo:
-        return (">" if "gt" in b else ">=") + f" {b.get('gt', b.get('ge'))}"
-    if hi:
-        return ("<" if "lt" in b else "<=") + f" {b.get('lt', b.get('le'))}"
-    return ""
-
-
-def _type_name(ann: Any) -> str:
-    """A short readable name of a field's type (Annotated metadata dropped)."""
-    import types
-    import typing
-
-    origin = typing.get_origin(ann)
-    args = typing.get_args(ann)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        name = getattr(origin, "__name__", str(origin))
-        return f"{name}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]" if args else name
-    if ann is type(None):
-        return "None"
-    return getattr(ann, "__name__", str(ann).replace("typing.", ""))
 
 
 def select_names(names: list[str] | None) -> list[str]:
@@ -121,10 +65,10 @@ def describe_modules(names: list[str] | None = None) -> list[dict[str, Any]]:
             required = f.is_required()
             fields.append({
                 "name": fname,
-                "type": _type_name(f.annotation),
+                "type": type_name(f.annotation),
                 "default": None if required else _plain(default),
                 "required": required,
-                "range": format_range(_bounds(f.annotation, f.metadata)),
+                "range": format_range(bounds(f.annotation, f.metadata)),
                 "description": f.description or "",
             })
         out.append({

@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 import torch
 
 from . import registry
+from .fieldtext import field_text
 from .keys import transform_key
 from .runner import Step, TransformState, run
 
@@ -174,39 +175,6 @@ def _takes_strings(annotation: Any) -> bool:
     return any_str(annotation)
 
 
-def _type_text(a: Any) -> str:
-    """A field type in words: `float > 0`, `'global' | 'group' | 'tensor'`, `float | None`."""
-    import typing
-
-    origin = typing.get_origin(a)
-    if a is type(None):
-        return "None"
-    if origin is typing.Literal:
-        return " | ".join(repr(x) for x in typing.get_args(a))
-    if origin is typing.Annotated:
-        base, *meta = typing.get_args(a)
-        return " ".join([_type_text(base), *_bounds_text(meta)])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " | ".join(_type_text(x) for x in typing.get_args(a))
-    if isinstance(a, type) and origin is None:
-        return a.__name__
-    if origin in (list, tuple, dict, set, frozenset):
-        args = ", ".join("..." if x is Ellipsis else _type_text(x) for x in typing.get_args(a))
-        return f"{origin.__name__}[{args}]"
-    return str(a).replace("typing.", "")
-
-
-def _bounds_text(meta: Any) -> list[str]:
-    """The numeric bounds among a field's metadata (`annotated_types.Gt` ...), as `> 0`, `<= 1`."""
-    out = []
-    for m in meta:
-        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            v = getattr(m, attr, None)
-            if v is not None and type(m).__name__.lower() in (attr, "interval", "fieldinfo"):
-                out.append(f"{op} {v:g}" if isinstance(v, float) else f"{op} {v}")
-    return [", ".join(out)] if out else []
-
-
 def readable_signature(cls: type) -> inspect.Signature:
     """The class's call signature with its fields' types in words and their defaults: the positional
     field first (it may be given without its name), the others by name."""
@@ -214,7 +182,7 @@ def readable_signature(cls: type) -> inspect.Signature:
     pos = cls._positional_field()
     for name, f in sorted(cls.model_fields.items(), key=lambda kv: kv[0] != pos):
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if name == pos else inspect.Parameter.KEYWORD_ONLY
-        text = " ".join([_type_text(f.annotation), *_bounds_text(f.metadata)])
+        text = field_text(f)
         default = inspect.Parameter.empty if f.is_required() else (
             f.default if f.default_factory is None else f.default_factory())
         params.append(inspect.Parameter(name, kind, default=default, annotation=text))
