@@ -276,3 +276,13 @@ def assert_a_nan_step_changes_no_bit(ours, opt, theirs, ref, steps=6, at=3):
     for p, q in zip(ours, theirs):
         assert torch.equal(p, q)
 
+
+def assert_same_run(oa, a, ob, b, steps):
+    """`steps` float32 steps of two optimizers on the same gradients; the parameters agree to float32 rounding."""
+    for k in range(steps):
+        seeded_grads(a, k, 0, torch.float32)
+        seeded_grads(b, k, 0, torch.float32)
+        oa.step()
+        ob.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs, assert_a_nan_step_changes_no_bit, randn, seeded_grads, twin_params
+from checks import Syncs, assert_a_nan_step_changes_no_bit, assert_same_run, randn, seeded_grads, twin_params
 from modopt.spec import orthogonal as spec
 from modopt.transforms.orthogonal import NS_PRESETS, coefficient_steps, newton_schulz
 
@@ -388,13 +388,7 @@ def test_adamuon_in_a_chain_returns_its_update():
     a, b = twin_params([(8, 4), (4, 8), (5,)], torch.float32)
     oa = mo.Modular(a, mo.AdaMuon(0.02, weight_decay=0.1), mo.ClipValue(1e30))
     ob = mo.Modular(b, mo.AdaMuon(0.02, weight_decay=0.1))
-    for k in range(5):
-        seeded_grads(a, k, 0, torch.float32)
-        seeded_grads(b, k, 0, torch.float32)
-        oa.step()
-        ob.step()
-    for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert_same_run(oa, a, ob, b, 5)
 
 
 def test_adamuon_skips_a_nan_step_without_a_host_sync_and_keeps_every_bit():

@@ -17,7 +17,8 @@ from hypothesis import given, strategies as st
 from torch.torch_version import TorchVersion
 
 import modopt as mo
-from checks import Syncs, assert_a_nan_step_changes_no_bit, randn, same, saved, seeded_grads, twin_params
+from checks import (Syncs, assert_a_nan_step_changes_no_bit, assert_same_run, randn, same, saved, seeded_grads,
+                    twin_params)
 from harness import Harness
 from modopt.spec import orthogonal as spec
 from modopt.transforms.orthogonal import newton_schulz
@@ -500,17 +501,6 @@ def test_muon_matches_spec():
                 assert torch.allclose(p.detach(), w, rtol=1e-12, atol=1e-13), (kw, k, p.shape)
 
 
-def _assert_same_run(oa, a, ob, b, steps):
-    """`steps` float32 steps of two optimizers on the same gradients; the parameters agree to float32 rounding."""
-    for k in range(steps):
-        seeded_grads(a, k, 0, torch.float32)
-        seeded_grads(b, k, 0, torch.float32)
-        oa.step()
-        ob.step()
-    for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
-
-
 def test_muon_is_its_chain():
     """`Muon(weight_decay=0)` and `Chain(Momentum, Orthogonalize(adjust_lr=...), LR)` make the same step,
     to float32 rounding (Muon adds `-lr*r*O` in one op, the chain multiplies twice, then subtracts)."""
@@ -519,7 +509,7 @@ def test_muon_is_its_chain():
         oa = mo.Modular(a, mo.Muon(0.02, weight_decay=0.0, nesterov=nesterov, adjust_lr_fn=adjust))
         ob = mo.Modular(b, mo.Chain(mo.Momentum(0.95, nesterov=nesterov), mo.Orthogonalize(adjust_lr=adjust),
                                     mo.LR(0.02)))
-        _assert_same_run(oa, a, ob, b, 6)
+        assert_same_run(oa, a, ob, b, 6)
 
 
 def test_muon_in_a_chain_returns_its_update():
@@ -528,7 +518,7 @@ def test_muon_in_a_chain_returns_its_update():
     a, b = twin_params([(8, 4), (4, 8)], torch.float32)
     oa = mo.Modular(a, mo.Muon(0.02), mo.ClipValue(1e30))
     ob = torch.optim.Muon(b, lr=0.02)
-    _assert_same_run(oa, a, ob, b, 5)
+    assert_same_run(oa, a, ob, b, 5)
 
 
 def test_muon_skips_a_nan_step_without_a_host_sync_and_keeps_every_bit():
