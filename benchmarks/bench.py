@@ -67,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import modopt as mo
+from modopt.core import nonfinite
 
 # --------------------------------------------------------------------------- models
 
@@ -585,7 +586,9 @@ SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
 class StepCounter(TorchDispatchMode):
     """Counts what runs under it: aten ops other than views, host syncs (`_local_scalar_dense`,
     `is_nonzero`) and the bytes the ops read and write (torch's fused optimizers count as writing the
-    gradients only when they unscale them)."""
+    gradients only when they unscale them). The counts are a GPU's: inside it a modopt step on the CPU
+    takes the device path (`modopt.core.nonfinite.HOST_ON_CPU` off), which it otherwise reads back on
+    the host; the times elsewhere in this script are this machine's default path."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -593,6 +596,16 @@ class StepCounter(TorchDispatchMode):
         self.syncs = 0
         self.bytes = 0
         self.names: dict[str, int] = {}
+        self._host: list[bool] = []
+
+    def __enter__(self):
+        self._host.append(nonfinite.HOST_ON_CPU)
+        nonfinite.HOST_ON_CPU = False
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        nonfinite.HOST_ON_CPU = self._host.pop()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -88,12 +88,28 @@ def _sync_ops():
 def _make_syncs():
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from modopt.core import nonfinite
+
     class Syncs(TorchDispatchMode):
-        """Counts host syncs (`.item()`, `bool(tensor)`: `aten._local_scalar_dense`, `aten.is_nonzero`) in `n`."""
+        """Counts host syncs (`.item()`, `bool(tensor)`: `aten._local_scalar_dense`, `aten.is_nonzero`) in `n`.
+
+        Inside it, steps on the CPU take the device path (`modopt.core.nonfinite.HOST_ON_CPU` off): the
+        syncs counted are the ones a GPU would wait for."""
 
         def __init__(self):
             super().__init__()
             self.n = 0
+            self._host = []
+
+        def __enter__(self):
+            # what a GPU pays: the device path, which a CPU step otherwise reads back on the host
+            self._host.append(nonfinite.HOST_ON_CPU)
+            nonfinite.HOST_ON_CPU = False
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            nonfinite.HOST_ON_CPU = self._host.pop()
+            return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.n += func in _sync_ops()

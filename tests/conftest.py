@@ -19,3 +19,15 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """Steps on the CPU take the device path of the non-finite skip (what a GPU runs), which they
+    otherwise read back on the host (`modopt.core.nonfinite.HOST_ON_CPU`)."""
+    from modopt.core import nonfinite
+
+    monkeypatch.setattr(nonfinite, "HOST_ON_CPU", False)

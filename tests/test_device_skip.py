@@ -238,3 +238,47 @@ def test_fullgraph_with_the_defaults_equals_eager_with_nan_steps_and_a_scheduler
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert int(comp.stats["skipped_steps"]) == 2
+
+
+@pytest.mark.parametrize("name,t", DEVICE, ids=[n for n, _ in DEVICE])
+def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_ends(name, t, monkeypatch):
+    """On a CPU the step reads the device's decision back (a sync that only reads memory) and runs the
+    plain chain: every parameter, every saved value and the skip count equal the device path's, bit for
+    bit, with NaN steps (a whole cycle of them for Accumulate and Lookahead)."""
+    from modopt.core import nonfinite
+
+    ends, hosts = [], []
+    for host in (True, False):
+        monkeypatch.setattr(nonfinite, "HOST_ON_CPU", host)
+        m = model()
+        opt = mo.Modular(groups(m), *pipeline_of(t))
+        for k in range(9):
+            if k in (3, 6):
+                for _ in range(calls_per_cycle(t)):
+                    backward(m, 99, poison=True)
+                    opt.step()
+            backward(m, k)
+            opt.step()
+        ends.append((saved(opt, m), int(opt.stats["skipped_steps"])))
+        hosts.append(opt.plan.host_on_cpu)
+    assert hosts[0] == (not any(x.decides_skip for _, x in walk([t]))), name  # (SkipStep: the device's count)
+    host, device = ends[0][0], ends[1][0]
+    for k in set(device) - set(host):  # the device path's "started" flags: a value with no flag has started
+        assert k.endswith(".started") and bool(device.pop(k).all()), k
+    same(host, device)
+    assert ends[0][1] == ends[1][1] == 2 * calls_per_cycle(t)
+
+
+def test_on_a_cpu_an_overflowing_norm_skips_as_on_the_device(monkeypatch):
+    """Finite gradients whose total 2-norm overflows float32 skip the step on both paths (the device's
+    rule, the careful loop's `if clip_grad_norm_(...).isfinite()`), not only where the host decided alone."""
+    from modopt.core import nonfinite
+
+    for host in (True, False):
+        monkeypatch.setattr(nonfinite, "HOST_ON_CPU", host)
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(lr=0.1))
+        p.grad = torch.tensor([1e30, 1.0, -1.0, 0.0])
+        opt.step()
+        assert torch.equal(p.detach(), torch.ones(4)), host
+        assert bool(opt.stats["skipped"]) and int(opt.stats["skipped_steps"]) == 1

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import modopt as mo
+from modopt.core import nonfinite
 from checks import Syncs
 
 def model():
@@ -149,14 +150,19 @@ def test_nan_steps_change_nothing_and_no_step_syncs(name, schedule):
         assert autoclip_histories(ob) == reference_histories(norms, MAKES[name]().window)
 
 
-def test_a_first_step_that_is_skipped_leaves_clip_value_growth_unstarted():
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host-on-cpu"])
+def test_a_first_step_that_is_skipped_leaves_clip_value_growth_unstarted(host, monkeypatch):
+    monkeypatch.setattr(nonfinite, "HOST_ON_CPU", host)
     m = model()
     opt = mo.Modular(m.parameters(), mo.ClipValueGrowth(mul=2.0), mo.LR(1.0))
     set_grads(m, NAN)
     opt.step()
     for p in m.parameters():
         st = {k.split(".")[-1]: v for k, v in opt.state[p].items()}
-        assert float(st["started"]) == 0.0 and torch.equal(st["prev"], torch.full_like(p, 1e-4))
+        if host:  # the chain did not run: nothing was made
+            assert st == {}
+        else:  # made by the skipped step, unstarted
+            assert float(st["started"]) == 0.0 and torch.equal(st["prev"], torch.full_like(p, 1e-4))
     set_grads(m, 1)
     grads = [p.grad.clone() for p in m.parameters()]
     before = [p.detach().clone() for p in m.parameters()]

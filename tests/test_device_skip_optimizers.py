@@ -166,7 +166,7 @@ def test_nan_steps_first_included_leave_the_trajectory_as_without_them(name):
         same(a, b)
 
 
-def test_a_nan_first_step_leaves_the_flags_unstarted():
+def test_a_nan_first_step_leaves_the_flags_unstarted(device_path):
     m = model()
     opt = mo.Modular(m.parameters(), mo.ClipValueByEMA(ema_init="update"), mo.SGD(lr=0.1, momentum=0.9,
                                                                                    dampening=0.5))

@@ -225,7 +225,7 @@ def syncs_per_step(**kw) -> tuple[int, int]:
     raise AssertionError
 
 
-def test_the_skip_decision_stays_on_the_device_only_with_the_fused_kernels():
+def test_the_skip_decision_stays_on_the_device_only_with_the_fused_kernels(device_path):
     assert syncs_per_step() == (0, 2)
     assert syncs_per_step(fused=True) == (0, 2)
     # torch's for-loop kernel reads each step count with .item() (a CPU tensor: no device wait), and

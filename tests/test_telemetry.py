@@ -383,7 +383,7 @@ def count_methods(monkeypatch):
     return calls
 
 
-def test_one_transfer_per_read_back_and_none_in_between(tmp_path, count_methods):
+def test_one_transfer_per_read_back_and_none_in_between(tmp_path, count_methods, device_path):
     """N steps of `modopt run`'s default pipeline (ZClip, Adam) with the history, per-module norms
     and a sink on: each step whose row count reaches `every` makes exactly one transfer, the
     read-back (the buffer's copy to the host; its `.tolist()` is of that host copy), and every

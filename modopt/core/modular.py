@@ -357,7 +357,8 @@ class Modular(torch.optim.Optimizer):
         ctx.loss = loss
         if ctx.params:
             grads = [p.grad for p in ctx.params]
-            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, self._skip_on_device)
+            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, self._skip_on_device,
+                                        self.plan.host_on_cpu)
             for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
                 tap(ctx)
             if go:

@@ -51,14 +51,22 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False) 
     return total < math.inf
 
 
-def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False) -> bool:
+#: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
+#: only reads memory) when its plan allows it (`Plan.host_on_cpu`). False keeps the device path there too:
+#: the tests count what a GPU pays with it (tests/checks.py's `Syncs` sets it).
+HOST_ON_CPU = True
+
+
+def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
+                           host_on_cpu: bool = False) -> bool:
     """Apply the policy; return False when the step must be skipped.
 
     With `on_device` (only for `"skip"`, when every transform of the pipeline
     `skips_on_device()`), the decision stays on the device: `ctx.skip` is set to
     the 0-d bool "the total 2-norm is not finite" (from all-reduced norms under
     FSDP2: every rank decides alike) and the chain runs, keeping every state on
-    a skipped step; no host sync at all. Gradients whose total 2-norm overflows
+    a skipped step; no host sync at all (on a CPU, with `host_on_cpu`, the host reads that
+    decision: one sync that only reads memory, and the plain chain). Gradients whose total 2-norm overflows
     the accumulator (finite float32 elements beyond about 1.8e19) then count as
     non-finite, as in the careful torch loop
     (`if clip_grad_norm_(...).isfinite(): opt.step()`).
@@ -89,9 +97,16 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
-        ctx.proceed = maybe_finite(ctx, grads, on_device=True)
-        bad = ctx.skip = ~ctx.proceed
-        ctx.stats["nonfinite"] = bad
+        proceed = maybe_finite(ctx, grads, on_device=True)
+        bad = ctx.stats["nonfinite"] = ~proceed
+        if host_on_cpu and HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
+            # the device's decision, read where reading it is free: the plain chain runs (no cleaning
+            # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
+            if bool(proceed):
+                return True
+            ctx.memo.close()
+            return False
+        ctx.proceed, ctx.skip = proceed, bad
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
         bad, exact = nonfinite_mask(grads), True

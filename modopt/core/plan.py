@@ -17,7 +17,10 @@ the `Plan` and works nothing out again. It holds:
   `Modular.train()` / `eval()` call; they sit at the top level (or in plain `Chain`s), with no weight
   stage after them;
 * whether `nonfinite="skip"` decides on the device: fixed here, unless a transform's answer reads
-  param-group values (`Transform.skip_reads_groups`), which a scheduler may change between steps.
+  param-group values (`Transform.skip_reads_groups`), which a scheduler may change between steps;
+* `host_on_cpu`: whether a step over parameters on the CPU reads that decision back on the host instead
+  (a sync there only reads memory) and runs the plain chain: every pipeline but one holding a transform
+  that adds to the decision itself (`decides_skip`: `SkipStep` counts its skips with the device's).
 
 The analyses are sound: a scale is left out or folded only when it provably changes nothing
 (rounding aside). `modopt.lint` reads the same analyses to tell the user.
@@ -62,6 +65,8 @@ class Plan:
     weights: tuple[tuple[str, Transform], ...] = ()
     #: `(key, transform)` of each transform with `swaps_weights` (Schedule-Free), in chain order
     swaps: tuple[tuple[str, Transform], ...] = ()
+    #: whether a step on the CPU reads the device's skip decision back and runs the plain chain
+    host_on_cpu: bool = False
 
     def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
         """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
@@ -89,7 +94,7 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
         cancelled=cancelled_scales(head, nonfinite), folded=folded, moment_links=links,
         routes=find_routes(transforms), device_skip=device_skip, updates=transforms[:n_updates],
         weights=tuple((f"{i}:{type(t).__name__}", t) for i, t in enumerate(transforms) if i >= n_updates),
-        swaps=swaps,
+        swaps=swaps, host_on_cpu=not any(t.decides_skip for _, t in walk(transforms)),
     )
 
 

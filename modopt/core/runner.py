@@ -142,10 +142,11 @@ class Layout:
     `optimizer.param_groups`; `names[i]` names `params[i]` (or None). `collect`
     returns the same `Layout` for every step whose parameters with a gradient
     (and their groups) are the same objects, so per-layout work (segment tables,
-    kernel plans) runs once. `cache` is free for transforms; keys name their owner.
+    kernel plans) runs once. `cache` is free for transforms; keys name their owner. `on_cpu`: every
+    parameter is on the CPU (where the non-finite decision may be read on the host: `Plan.host_on_cpu`).
     """
 
-    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache")
+    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "on_cpu")
     key: Hashable
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -153,12 +154,14 @@ class Layout:
     ranges: list[tuple[int, int]]
     names: list[str | None]
     cache: dict[Hashable, Any]
+    on_cpu: bool
 
     def __init__(self, key: Hashable, params: list[torch.Tensor], groups: list[dict[str, Any]], group_ids: list[int],
                  ranges: list[tuple[int, int]], names: list[str | None]) -> None:
         self.key, self.params, self.groups, self.group_ids = key, params, groups, group_ids
         self.ranges, self.names = ranges, names
         self.cache = {}
+        self.on_cpu = all(p.device.type == "cpu" for p in params)
 
 
 #: tensors of at most this many elements are cleaned together (`Step.clean_`): one `nan_to_num_` over their
