@@ -366,6 +366,9 @@ class Rewind:
         self._snapshot: dict[str, Any] = {}
         self._event: Any = None
         self._hooks: list[Any] = []
+        #: what was cut short by an exception (a KeyboardInterrupt, an allocation refused) while it wrote:
+        #: "snapshot" (the buffers hold a mix of two steps) or "rewind" (the model and optimizer do); None
+        self._torn: str | None = None
         if cfg.lr_factor != 1.0 and cfg.lr_steps > 0:
             self._hooks = [optimizer.register_step_pre_hook(self._lower_lr),
                            optimizer.register_step_post_hook(self._restore_lr)]
@@ -398,6 +401,7 @@ class Rewind:
         sync except at a check point (one read there). Raises `RewindError`
         when the snapshot was already restored `max_tries` times.
         """
+        self._refuse_if_torn("step")
         cfg = self.config
         x = distributed.world_mean(self._scalar(loss, "loss"))  # (every rank decides on the same value)
         self._pos.add_(1)
@@ -483,6 +487,7 @@ class Rewind:
 
     # --- snapshots ---------------------------------------------------------------------------
     def _take_snapshot(self) -> None:
+        self._torn = "snapshot"  # (the buffers are refilled in place: cut short, they hold two steps)
         bufs = self._bufs
         bufs.start()
         opt = self.optimizer
@@ -504,6 +509,7 @@ class Rewind:
         self._snapshot = snap
         self._mark_copies()
         self._code.zero_()
+        self._torn = None
 
     def _mark_copies(self) -> None:
         """With pinned CPU buffers the copies run asynchronously: remember where they end."""
@@ -524,6 +530,7 @@ class Rewind:
                 f"Rewind: the optimizer has {len(opt.param_groups)} param groups, its snapshot {len(snap['groups'])}; "
                 "a guard cannot restore across add_param_group"
             )
+        self._torn = "rewind"
         with torch.no_grad():
             for (_, t), entry in zip(self._tensors, snap["tensors"]):
                 _local(t).copy_(entry[_TENSOR], non_blocking=True)  # (of a DTensor: into this rank's shard)
@@ -554,6 +561,21 @@ class Rewind:
         self._pos.fill_(self.steps_done)
         self._code.zero_()
         self._saved_lrs = None
+        self._torn = None
+
+    def _refuse_if_torn(self, what: str) -> None:
+        """After a snapshot or a rewind that an exception cut short, the guard stops: what it holds (or what
+        it put back into the model) is a mix of two steps, and a rewind to it, or a checkpoint of it,
+        would pass that on silently."""
+        if self._torn is None:
+            return
+        part = {"snapshot": "the snapshot's buffers hold parts of two steps",
+                "rewind": "the model and optimizer hold parts of the snapshot and of the step they were at",
+                "load": "the guard holds parts of two states"}[self._torn]
+        raise RuntimeError(
+            f"Rewind.{what}: the last {self._torn} was interrupted partway ({part}); reload the last checkpoint "
+            "(model, optimizer and this guard's load_state_dict) to go on"
+        )
 
     # --- the learning-rate cut ---------------------------------------------------------------
     def _lower_lr(self, opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -613,6 +635,7 @@ class Rewind:
         `snapshot_bytes()["total"]`), so a resumed run rewinds as the
         uninterrupted one would.
         """
+        self._refuse_if_torn("state_dict")
         self._wait_copies()
         snap = _exported(self._snapshot)
         return {
@@ -654,6 +677,7 @@ class Rewind:
             raise ValueError(f"{who}: 'pending' must hold the 0-d tensors 'code', 'value' and 'limit'")
         snap = self._load_snapshot(sd["snapshot"], who, counts["steps_done"])
         # everything checked: now change the guard
+        self._torn = "load"
         self.steps_done, self.batches_seen = counts["steps_done"], counts["batches_seen"]
         self._tries, self._lowered_left = counts["tries"], counts["lowered_left"]
         self.rewinds = rewinds
@@ -672,6 +696,7 @@ class Rewind:
         self._snapshot = snap
         self._mark_copies()
         self._saved_lrs = None
+        self._torn = None
 
     def _load_rewinds(self, rows: Any, who: str) -> list[RewindEvent]:
         if not isinstance(rows, list):

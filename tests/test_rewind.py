@@ -729,3 +729,69 @@ def test_modopt_run_interrupted_in_the_middle_of_a_step_resumes_to_the_uninterru
     whole, cut = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in ("whole", "cut"))
     assert all(torch.equal(cut["model"][k], whole["model"][k]) for k in whole["model"])
     assert cut["rewind"]["rewinds"] == whole["rewind"]["rewinds"] and len(whole["rewind"]["rewinds"]) == 1
+
+
+def test_a_snapshot_cut_short_stops_the_guard_until_a_checkpoint_is_reloaded():
+    """An exception (here KeyboardInterrupt) while a snapshot is refilled leaves its buffers holding two steps:
+    the guard then refuses to step or be saved (a rewind to that mix would corrupt the model silently); after
+    the checkpoint is reloaded the run goes on as the uninterrupted one, bit for bit."""
+    def run(steps, model, opt, guard, start=0, cut=None):
+        for t in range(start, steps):
+            loss = train_step(model, opt, t)
+            if t == cut:
+                return guard.step(loss)
+            guard.step(loss)
+
+    straight = make("zclip")
+    straight_guard = mo.Rewind(straight[1], model=straight[0], every=3)
+    run(9, *straight, straight_guard)
+
+    model, opt = make("zclip")
+    guard = mo.Rewind(opt, model=model, every=3)
+    run(4, model, opt, guard)
+    checkpoint = everything(model, opt), guard.state_dict()
+    put = guard._bufs.put
+
+    def cut_short(path, src):
+        if path == ("tensors", 2):
+            raise KeyboardInterrupt
+        return put(path, src)
+
+    guard._bufs.put = cut_short
+    with pytest.raises(KeyboardInterrupt):
+        run(6, model, opt, guard, start=4, cut=5)  # the check of step 6 refreshes the snapshot
+    bufs = guard._bufs.bufs
+    assert torch.equal(bufs[("tensors", 0)], model[0].weight) and not torch.equal(bufs[("tensors", 2)], model[2].weight)
+    with pytest.raises(RuntimeError, match="the last snapshot was interrupted partway .the snapshot's buffers hold parts"):
+        run(7, model, opt, guard, start=6)
+    with pytest.raises(RuntimeError, match="Rewind.state_dict: the last snapshot was interrupted"):
+        guard.state_dict()
+    guard._bufs.put = put
+    model.load_state_dict(checkpoint[0]["model"])
+    opt.load_state_dict(checkpoint[0]["optimizer"])
+    guard.load_state_dict(checkpoint[1])
+    run(9, model, opt, guard, start=4)
+    assert same_everything(everything(model, opt), everything(*straight))
+    assert guard.snapshot_step == straight_guard.snapshot_step == 9
+
+
+def test_a_rewind_cut_short_stops_the_guard(monkeypatch):
+    """Cut short while it puts the optimizer state back (the parameters already restored), a rewind leaves
+    a model of one step and an optimizer of another: the guard refuses to go on and names the recovery."""
+    from modopt import rewind as rewind_mod
+
+    model, opt = make()
+    guard = mo.Rewind(opt, model=model, every=2)
+    for t in range(3):
+        guard.step(train_step(model, opt, t))
+
+    def interrupted(v):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rewind_mod, "_live_value", interrupted)
+    train_step(model, opt, 3)
+    with pytest.raises(KeyboardInterrupt):
+        guard.step(torch.tensor(math.nan))  # the check of step 4 rewinds to step 2
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"Rewind.step: the last rewind was interrupted partway .*reload the last checkpoint"):
+        guard.step(train_step(model, opt, 4))
