@@ -312,7 +312,9 @@ class Rewind:
     step the model is at; `batches_seen` counts every batch fed (rewound ones
     included), so batch `batches_seen + 1` comes next; `rewinds` lists every
     rewind. `state_dict()`/`load_state_dict()` carry all of it, the snapshot
-    included.
+    included. Over FSDP2 (DTensor) parameters each rank's snapshot holds its
+    own shards, and `state_dict()` gives them as DTensors (for
+    `torch.distributed.checkpoint`).
     """
 
     def __init__(
@@ -367,7 +369,8 @@ class Rewind:
         self._event: Any = None
         self._hooks: list[Any] = []
         #: what was cut short by an exception (a KeyboardInterrupt, an allocation refused) while it wrote:
-        #: "snapshot" (the buffers hold a mix of two steps) or "rewind" (the model and optimizer do); None
+        #: "snapshot" (the buffers hold a mix of two steps), "rewind" (the model and optimizer do) or "load"
+        #: (the guard does); None when whole. `step()` and `state_dict()` refuse while it is set
         self._torn: str | None = None
         if cfg.lr_factor != 1.0 and cfg.lr_steps > 0:
             self._hooks = [optimizer.register_step_pre_hook(self._lower_lr),
