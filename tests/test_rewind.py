@@ -605,15 +605,13 @@ def backward(model, opt, t: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
-def _raises_in(where: str, model, opt):
-    """Make the next `opt.step()` raise KeyboardInterrupt from `where`; returns the closure to pass (or None)."""
+def _raises_in(where: str, opt):
+    """Make the next `opt.step()` raise KeyboardInterrupt from `where`: `(closure to pass or None, handle or None)`."""
     def interrupt(*_):
         raise KeyboardInterrupt
     if where == "closure":
-        return interrupt
-    hooks = {"pre-hook": opt.register_step_pre_hook, "tap": opt.add_step_tap}
-    interrupt.handle = hooks[where](interrupt)
-    return None
+        return interrupt, None
+    return None, {"pre-hook": opt.register_step_pre_hook, "tap": opt.add_step_tap}[where](interrupt)
 
 
 @pytest.mark.parametrize("where", ["closure", "pre-hook", "tap"])
@@ -628,14 +626,12 @@ def test_an_interrupt_before_the_transforms_run_changes_nothing(where):
         train_step(straight_model, straight_opt, t)
     backward(model, opt, 4)
     before = everything(model, opt)
-    closure = _raises_in(where, model, opt)
+    closure, handle = _raises_in(where, opt)
     with pytest.raises(KeyboardInterrupt):
         opt.step(closure)
     assert same_everything(everything(model, opt), before)
-    for h in list(opt._optimizer_step_pre_hooks) if where == "pre-hook" else ():
-        opt._optimizer_step_pre_hooks.pop(h)
-    for tap in list(getattr(opt, "_step_taps", {})) if where == "tap" else ():
-        opt._step_taps.pop(tap)
+    if handle is not None:
+        handle.remove()
     backward(model, opt, 4)
     opt.step()
     assert same_everything(everything(model, opt), everything(straight_model, straight_opt))
