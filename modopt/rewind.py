@@ -58,6 +58,8 @@ TRIGGERS = {1: "non-finite loss", 2: "loss spike", 3: "grad-norm spike"}
 FORMAT_VERSION = 1
 #: how a snapshot marks a tensor in `state_dict()` (its buffer and the device it came from)
 _TENSOR = "__rewind_tensor__"
+#: the layout of a DTensor whose local shard a snapshot entry holds (in memory only; `state_dict()` gives the DTensor)
+_SHARDED = "__rewind_dtensor__"
 #: state keys of torch.optim optimizers whose values are never negative (counts, second moments, sums of squares)
 _NONNEGATIVE_TORCH_STATE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf"})
 
@@ -151,8 +153,39 @@ class _Window:
         return {"buf": self.buf, "count": self.count}
 
 
-def _plain_tensor_entry(t: torch.Tensor, device: torch.device | str) -> dict[str, Any]:
-    return {_TENSOR: t, "device": str(device)}
+def _plain_tensor_entry(t: torch.Tensor, device: torch.device | str, spec: tuple | None = None) -> dict[str, Any]:
+    """A snapshot entry: the buffer `t` and the device its tensor lives on; for a DTensor (FSDP2) `t`
+    is this rank's local shard and `spec` what makes the DTensor again (`_layout`)."""
+    entry = {_TENSOR: t, "device": str(device)}
+    if spec is not None:
+        entry[_SHARDED] = spec
+    return entry
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    """`(mesh, placements, global shape, global stride)` of a DTensor; None for a plain tensor."""
+    if not distributed.is_sharded(t):
+        return None
+    return (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage: an in-place write changes the DTensor); `t` otherwise."""
+    return t.to_local() if distributed.is_sharded(t) else t
+
+
+def _sharded(local: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """The DTensor of layout `spec` whose shard on this rank is `local` (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
+
+
+def _same_layout(a: tuple | None, b: tuple | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[0] == b[0] and a[1] == b[1] and tuple(a[2]) == tuple(b[2])
 
 
 class _Buffers:
@@ -164,13 +197,16 @@ class _Buffers:
         self.used: set[tuple] = set()
 
     def put(self, path: tuple, src: torch.Tensor) -> dict[str, Any]:
+        """Copy `src` into its buffer; of a DTensor, this rank's shard only (memory per rank: its shards)."""
         src = src.detach()
+        spec = _layout(src)
+        src = _local(src)
         buf = self.bufs.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != self._home(src.device):
             buf = self.bufs[path] = self._empty(src.shape, src.dtype, src.device)
         buf.copy_(src, non_blocking=buf.device.type == "cpu" and src.device.type == "cuda")  # (into pinned memory)
         self.used.add(path)
-        return _plain_tensor_entry(buf, src.device)
+        return _plain_tensor_entry(buf, src.device, spec)
 
     def _home(self, device: torch.device) -> torch.device:
         return device if self.where == "device" else torch.device("cpu")
@@ -191,11 +227,13 @@ class _Buffers:
     def adopt(self, path: tuple, entry: dict[str, Any]) -> dict[str, Any]:
         """Place a loaded snapshot tensor where this guard keeps its buffers."""
         t = entry[_TENSOR]
+        spec = _layout(t)  # a DTensor (a sharded tensor's entry in `state_dict()`): keep this rank's shard
+        t = _local(t)
         src_dev = torch.device(entry["device"])
         buf = self.bufs[path] = self._empty(t.shape, t.dtype, src_dev)
         buf.copy_(t)
         self.used.add(path)
-        return _plain_tensor_entry(buf, src_dev)
+        return _plain_tensor_entry(buf, src_dev, spec)
 
     def nbytes(self, first: str | None = None) -> int:
         return sum(b.numel() * b.element_size() for p, b in self.bufs.items() if first is None or p[0] == first)
@@ -215,11 +253,28 @@ def _snap_value(bufs: _Buffers, path: tuple, v: Any) -> Any:
 def _live_value(v: Any) -> Any:
     """The value a snapshot entry restores to: a fresh tensor on the device it came from."""
     if isinstance(v, dict) and _TENSOR in v:
-        return v[_TENSOR].to(torch.device(v["device"]), copy=True, non_blocking=True)
+        t = v[_TENSOR].to(torch.device(v["device"]), copy=True, non_blocking=True)
+        return _sharded(t, v[_SHARDED]) if _SHARDED in v else t
     if isinstance(v, dict):
         return {k: _live_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_live_value(x) for x in v)
+    return copy.deepcopy(v)
+
+
+def _exported(v: Any) -> Any:
+    """A snapshot as `state_dict()` gives it: every value copied; a sharded tensor's entry holds the
+    DTensor made of (a copy of) this rank's shard, so that torch.distributed.checkpoint saves each
+    rank's shard (a plain tensor would be taken as replicated and saved from one rank only)."""
+    if isinstance(v, dict) and _TENSOR in v:
+        t = v[_TENSOR].clone()
+        return {_TENSOR: _sharded(t, v[_SHARDED]) if _SHARDED in v else t, "device": v["device"]}
+    if isinstance(v, dict):
+        return {k: _exported(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_exported(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return v.clone()
     return copy.deepcopy(v)
 
 
@@ -257,7 +312,9 @@ class Rewind:
     step the model is at; `batches_seen` counts every batch fed (rewound ones
     included), so batch `batches_seen + 1` comes next; `rewinds` lists every
     rewind. `state_dict()`/`load_state_dict()` carry all of it, the snapshot
-    included.
+    included. Over FSDP2 (DTensor) parameters each rank's snapshot holds its
+    own shards, and `state_dict()` gives them as DTensors (for
+    `torch.distributed.checkpoint`).
     """
 
     def __init__(
@@ -311,6 +368,10 @@ class Rewind:
         self._snapshot: dict[str, Any] = {}
         self._event: Any = None
         self._hooks: list[Any] = []
+        #: what was cut short by an exception (a KeyboardInterrupt, an allocation refused) while it wrote:
+        #: "snapshot" (the buffers hold a mix of two steps), "rewind" (the model and optimizer do) or "load"
+        #: (the guard does); None when whole. `step()` and `state_dict()` refuse while it is set
+        self._torn: str | None = None
         if cfg.lr_factor != 1.0 and cfg.lr_steps > 0:
             self._hooks = [optimizer.register_step_pre_hook(self._lower_lr),
                            optimizer.register_step_post_hook(self._restore_lr)]
@@ -343,6 +404,7 @@ class Rewind:
         sync except at a check point (one read there). Raises `RewindError`
         when the snapshot was already restored `max_tries` times.
         """
+        self._refuse_if_torn("step")
         cfg = self.config
         x = distributed.world_mean(self._scalar(loss, "loss"))  # (every rank decides on the same value)
         self._pos.add_(1)
@@ -428,6 +490,7 @@ class Rewind:
 
     # --- snapshots ---------------------------------------------------------------------------
     def _take_snapshot(self) -> None:
+        self._torn = "snapshot"  # (the buffers are refilled in place: cut short, they hold two steps)
         bufs = self._bufs
         bufs.start()
         opt = self.optimizer
@@ -449,6 +512,7 @@ class Rewind:
         self._snapshot = snap
         self._mark_copies()
         self._code.zero_()
+        self._torn = None
 
     def _mark_copies(self) -> None:
         """With pinned CPU buffers the copies run asynchronously: remember where they end."""
@@ -469,9 +533,10 @@ class Rewind:
                 f"Rewind: the optimizer has {len(opt.param_groups)} param groups, its snapshot {len(snap['groups'])}; "
                 "a guard cannot restore across add_param_group"
             )
+        self._torn = "rewind"
         with torch.no_grad():
             for (_, t), entry in zip(self._tensors, snap["tensors"]):
-                t.copy_(entry[_TENSOR], non_blocking=True)
+                _local(t).copy_(entry[_TENSOR], non_blocking=True)  # (of a DTensor: into this rank's shard)
             for p in params:
                 opt.state.pop(p, None)
             for i, s in snap["state"].items():
@@ -499,6 +564,21 @@ class Rewind:
         self._pos.fill_(self.steps_done)
         self._code.zero_()
         self._saved_lrs = None
+        self._torn = None
+
+    def _refuse_if_torn(self, what: str) -> None:
+        """After a snapshot or a rewind that an exception cut short, the guard stops: what it holds (or what
+        it put back into the model) is a mix of two steps, and a rewind to it, or a checkpoint of it,
+        would pass that on silently."""
+        if self._torn is None:
+            return
+        part = {"snapshot": "the snapshot's buffers hold parts of two steps",
+                "rewind": "the model and optimizer hold parts of the snapshot and of the step they were at",
+                "load": "the guard holds parts of two states"}[self._torn]
+        raise RuntimeError(
+            f"Rewind.{what}: the last {self._torn} was interrupted partway ({part}); reload the last checkpoint "
+            "(model, optimizer and this guard's load_state_dict) to go on"
+        )
 
     # --- the learning-rate cut ---------------------------------------------------------------
     def _lower_lr(self, opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -558,9 +638,9 @@ class Rewind:
         `snapshot_bytes()["total"]`), so a resumed run rewinds as the
         uninterrupted one would.
         """
+        self._refuse_if_torn("state_dict")
         self._wait_copies()
-        snap = _map_tensors(self._snapshot, lambda _, e: {_TENSOR: e[_TENSOR].clone(), "device": e["device"]})
-        snap = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in snap.items()}
+        snap = _exported(self._snapshot)
         return {
             "format_version": FORMAT_VERSION,
             "config": self.config.model_dump(mode="json"),
@@ -600,6 +680,7 @@ class Rewind:
             raise ValueError(f"{who}: 'pending' must hold the 0-d tensors 'code', 'value' and 'limit'")
         snap = self._load_snapshot(sd["snapshot"], who, counts["steps_done"])
         # everything checked: now change the guard
+        self._torn = "load"
         self.steps_done, self.batches_seen = counts["steps_done"], counts["batches_seen"]
         self._tries, self._lowered_left = counts["tries"], counts["lowered_left"]
         self.rewinds = rewinds
@@ -618,6 +699,7 @@ class Rewind:
         self._snapshot = snap
         self._mark_copies()
         self._saved_lrs = None
+        self._torn = None
 
     def _load_rewinds(self, rows: Any, who: str) -> list[RewindEvent]:
         if not isinstance(rows, list):
@@ -658,9 +740,22 @@ class Rewind:
             if not isinstance(saved, torch.Tensor) or saved.shape != t.shape or saved.dtype != t.dtype:
                 raise ValueError(f"{who}: the snapshot's {name} does not match ({getattr(saved, 'shape', None)} "
                                  f"{getattr(saved, 'dtype', None)} vs {tuple(t.shape)} {t.dtype})")
+            self._check_layout(saved, t, f"{who}: the snapshot's {name}")
         n = len(self._opt_params())
         if not isinstance(snap["state"], dict) or any(not isinstance(i, int) or not 0 <= i < n for i in snap["state"]):
             raise ValueError(f"{who}: snapshot.state must map parameter indices 0..{n - 1} to their state")
+        params = self._opt_params()
+        for i, entry in snap["state"].items():
+            def check(path: tuple, e: Any, p: torch.Tensor = params[i]) -> None:
+                t, live = e.get(_TENSOR) if isinstance(e, dict) else None, self.optimizer.state.get(p)
+                for k in path:
+                    live = live.get(k) if isinstance(live, dict) else None
+                what = f"{who}: snapshot state {'.'.join(map(str, path))} of parameter {i}"
+                if isinstance(t, torch.Tensor) and isinstance(live, torch.Tensor):
+                    self._check_layout(t, live, what)
+                elif isinstance(t, torch.Tensor) and distributed.is_sharded(t) and not distributed.is_sharded(p):
+                    self._check_layout(t, p, what)
+            _map_tensors(entry, check)
         if not isinstance(snap["groups"], list) or len(snap["groups"]) != len(self.optimizer.param_groups):
             raise ValueError(f"{who}: the snapshot has {len(snap['groups']) if isinstance(snap['groups'], list) else '?'} "
                              f"param groups, the optimizer {len(self.optimizer.param_groups)}")
@@ -675,6 +770,22 @@ class Rewind:
             raise ValueError(f"{who}: snapshot.skipped_steps must be a 0-d tensor (the Modular's skipped-step count)")
         self._check_snapshot_values(snap, who)
         return snap
+
+    @staticmethod
+    def _check_layout(saved: torch.Tensor, live: torch.Tensor, what: str) -> None:
+        """A snapshot tensor is laid out over the ranks as the live tensor it restores (FSDP2): both plain,
+        or DTensors of the same mesh, placements and shape whose shards on this rank have the same shape
+        (a rewind copies shard into shard)."""
+        a, b = _layout(saved), _layout(live)
+        if not _same_layout(a, b):
+            def words(spec: tuple | None) -> str:
+                return "a plain tensor" if spec is None else f"a DTensor {list(spec[1])} over {spec[0]}"
+
+            raise ValueError(f"{what} is {words(a)}, the live one {words(b)}: a guard's state loads into the same "
+                             "layout (the same FSDP2 sharding, the same number of ranks)")
+        if a is not None and _local(saved).shape != _local(live).shape:
+            raise ValueError(f"{what}: this rank's shard has shape {tuple(_local(saved).shape)}, the live one "
+                             f"{tuple(_local(live).shape)} (another rank's state?)")
 
     def _check_snapshot_values(self, snap: dict[str, Any], who: str) -> None:
         """The snapshot's values against the live optimizer, as its own `load_state_dict` would check them:
@@ -696,8 +807,8 @@ class Rewind:
             {"store": snap["store"]} if "store" in snap else {}), plain)
         flags: list[tuple[str, torch.Tensor]] = []
         for (name, _), t in zip(self._tensors, values["tensors"]):
-            if t.is_floating_point():
-                flags.append((f"the snapshot's {name}", torch.isfinite(t).all()))
+            if t.is_floating_point():  # (of a DTensor: each rank checks its own shard, as Modular's load does)
+                flags.append((f"the snapshot's {name}", torch.isfinite(_local(t)).all()))
         opt, params = self.optimizer, self._opt_params()
         if isinstance(opt, Modular):
             from .core.checkpoint import StateLoader
@@ -725,6 +836,7 @@ class Rewind:
                                          f"{getattr(v, 'shape', type(v).__name__)} {getattr(v, 'dtype', '')}, the "
                                          f"optimizer's is {tuple(old.shape)} {old.dtype}")
                     if isinstance(v, torch.Tensor) and v.is_floating_point():
+                        v = _local(v)
                         ok = (~torch.isnan(v) if k in TORCH_SQUARES else torch.isfinite(v)).all()
                         if k in _NONNEGATIVE_TORCH_STATE:
                             ok = ok & (v >= 0).all()
