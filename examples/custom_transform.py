@@ -1,6 +1,6 @@
 """A stateful transform written outside the package: registered, serialisable, checkpointed, tested.
 
-docs/contributing.md (section 5, State) points here; the tests run this file.
+docs/transform-reference.md (State) points here; the tests run this file.
 `ClipToRunningAbs` clips every element of the update to `factor` times an EMA
 of that element's magnitude: a per-element spike guard.
 

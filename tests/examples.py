@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "Normalize": mo.Normalize(2.0, ord=3.0, scope="group", eps=1e-8, min_size=2),
     "Centralize": mo.Centralize(scope="tensor", dim=(0,), inverse_dims=True, min_size=3),
     "GradientCentralization": mo.GradientCentralization(dim=1, inverse_dims=False, scope="tensor", min_size=1),
+    "Sign": mo.Sign(),  # it has no fields
     "Chain": mo.Chain(mo.ClipNorm(2.0), mo.Chain(mo.Normalize(), mo.Identity())),
     "LR": mo.LR(0.05),
     "SGD": [
@@ -180,6 +181,7 @@ SPECS = {
     "Normalize": Spec(spec_core.normalize),
     "Centralize": Spec(spec_core.centralize, cancels=True),
     "GradientCentralization": Spec(spec_core.centralize, cancels=True),  # Centralize with other defaults
+    "Sign": Spec(spec_core.sign),
     "ZScoreNormalize": Spec(spec_adaptive.z_score_normalize),
     "ClipValueByPercentile": Spec(spec_percentile.clip_value_by_percentile),
     "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards_accumulate.py

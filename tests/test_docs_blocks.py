@@ -4,7 +4,7 @@ Each page's runnable blocks run in ONE fresh Python process (so a block sees wha
 defined), in an empty temporary directory, with ``MPLBACKEND=Agg``, under a per-page timeout. Where a
 page shows output, what the block printed must match it. The conventions a page uses to steer this
 (hidden setup, fragments, skips, shown output, command transcripts) are documented in
-docs/contributing.md, "Code blocks in the docs"; this file is their only implementation.
+docs/transform-reference.md, "Code blocks in the docs"; this file is their only implementation.
 
 Run ``python tests/test_docs_blocks.py PAGE.md`` to run one page the way the test does and see
 what each block printed.
@@ -633,11 +633,11 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_the_example_of_the_conventions_in_contributing_md_runs_as_it_says(tmp_path):
-    text = (ROOT / "docs" / "contributing.md").read_text()
-    blocks, _ = read_blocks(text[text.index("## Code blocks in the docs"):], "docs/contributing.md")
+def test_the_example_of_the_conventions_in_the_transform_reference_runs_as_it_says(tmp_path):
+    text = (ROOT / "docs" / "transform-reference.md").read_text()
+    blocks, _ = read_blocks(text[text.index("## Code blocks in the docs"):], "docs/transform-reference.md")
     (example,) = [b for b in blocks if b.lang == "markdown"]
-    plan = plan_page(example.code, "contributing.md example")
+    plan = plan_page(example.code, "transform-reference.md example")
     assert [s.kind for s in plan.steps] == ["python", "python"] and plan.steps[1].expect is not None
     assert check_results(plan, *run_plan(plan, tmp_path)) == []
 

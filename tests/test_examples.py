@@ -30,7 +30,7 @@ def test_script_runs_quick(script):
     assert r.returncode == 0, r.stderr[-3000:]
     if script.name == "checkpoint_resume.py":
         assert "identical = True" in r.stdout
-    if script.name == "custom_transform.py":  # the stateful example of docs/contributing.md
+    if script.name == "custom_transform.py":  # the stateful example of docs/transform-reference.md
         assert "matches the float64 reference" in r.stdout and "bit-exact: True" in r.stdout
 
 

@@ -6,7 +6,7 @@ real ``.grad``, on drawn shapes (0-d included), two param groups, float32 and
 float64, with the ``NON_DEFAULT`` instances, the default instance and other scopes.
 A test-name entry names the test that checks a stateful transform step by step.
 Also here: every shipped transform is exported flat, and the worked example of
-``docs/contributing.md`` is the shipped code.
+``docs/transform-reference.md`` is the shipped code.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def test_every_shipped_transform_is_exported_flat_from_its_family():
 
 
 # --- the worked example of the guide --------------------------------------------------------------
-GUIDE = ROOT / "docs" / "contributing.md"
+GUIDE = ROOT / "docs" / "transform-reference.md"  # (the guide, docs/contributing.md, links to it)
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -179,13 +179,13 @@ def python_blocks(path: Path) -> list[str]:
 
 def test_the_guides_worked_example_is_the_shipped_code():
     blocks = python_blocks(GUIDE)
-    assert inspect.getsource(mo.ClipNormByRMS) in blocks, "docs/contributing.md must quote ClipNormByRMS as shipped"
-    assert inspect.getsource(spec_core.clip_norm_by_rms) in blocks, "docs/contributing.md must quote its spec as shipped"
+    assert inspect.getsource(mo.ClipNormByRMS) in blocks, "docs/transform-reference.md must quote ClipNormByRMS as shipped"
+    assert inspect.getsource(spec_core.clip_norm_by_rms) in blocks, "docs/transform-reference.md must quote its spec as shipped"
     quoted = [line.strip() for b in blocks for line in b.splitlines() if line.strip().startswith('"ClipNormByRMS":')]
     assert len(quoted) >= 2  # its NON_DEFAULT and SPECS lines
     examples = {line.strip() for line in (ROOT / "tests" / "examples.py").read_text().splitlines()}
     for line in quoted:
-        assert line in examples, f"docs/contributing.md quotes {line!r}, which is not in tests/examples.py"
+        assert line in examples, f"docs/transform-reference.md quotes {line!r}, which is not in tests/examples.py"
     assert "ClipNormByRMS" in NON_DEFAULT and isinstance(SPECS["ClipNormByRMS"], Spec)
 
 

@@ -68,3 +68,8 @@ def identity(updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def lr(updates: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
     """`LR`: the updates times `lr`."""
     return [lr * u.to(torch.float64) for u in updates]
+
+
+def sign(updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`Sign`: every (finite) element replaced by -1, 0 or 1 (signSGD's direction; the sign of 0 is 0)."""
+    return [torch.where(u > 0, 1.0, torch.where(u < 0, -1.0, 0.0)).to(torch.float64) for u in updates]

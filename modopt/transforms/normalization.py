@@ -13,7 +13,7 @@ from ..core.runner import Step, TransformState
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
-__all__ = ["Normalize", "Centralize", "GradientCentralization"]
+__all__ = ["Normalize", "Centralize", "GradientCentralization", "Sign"]
 
 
 def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: bool = True) -> torch.Tensor:
@@ -123,3 +123,34 @@ class GradientCentralization(Centralize):
 
     dim: Dims = 0
     inverse_dims: bool = True
+
+
+class Sign(Transform):
+    r"""Replace every element of the update by its sign: signSGD's direction.
+
+    $$
+    u_i \leftarrow \operatorname{sign}(u_i) \in \{-1, 0, 1\}
+    $$
+
+    with $\operatorname{sign}(0) = 0$, as `torch.sign`. Before an `LR` it is
+    signSGD (Bernstein et al. 2018, "signSGD: Compressed Optimisation for
+    Non-Convex Problems"); after `Momentum(beta, nesterov=False)` it is their
+    Signum. It has no fields. Reproduces optax's `scale_by_sign` and torchzero's
+    `Sign`.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3)); p.grad = torch.tensor([2.0, -0.5, 0.0])
+    >>> opt = mo.Modular([p], mo.Sign(), mo.LR(0.1)); opt.step(); p.data
+    tensor([-0.1000,  0.1000,  0.0000])
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = None
+    device_skip = True  # keeps its state on a step the device skips (it has none)
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The sign of every element, in place."""
+        torch._foreach_sign_(updates)
+        return updates
