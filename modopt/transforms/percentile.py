@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
+from ..core import distributed
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 
@@ -73,6 +74,8 @@ class ClipValueByPercentile(Scoped):
                 if on and u.numel():
                     self._clip_slices(u, dims)
             return updates
+        if distributed.any_sharded(updates):  # FSDP2 / tensor parallel: the k-th value of the full tensors
+            return self._clip_sharded(st, updates, seg)
         thresholds = []
         for a, b in seg.ranges:
             ts = updates[a:b]
@@ -87,6 +90,23 @@ class ClipValueByPercentile(Scoped):
                 t.clamp_(min=-c, max=c)
         if thresholds:
             st.record("threshold", torch.stack(thresholds))
+        return updates
+
+    def _clip_sharded(self, st: TransformState, updates: list[torch.Tensor], seg) -> list[torch.Tensor]:
+        chosen, ks = [], []
+        for a, b in seg.ranges:
+            n = sum(t.numel() for t in updates[a:b])  # (a DTensor's numel is its full tensor's)
+            if n and seg.active[a]:
+                chosen.append((a, b))
+                ks.append(order_index(self.pct, n) + 1)
+        if not chosen:
+            return updates
+        bounds = distributed.kth_abs(updates, chosen, ks)
+        for (a, b), bound in zip(chosen, bounds.unbind(0)):
+            for t in updates[a:b]:
+                c = bound.to(t.dtype)
+                distributed.local(t).clamp_(min=-c, max=c)  # each rank its own elements
+        st.record("threshold", bounds)
         return updates
 
     def _clip_slices(self, u: torch.Tensor, dims: tuple[int, ...]) -> None:
