@@ -42,7 +42,9 @@ class ClipValueByPercentile(Scoped):
     the smallest magnitude, an empty tensor is unchanged. Computed with
     `torch.kthvalue` (`torch.quantile` rounds differently, rejects half
     precision and inputs over 2**24 elements); half precision is ranked in
-    float32, which is exact. Defaults: `scope="tensor"`. Reproduces the
+    float32, which is exact. Sharded tensors (FSDP2, tensor parallel) are
+    clamped to the percentile of the full tensors, exactly
+    (`modopt.core.distributed.kth_abs`). Defaults: `scope="tensor"`. Reproduces the
     percentile clipping of a Lean 4 spec of gradient utilities; functional
     form `modopt.clip_grad_percentile_()`.
 

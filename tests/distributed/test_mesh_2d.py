@@ -17,19 +17,19 @@ The bugs this guards against move the parameters by 1e-4 to 1e-3 (the control ca
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import pytest
-
-import mesh2d_worker as w
-import modopt as mo
-from test_distributed import free_port, _GlooStartup  # noqa: F401  (the launcher pattern of the 2-process tests)
-
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mesh2d_worker as w
+import modopt as mo
+from test_distributed import _GlooStartup, free_port  # the launcher pattern of the 2-process tests
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 240
