@@ -10,16 +10,23 @@ hold DTensors to `reduce()`, which
    (`to_local()`): the max and the scaled sum of `|x|**p` for p-norms, the
    count of non-zeros, sums for means, sums of squared deviations for
    variances, all accumulated in at least float32;
-2. all-reduces them over the process groups of the mesh dims on which the
-   tensor is `Shard`-ed (`Replicate` dims hold the same values everywhere
-   and are not reduced; a `Partial` tensor is an error), batched: one
-   collective per kind of partial and group, per call;
+2. all-reduces them over the process groups of the mesh dims that split the
+   tensor (`Shard`, and `_StridedShard`, FSDP2's placement on a dim that
+   tensor parallelism split already; `Replicate` dims hold the same values
+   everywhere and are not summed; a `Partial` tensor is an error), each
+   group from `device_mesh.get_group(dim)`, batched: one collective per kind
+   of partial and group, per call. The NaN flags and maxima of p-norms are
+   reduced with MAX over every mesh dim, `Replicate` ones too, so a NaN in one
+   rank's copy of a replicated tensor reaches every rank (the non-finite
+   decision is the same everywhere);
 3. returns plain tensors, exactly as in a single process, so everything a
    transform computes from a statistic (scales, EMAs of norms, warm-up
    counters, histories) is a plain tensor, identical on every rank.
 
 A plain 0-d scale multiplies a DTensor as a replicated scalar, so the scales
-apply back with the transforms' ordinary (local) ops.
+apply back with the transforms' ordinary (local) ops. Percentiles of elements
+(`kth_abs`) are found exactly by a bisection on counts, without sending an
+element. Tested on a 2x2 mesh (TP x FSDP2, tests/distributed/test_mesh_2d.py).
 
 Per-slice statistics (`scope="tensor"` with `dim`) of sharded parameters
 are refused with a `ValueError` naming the parameter and its sharded
@@ -69,25 +76,49 @@ def any_sharded(tensors: Sequence[torch.Tensor | None]) -> bool:
     return any(issubclass(c, cls) for c in set(map(type, tensors)))  # the distinct types only (C-level scan)
 
 
+def _splits(pl: Any) -> bool:
+    """True for a placement that splits the tensor over its mesh dim: `Shard`, and `_StridedShard`, which
+    FSDP2 puts on the dp dim of a parameter that tensor parallelism already sharded on the same tensor dim
+    (its `is_shard()` is False in torch 2.13: testing `is_shard()` alone would leave that dim unreduced)."""
+    return not (pl.is_replicate() or pl.is_partial())
+
+
 def _groups_of(t: torch.Tensor, where: str = "") -> tuple:
-    """The process groups to all-reduce a partial statistic of `t` over (empty: it is whole here)."""
+    """The process groups to all-reduce a partial *sum* (or count, or max) of `t` over: those of the mesh dims
+    that split `t` (empty: it is whole here). `Replicate` dims are left out: each of their ranks holds the
+    same values, and summing over them would count those values once per rank."""
     if not is_sharded(t):
         return ()
     mesh = t.device_mesh
     groups = []
     for mesh_dim, pl in enumerate(t.placements):
-        if pl.is_shard():
-            groups.append(mesh.get_group(mesh_dim))
-        elif pl.is_partial():
+        if pl.is_partial():
             raise ValueError(
                 f"modopt: {where or 'a tensor'} is a DTensor with a Partial placement (an unreduced sum); "
                 "statistics need Shard or Replicate placements (redistribute it first)"
             )
+        if _splits(pl):
+            groups.append(mesh.get_group(mesh_dim))
     return tuple(groups)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _all_groups_of(t: torch.Tensor) -> tuple:
+    """The groups of every mesh dim of `t` (split or replicated): a *maximum* taken over them is the same
+    on every rank that holds a piece or a copy of `t`, even where copies that should be equal are not
+    (a NaN in one rank's copy of a replicated gradient: every rank sees it)."""
+    if not is_sharded(t):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(d) for d in range(mesh.ndim))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds (its local shard; `t` itself when it is not a DTensor): an in-place
+    op on it changes `t`."""
     return t.to_local() if is_sharded(t) else t
+
+
+_local = local
 
 
 def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
@@ -121,10 +152,14 @@ def tensor_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> to
         return torch.zeros(0, dtype=acc)
     keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
     local = torch.stack(foreach_pnorm([_local(t) for t in tensors], p)).to(acc)
-    if p == 0:  # non-zero counts add up
+    # the NaN flag and the maximum, in one MAX over every mesh dim (Replicate dims too: an inf or NaN in
+    # one rank's copy reaches every rank, so every rank takes the same decision on it)
+    if p == 0:  # non-zero counts add up (over the splitting dims only); a count is never NaN
         return _all_reduce(local, keys, dist.ReduceOp.SUM)
-    nan = _all_reduce(local.isnan().to(acc), keys, dist.ReduceOp.SUM) > 0
-    big = _all_reduce(torch.nan_to_num(local, nan=0.0), keys, dist.ReduceOp.MAX)
+    n = len(tensors)
+    flagmax = _all_reduce(torch.cat([local.isnan().to(acc), torch.nan_to_num(local, nan=0.0)]),
+                          [_all_groups_of(t) for t in tensors] * 2, dist.ReduceOp.MAX)
+    nan, big = flagmax[:n] > 0, flagmax[n:]
     if math.isinf(p):
         out = big
     else:
@@ -133,6 +168,46 @@ def tensor_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> to
         s = _all_reduce(torch.nan_to_num(q, nan=0.0), keys, dist.ReduceOp.SUM)
         out = torch.where(torch.isfinite(big) & (big > 0), safe * s.pow(1.0 / p), big)
     return torch.where(nan, torch.full_like(out, math.nan), out)
+
+
+def kth_abs(tensors: list[torch.Tensor], ranges: list[tuple[int, int]], ks: list[int]) -> torch.Tensor:
+    """1-D plain tensor: for each segment `tensors[a:b]` of `ranges`, the `ks[i]`-th smallest (1-based) `|x|`
+    over the elements of its *full* tensors, exactly (the value `torch.kthvalue` gives one process).
+
+    Found by bisection on the bit patterns of the magnitudes, which order non-negative floats as their
+    values do: 31 rounds in float32 (63 in float64), each counting, on the local shards, the elements at or
+    below the middle pattern and summing the counts over the splitting mesh dims (one all-reduce per
+    round, group and kind of placement; no element is sent, nothing is read on the host). Half precision
+    is ranked in float32 (exact). A segment with a NaN ranks it above every number, as `kthvalue` does,
+    but returns +inf where the rank falls on a NaN (a non-finite step is skipped before this under the
+    default policy).
+    """
+    import torch.distributed as dist
+
+    acc = common_acc_dtype(tensors)
+    ibits, rounds = (torch.int64, 63) if acc == torch.float64 else (torch.int32, 31)
+    dev = _device([_local(t) for t in tensors])
+    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
+    bits = [_local(t).detach().abs().to(acc).reshape(-1).view(ibits) for t in tensors]
+    seg_of = [s for s, (a, b) in enumerate(ranges) for _ in range(a, b)]
+    pick = on_device(seg_of, torch.int64, dev)
+    k = on_device(ks, torch.float64, dev)
+    lo = torch.zeros(len(ranges), dtype=ibits, device=dev)
+    hi = torch.full_like(lo, int(torch.tensor(math.inf, dtype=acc).view(ibits)))  # the pattern of +inf
+    ranged = [i for a, b in ranges for i in range(a, b)]
+    for _ in range(rounds):  # invariant: at least k elements are <= hi, fewer than k are < lo
+        mid = lo + (hi - lo) // 2
+        mids = mid.index_select(0, pick).unbind(0) if ranged else ()
+        counts = torch.zeros(len(tensors), dtype=torch.float64, device=dev)
+        if ranged:
+            local = torch.stack([(bits[i] <= m).sum(dtype=torch.float64) for i, m in zip(ranged, mids)])
+            counts = counts.index_copy(0, on_device(ranged, torch.int64, dev), local)
+        counts = _all_reduce(counts, keys, dist.ReduceOp.SUM)
+        per_seg = torch.zeros(len(ranges), dtype=torch.float64, device=dev).index_add_(0, pick, counts[ranged] if ranged else counts[:0])
+        enough = per_seg >= k
+        hi = torch.where(enough, mid, hi)
+        lo = torch.where(enough, lo, mid + 1)
+    return hi.view(acc)
 
 
 def _tensor_sums(locals_: list[torch.Tensor], keys: list[tuple], acc: torch.dtype, fn) -> torch.Tensor:
@@ -176,7 +251,7 @@ def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names:
     for i, (p, ds) in enumerate(zip(params, dims)):
         if is_sharded(p):
             name = (names[i] if i < len(names) else None) or f"#{i}"
-            sharded = [pl.dim % max(p.dim(), 1) for pl in p.placements if pl.is_shard()]
+            sharded = sorted({pl.dim % max(p.dim(), 1) for pl in p.placements if _splits(pl)})
             raise ValueError(
                 f"modopt: parameter {name} (shape {tuple(p.shape)}) is a DTensor sharded on dim(s) {sharded}; "
                 f"per-slice statistics (scope='tensor' with dim/inverse_dims; here over dims {tuple(ds)}) of "
@@ -225,4 +300,4 @@ def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.isfinite(maxabs).all()
 
 
-__all__ = ["world_mean", "any_nonfinite", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]
+__all__ = ["world_mean", "any_nonfinite", "kth_abs", "local", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]

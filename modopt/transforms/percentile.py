@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
+from ..core import distributed
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 
@@ -41,7 +42,9 @@ class ClipValueByPercentile(Scoped):
     the smallest magnitude, an empty tensor is unchanged. Computed with
     `torch.kthvalue` (`torch.quantile` rounds differently, rejects half
     precision and inputs over 2**24 elements); half precision is ranked in
-    float32, which is exact. Defaults: `scope="tensor"`. Reproduces the
+    float32, which is exact. Sharded tensors (FSDP2, tensor parallel) are
+    clamped to the percentile of the full tensors, exactly
+    (`modopt.core.distributed.kth_abs`). Defaults: `scope="tensor"`. Reproduces the
     percentile clipping of a Lean 4 spec of gradient utilities; functional
     form `modopt.clip_grad_percentile_()`.
 
@@ -73,6 +76,8 @@ class ClipValueByPercentile(Scoped):
                 if on and u.numel():
                     self._clip_slices(u, dims)
             return updates
+        if distributed.any_sharded(updates):  # FSDP2 / tensor parallel: the k-th value of the full tensors
+            return self._clip_sharded(st, updates, seg)
         thresholds = []
         for a, b in seg.ranges:
             ts = updates[a:b]
@@ -87,6 +92,23 @@ class ClipValueByPercentile(Scoped):
                 t.clamp_(min=-c, max=c)
         if thresholds:
             st.record("threshold", torch.stack(thresholds))
+        return updates
+
+    def _clip_sharded(self, st: TransformState, updates: list[torch.Tensor], seg) -> list[torch.Tensor]:
+        chosen, ks = [], []
+        for a, b in seg.ranges:
+            n = sum(t.numel() for t in updates[a:b])  # (a DTensor's numel is its full tensor's)
+            if n and seg.active[a]:
+                chosen.append((a, b))
+                ks.append(order_index(self.pct, n) + 1)
+        if not chosen:
+            return updates
+        bounds = distributed.kth_abs(updates, chosen, ks)
+        for (a, b), bound in zip(chosen, bounds.unbind(0)):
+            for t in updates[a:b]:
+                c = bound.to(t.dtype)
+                distributed.local(t).clamp_(min=-c, max=c)  # each rank its own elements
+        st.record("threshold", bounds)
         return updates
 
     def _clip_slices(self, u: torch.Tensor, dims: tuple[int, ...]) -> None:
