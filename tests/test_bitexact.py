@@ -177,7 +177,7 @@ def test_nonfinite_gradients_are_skipped_in_every_dtype(bad, dtype):
     assert torch.equal(p.detach(), fresh_p.detach()) and torch.equal(q.detach(), fresh_q.detach())
 
 
-def test_default_check_needs_no_sync_and_its_norms_serve_clipnorm(monkeypatch):
+def test_default_check_needs_no_sync_and_its_norms_serve_clipnorm(monkeypatch, device_path):
     from modopt.core import nonfinite, norms
 
     p = torch.nn.Parameter(torch.zeros(100))

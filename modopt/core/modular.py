@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import operator
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
-from .nonfinite import NonFinite, apply_nonfinite_policy
+from .nonfinite import CPU_FALSE, NonFinite, apply_nonfinite_policy
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
@@ -192,6 +193,9 @@ def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
         if got != version:
             raise ValueError(f"load_state_dict: the migration to format_version {version} returned format {got!r}")
     return sd
+
+
+_grad_of = operator.attrgetter("grad")
 
 
 class _LastStep:
@@ -356,9 +360,10 @@ class Modular(torch.optim.Optimizer):
         ctx = collect(self, self.param_groups, stats)
         ctx.loss = loss
         if ctx.params:
-            grads = [p.grad for p in ctx.params]
-            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, self._skip_on_device,
-                                        self.plan.host_on_cpu)
+            grads = [p.grad for p in ctx.params] if torch.compiler.is_compiling() else list(map(_grad_of, ctx.params))
+            plan = self.plan
+            on_device = plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups)
+            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, on_device, plan.host_on_cpu)
             for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
                 tap(ctx)
             if go:
@@ -372,7 +377,7 @@ class Modular(torch.optim.Optimizer):
                     stats["skipped_steps"] = self._count_skipped(ctx.skip)
                     stats["skipped"] = ctx.skip
                 else:
-                    stats["skipped"] = torch.zeros((), dtype=torch.bool)
+                    stats["skipped"] = CPU_FALSE
             else:  # the host skips it: the chain does not run, each transform hears of the call
                 for key, t in walk(self.transforms):
                     t.on_host_skip(ctx, TransformState(ctx, key))
@@ -476,7 +481,8 @@ class Modular(torch.optim.Optimizer):
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
-        """Telemetry of the last step: a new dict of 0-d tensors each step (no host sync)."""
+        """Telemetry of the last step: a new dict of 0-d tensors each step (no host sync); read them, never
+        write them in place (a value may be shared between steps)."""
         return self._last.stats
 
     @stats.setter

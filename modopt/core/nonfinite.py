@@ -56,6 +56,10 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False) 
 #: the tests count what a GPU pays with it (tests/checks.py's `Syncs` sets it).
 HOST_ON_CPU = True
 
+#: `False` as a 0-d bool tensor on the CPU, for the telemetry of steps that go ahead (`opt.stats` values are
+#: read, never written: one shared tensor instead of a new one each step)
+CPU_FALSE = torch.zeros((), dtype=torch.bool)
+
 
 def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
                            host_on_cpu: bool = False) -> bool:
@@ -98,14 +102,16 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         return True
     if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
         proceed = maybe_finite(ctx, grads, on_device=True)
-        bad = ctx.stats["nonfinite"] = ~proceed
         if host_on_cpu and HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
             # the device's decision, read where reading it is free: the plain chain runs (no cleaning
             # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
             if bool(proceed):
+                ctx.stats["nonfinite"] = CPU_FALSE
                 return True
+            ctx.stats["nonfinite"] = ~proceed
             ctx.memo.close()
             return False
+        bad = ctx.stats["nonfinite"] = ~proceed
         ctx.proceed, ctx.skip = proceed, bad
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision

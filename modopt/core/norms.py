@@ -107,19 +107,22 @@ def dtypes_of(tensors: list[torch.Tensor]) -> set[torch.dtype]:
 
 def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
     """The dtype to accumulate a statistic of `tensors` in: float64 when one of them is float64, else float32."""
-    return torch.float64 if torch.float64 in dtypes_of(tensors) else torch.float32
+    if torch.compiler.is_compiling():
+        return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if torch.float64 in set(map(_dtype_of, tensors)) else torch.float32
 
 
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
-    if torch.compiler.is_compiling() and all(t.numel() for t in tensors):
+    compiling = torch.compiler.is_compiling()
+    if compiling and all(t.numel() for t in tensors):
         # inductor has no lowering for `_foreach_norm` (an opaque call, one more pass over memory);
         # per-tensor norms are reductions it fuses with the ops that produce or read the tensors
         return [torch.linalg.vector_norm(t, p, dtype=acc_dtype(t.dtype)) for t in tensors]
-    dtypes = dtypes_of(tensors)
+    dtypes = dtypes_of(tensors) if compiling else set(map(_dtype_of, tensors))  # (C-level)
     if len(dtypes) == 1 and not math.isinf(p):  # the common case: one kernel call, no bookkeeping
         (dtype,) = dtypes
-        acc = acc_dtype(dtype)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
         return list(torch._foreach_norm(tensors, p, dtype=acc) if dtype != acc else torch._foreach_norm(tensors, p))
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}

@@ -17,6 +17,7 @@ transform and a segment table `Any`.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -28,9 +29,15 @@ from .distributed import any_sharded, copy_, tensor_pnorms
 from .norms import combine_pnorms, pnorms
 
 
+#: the tensor types that are never sharded (a C-level test of a list's types, every step)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def any_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
     """1-D tensor of the p-norm of each tensor, in `acc`; of each *full* tensor when some are sharded
     (DTensors: all-reduced, the same on every rank; `modopt.core.distributed.tensor_pnorms`)."""
+    if not torch.compiler.is_compiling() and _PLAIN.issuperset(map(type, tensors)):
+        return pnorms(tensors, p, acc)
     return tensor_pnorms(tensors, p, acc) if any_sharded(tensors) else pnorms(tensors, p, acc)
 
 
@@ -48,9 +55,9 @@ class NormMemo:
 
     __slots__ = ("_entries", "_open")
 
-    def __init__(self) -> None:
+    def __init__(self, opened: bool = False) -> None:
         self._entries: dict[Any, Any] = {}
-        self._open = False
+        self._open = opened
 
     def open(self) -> None:
         """Start a step: forget every norm and keep the ones computed from now on (until `close`)."""
@@ -128,6 +135,7 @@ class NormMemo:
 
 
 _version_of = operator.attrgetter("_version")
+_grad_of = operator.attrgetter("grad")
 
 
 def _nothing() -> None:
@@ -223,10 +231,7 @@ class Step:
         self.layout, self.host, self.stats = layout, host, stats
         #: the step's norm memo: a new one, open, for a step (its sub-steps share it). It lives on the
         #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards)
-        if memo is None:
-            memo = NormMemo()
-            memo.open()
-        self.memo = memo
+        self.memo = NormMemo(opened=True) if memo is None else memo
         #: a 0-d bool tensor when the device decides whether this step is skipped (`nonfinite="skip"`):
         #: true means the parameters and every state must stay as they are; None: no such decision
         self.skip = skip
@@ -536,6 +541,29 @@ def _routed_run(transforms, end: int) -> int:
     return first
 
 
+#: `_run_shape` of the chains met, by `(id(chain), parent, final)` (a chain is a tuple the entry keeps alive,
+#: so its id stays its own)
+_RUN_SHAPES: dict[tuple, tuple] = {}
+
+
+def _run_shape(transforms: Sequence[Any], parent: str, final: bool, cache: bool = False) -> tuple:
+    """`(transforms, keys, end, first)` of a chain: its transforms' state keys, the writer (with `final`, the
+    last transform that touches the updates: a trailing Identity runs after it) and the start of the routed
+    branches that end at it (`_routed_run`). Worked out once per chain; the chain is immutable."""
+    keys = tuple(transform_key(i, type(t).__name__, parent) for i, t in enumerate(transforms))
+    end = first = len(transforms) - 1
+    if final:
+        while end > 0 and transforms[end].update_access == "none":
+            end -= 1
+        first = _routed_run(transforms, end)
+    shape = (transforms, keys, end, first)
+    if cache and type(transforms) is tuple:
+        if len(_RUN_SHAPES) >= 1024:
+            _RUN_SHAPES.clear()
+        _RUN_SHAPES[(id(transforms), parent, final)] = shape
+    return shape
+
+
 def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], parent: str = "",
         final: bool = False) -> list[torch.Tensor] | bool | None:
     """Run `transforms` in order on `updates`; with `final` the last one writes the parameters.
@@ -547,12 +575,14 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
     first transform that writes the updates.
     """
     n = len(transforms)
-    states = [TransformState(step, transform_key(i, type(t).__name__, parent)) for i, t in enumerate(transforms)]
-    end = first = n - 1
-    if final:  # the writer is the last transform that touches the updates (trailing Identity runs after it)
-        while end > 0 and transforms[end].update_access == "none":
-            end -= 1
-        first = _routed_run(transforms, end)
+    if torch.compiler.is_compiling():  # (traced once: no id(), no cache written inside the graph)
+        shape = _run_shape(transforms, parent, final)
+    else:
+        shape = _RUN_SHAPES.get((id(transforms), parent, final))
+        if shape is None or shape[0] is not transforms:
+            shape = _run_shape(transforms, parent, final, cache=True)
+    _, keys, end, first = shape
+    states = list(map(TransformState, repeat(step, n), keys))
     written: list[int] = []
     for i, t in enumerate(transforms):
         if final and first <= i < end:  # a routed branch before the last: its optimizer writes its parameters
@@ -582,7 +612,7 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
             for j in range(i + 1, n):  # they touch no update: run them for their own sake
                 transforms[j].apply(step, states[j], updates)
             return True
-        if t.update_access != "none":
+        if t.update_access != "none" and step.pending is not None:
             step.flush_(updates)
         updates = t.apply(step, states[i], updates)
         if updates is None:
@@ -628,9 +658,11 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
     group_ids: list[int] = []
     ranges: list[tuple[int, int]] = []
     masks: list = []
+    compiling = torch.compiler.is_compiling()
     for gi, group in enumerate(param_groups):
         ps = group["params"]
-        keep = [p.grad is not None for p in ps]
+        keep = ([p.grad is not None for p in ps] if compiling  # (dynamo traces the comprehension)
+                else list(map(operator.is_not, map(_grad_of, ps), repeat(None))))  # (C-level: no Python call)
         if not all(keep):
             if not any(keep):
                 continue
@@ -651,7 +683,7 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
     key = (tuple(map(id, params)), tuple(group_ids), tuple(masks))
     layouts = host.runtime_store("__layouts__")
     layout = layouts.get(key)
-    if layout is None or any(a is not b for a, b in zip(layout.groups, groups)):
+    if layout is None or not all(map(operator.is_, layout.groups, groups)):
         names = _names(param_groups, group_ids, masks)
         _check_params(params, names, group_ids, ranges)
         if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small

@@ -597,6 +597,9 @@ class Adam(_FusedOptimizer):
         the runner writes `apply`'s update instead (a compiled step, or a skip torch's kernel cannot take)."""
         if torch.compiler.is_compiling():
             return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+        calls = ctx.layout.cache.get(("adam_calls", st.key))
+        if calls is not None and ctx.pending is None and not ctx.moment_requests and _run_fused_adam(calls, ctx, updates):
+            return True
         if self.torch_kernel():
             return self._torch_step(ctx, st, updates)
         skip, scaled = ctx.skip, lr_scale(ctx, st)
@@ -611,6 +614,8 @@ class Adam(_FusedOptimizer):
         if skip is not None:  # the fused kernels skip on the device, as under GradScaler
             found_inf, by = skip.to(torch.float32), ~skip if ctx.proceed is None else ctx.proceed
         grad_scale = self._folded_scale(ctx, updates)
+        # the kernel calls as they are made, for the steps after this one while the state stays these tensors
+        calls: list | None = [] if scaled is None and grad_scale is None else None
         for g, a, b in ctx.per_group():
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
@@ -620,6 +625,7 @@ class Adam(_FusedOptimizer):
                 sub_m, sub_v, sub_vmax = _pick(m, idx), _pick(v, idx), _pick(vmax, idx) if amsgrad else []
                 sub_steps = _pick(steps, idx)
                 if not fused:
+                    calls = None
                     kernels.foreach_adam_(
                         params, grads, sub_m, sub_v, sub_vmax, sub_steps, decoupled=self.decoupled, amsgrad=amsgrad,
                         beta1=beta1, beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
@@ -638,6 +644,14 @@ class Adam(_FusedOptimizer):
                     grad_scale=None if grad_scale is None else grad_scale.to(params[0].device), found_inf=found_inf,
                     maximize=g["maximize"],
                 )
+                packed = st.runtime.get(("packed_steps", a, b, None if idx is None else idx[0]))
+                if calls is not None and packed is not None and all(map(operator.is_, packed[1], sub_steps)):
+                    calls.append(_FusedAdamCall(g, idx, a, b, params, states, packed[0], sub_steps, sub_m, sub_v, sub_vmax,
+                                                value_key(st.key, ""), self.decoupled))
+                else:
+                    calls = None
+        if calls is not None:
+            ctx.layout.cache[("adam_calls", st.key)] = calls
         return True
 
     def _torch_step(self, ctx, st, updates):
@@ -778,6 +792,56 @@ class Adam(_FusedOptimizer):
                 distributed.copy_(vmax, new_vmax)
             out.extend(u)
         return out
+
+
+class _FusedAdamCall:
+    """One call of torch's fused Adam kernel as a step made it: its group, parameters (`idx` into the
+    group's `[a:b]`, None: all) and the state tensors it read, which later steps reuse while the state
+    still holds exactly these tensors (`_run_fused_adam`)."""
+
+    __slots__ = ("group", "idx", "a", "b", "params", "states", "flat", "steps", "m", "v", "vmax", "keys",
+                 "decoupled")
+
+    def __init__(self, group, idx, a, b, params, states, flat, steps, m, v, vmax, prefix, decoupled):
+        self.group, self.idx, self.a, self.b, self.states = group, idx, a, b, states
+        self.params = params
+        self.flat, self.steps, self.m, self.v, self.vmax = flat, steps, m, v, vmax
+        self.keys = tuple(map(operator.itemgetter, [prefix + "step", prefix + "exp_avg", prefix + "exp_avg_sq",
+                                                    prefix + "max_exp_avg_sq"]))
+        self.decoupled = decoupled
+
+
+def _run_fused_adam(calls: list[_FusedAdamCall], ctx: Step, updates: list[torch.Tensor]) -> bool:
+    """The fused kernel calls of an earlier step, on this step's gradients and group values: True; False
+    (nothing done) unless every per-parameter state dict, and every tensor in it the calls read, is still
+    the one they read (a load, `add_param_group` or a hand-written state makes new ones) and `amsgrad` is
+    as it was. The test is identity only, at C level: nothing is read from the tensors."""
+    is_, state = operator.is_, ctx.host.state
+    try:
+        for c in calls:
+            states = c.states
+            if not (bool(c.vmax) == bool(c.group["amsgrad"]) and all(map(is_, map(state.get, c.params), states))
+                    and all(map(is_, map(c.keys[0], states), c.steps)) and all(map(is_, map(c.keys[1], states), c.m))
+                    and all(map(is_, map(c.keys[2], states), c.v))
+                    and (not c.vmax or all(map(is_, map(c.keys[3], states), c.vmax)))):
+                return False
+    except KeyError:
+        return False
+    skip = ctx.skip
+    found_inf = by = None
+    if skip is not None:
+        found_inf, by = skip.to(torch.float32), ~skip if ctx.proceed is None else ctx.proceed
+    for c in calls:
+        g = c.group
+        grads = updates[c.a:c.b] if c.idx is None else [updates[c.a + i] for i in c.idx]
+        c.flat.add_(1 if by is None else by)
+        beta1, beta2 = g["betas"]
+        kernels.fused_adam_(
+            c.params, grads, c.m, c.v, c.vmax, c.steps, decoupled=c.decoupled, lr=g["lr"], beta1=beta1,
+            beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=g["amsgrad"], grad_scale=None,
+            found_inf=found_inf, maximize=g["maximize"],
+        )
+    return True
 
 
 class AdamW(Adam):
