@@ -86,7 +86,7 @@ def test_every_formula_is_mathml_and_no_latex_is_left_as_text(site):
 
 def test_the_math_hook_draws_what_the_pages_use_and_names_what_it_cannot():
     pytest.importorskip("latex2mathml")
-    math_hook = _hook("math")
+    math_hook = _hook("mathml")
     # \big before a delimiter command, an escaped underscore in \text, an aligned block, an operator name
     out = math_hook.to_mathml(r"\big\lfloor \text{max\_norm} \big\rfloor", block=False)
     assert "\u230a" in out and "max_norm" in out and "\\" not in out

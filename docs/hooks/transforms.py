@@ -146,7 +146,12 @@ def signature(name: str) -> str:
             star = True
         star = star or p.kind is p.VAR_POSITIONAL
         parts.append(str(p))
-    return f"mo.{name}(\n" + "".join(f"    {x},\n" for x in parts) + ")"
+    lines = [""]  # as many parameters a line as fit in 80 columns
+    for x in parts:
+        if lines[-1] and len(lines[-1]) + len(x) + 2 > 76:
+            lines.append("")
+        lines[-1] += f"{x}, "
+    return f"mo.{name}(\n" + "".join(f"    {line.rstrip()}\n" for line in lines) + ")"
 
 
 def page(name: str) -> str:

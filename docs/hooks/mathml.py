@@ -34,6 +34,8 @@ ALIGNED = re.compile(r"\\begin\{aligned\}(.*?)\\end\{aligned\}", re.S)
 #: a word set as an operator (`\max`, `\operatorname{sign}`): an identifier, drawn upright and
 #: without the space on both sides that MathML gives an unknown operator (`\bmod` keeps it)
 WORD_OPERATOR = re.compile(r"<mo>([A-Za-z]{2,})</mo>")
+#: a bar of |x| or ||x||: TeX gives it no space on either side; MathML gives an infix bar the space of a relation
+BAR = re.compile(r"<mo((?:(?! lspace)[^>])*)>(&#x0007C;|&#x02016;|\||‖)</mo>")
 
 
 def prepare(tex: str) -> str:
@@ -63,7 +65,10 @@ def to_mathml(tex: str, block: bool) -> str:
     left = [t for node in tree.iter() for t in (node.text, node.tail) if t and "\\" in t]
     if left:
         raise ValueError(f"LaTeX left in the MathML: {left}")
-    return WORD_OPERATOR.sub(lambda m: m.group(0) if m.group(1) == "mod" else f"<mi>{m.group(1)}</mi>", out)
+    if "\\begin{aligned}" in tex:  # (the CSS sets its columns in pairs, as TeX does: docs/stylesheets/extra.css)
+        out = out.replace("<mtable>", '<mtable class="tex-aligned">')
+    out = WORD_OPERATOR.sub(lambda m: m.group(0) if m.group(1) == "mod" else f"<mi>{m.group(1)}</mi>", out)
+    return BAR.sub(r'<mo\1 lspace="0em" rspace="0em">\2</mo>', out)
 
 
 def convert_page(text: str, where: str) -> str:
