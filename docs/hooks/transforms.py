@@ -112,13 +112,19 @@ def example(name: str) -> str | None:
         expr = _code(transform)
     pipeline = [expr if t is transform else _code(t) for t in _examples().pipeline_for(transform)]
     params = "model.named_parameters()" if "where=" in expr else "model.parameters()"
+    build = f"opt = mo.Modular({params}, {', '.join(pipeline)})"
+    if len(build) > 80:  # (the page's code column: one transform a line)
+        build = f"opt = mo.Modular(\n    {params},\n" + "".join(f"    {x},\n" for x in pipeline) + ")"
+    build = textwrap.indent(build, " " * 8).lstrip()
     return textwrap.dedent(f"""\
         import torch
         import modopt as mo
 
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        opt = mo.Modular({params}, {", ".join(pipeline)})
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+        {build}
         x, y = torch.randn(64, 8), torch.randn(64, 1)
         for step in range(20):
             loss = torch.nn.functional.mse_loss(model(x), y)
