@@ -2,8 +2,10 @@
 
     python docs/screenshots.py [OUT_DIR]       # default /tmp/modopt-screenshots
 
-Needs mkdocs (the `docs` extra) and Debian's `chromium` (`apt-get install -y chromium`).
-Excluded from the site in mkdocs.yml; look at the PNGs it writes.
+Needs mkdocs (the `docs` extra) and Debian's `chromium` (`apt-get install -y chromium`). The
+browser gets no network (every host name fails to resolve), so the pictures show the site as it
+reads offline. Excluded from the site in mkdocs.yml; look at the PNGs it writes (they are not
+committed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 PAGES = {
     "home": "index.html",
     "api": "api/index.html",
+    "api-zclip": "transforms/ZClip/index.html",
+    "api-masked": "transforms/Masked/index.html",
+    "all-transforms": "modules/index.html",
     "module-statistical": "modules/statistical/index.html",
     "module-growth": "modules/growth/index.html",
     "cli": "cli/index.html",
@@ -24,6 +29,8 @@ PAGES = {
     "howto-compile": "howto/compile/index.html",
     "performance": "performance/index.html",
 }
+#: the browser window: a laptop's width, and tall enough to show a page's first screens
+WIDTH, HEIGHT = 1400, 2400
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +51,9 @@ def main(argv: list[str]) -> int:
             png = out / f"{name}.png"
             subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                             "--disable-background-networking", "--disable-component-update", "--no-first-run",
-                            "--window-size=1280,2400", f"--screenshot={png}", path.as_uri()],
+                            # no network: what does not load from the built folder is missing from the picture
+                            "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9",
+                            f"--window-size={WIDTH},{HEIGHT}", f"--screenshot={png}", path.as_uri()],
                            check=True, capture_output=True, timeout=120)
             print(png)
     return 0

@@ -3,9 +3,11 @@
     python docs/transforms_table.py          # rewrite the table in docs/modules/index.md
     python docs/transforms_table.py --check  # exit 1 if the page's table is not the registry's
 
-Each row: the name (linked to the page that documents it), how it is called positionally, and the
-first sentence of its docstring. tests/test_transforms_table.py runs the check, so a new transform
-without its row fails the suite with this command as the fix.
+Each row: the name (linked to its API page, transforms/<Name>.md, which docs/hooks/transforms.py
+makes from the class when the site is built), its family (linked to the section of the family page
+with its math, defaults, example and source), how it is called positionally, and the first sentence
+of its docstring. tests/test_transforms_table.py runs the check, so a new transform without its row
+fails the suite with this command as the fix.
 """
 
 from __future__ import annotations
@@ -57,19 +59,31 @@ def own_transforms() -> list[str]:
     return [n for n in mo.available() if get_transform(n).__module__.split(".")[0] == "modopt"]
 
 
+def family_page(cls: type) -> str:
+    """The page (relative to docs/modules/) that documents `cls`'s module."""
+    page = PAGES.get(cls.__module__)
+    if page is None:
+        raise SystemExit(f"{cls.__name__}: no docs page for module {cls.__module__}; add it to PAGES in {__file__}")
+    return page
+
+
+def family_title(text: str) -> str:
+    """A family page's short title: its first heading up to a colon (`# AGC: adaptive ...` is AGC)."""
+    heading = re.search(r"^# (.+)$", text, flags=re.M)
+    return heading.group(1).split(":")[0].strip() if heading else "?"
+
+
 def table() -> str:
-    import modopt as mo
     from modopt.core.registry import get_transform
 
-    rows = ["| transform | call | what it does |", "|---|---|---|"]
+    rows = ["| transform | family | call | what it does |", "|---|---|---|---|"]
     for name in sorted(own_transforms(), key=str.lower):
         cls = get_transform(name)
-        page = PAGES.get(cls.__module__)
-        if page is None:
-            raise SystemExit(f"{name}: no docs page for module {cls.__module__}; add it to PAGES in {__file__}")
+        page = family_page(cls)
+        title = family_title((PAGE.parent / page).read_text(encoding="utf-8"))
         pos = cls._positional_field()
         call = f"`mo.{name}({pos})`" if pos else f"`mo.{name}()`"
-        rows.append(f"| [`{name}`]({page}) | {call} | {summary(cls)} |")
+        rows.append(f"| [`{name}`](../transforms/{name}.md) | [{title}]({page}) | {call} | {summary(cls)} |")
     return "\n".join(rows) + "\n"
 
 

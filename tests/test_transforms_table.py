@@ -21,10 +21,11 @@ def test_the_page_lists_every_registered_transform_as_the_registry_says():
     mod = _module()
     assert mod.main(["--check"]) == 0, "run: python docs/transforms_table.py"
     text = mod.PAGE.read_text(encoding="utf-8")
-    listed = re.findall(r"^\| \[`(\w+)`\]\(([^)]+)\)", text, flags=re.M)
-    assert sorted(n for n, _ in listed) == sorted(mod.own_transforms())
-    assert len(listed) >= 40 and {"ClipNorm", "Adam", "QKClip"} <= {n for n, _ in listed}
-    for name, page in listed:  # every link leads to a page that names the transform
+    listed = re.findall(r"^\| \[`(\w+)`\]\(([^)]+)\) \| \[[^]]+\]\(([^)]+)\)", text, flags=re.M)
+    assert sorted(n for n, _, _ in listed) == sorted(mod.own_transforms())
+    assert len(listed) >= 40 and {"ClipNorm", "Adam", "QKClip"} <= {n for n, _, _ in listed}
+    for name, api, page in listed:  # the API page docs/hooks/transforms.py makes; a family page naming it
+        assert api == f"../transforms/{name}.md", (name, api)
         target = (mod.PAGE.parent / page).resolve()
         assert target.is_file(), f"{name}: {page} does not exist"
         assert re.search(rf"\b{name}\b", target.read_text(encoding="utf-8")), f"{name} is not on {page}"

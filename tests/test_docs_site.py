@@ -1,0 +1,143 @@
+"""The built docs site: it reads with no network, its formulas are MathML, every transform has its API page.
+
+The site is built once (``mkdocs build --strict``, about 15 s) into a temporary folder; skipped where
+mkdocs (the ``docs`` extra) is not installed. The hooks it runs are docs/hooks/*.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = ROOT / "docs" / "hooks"
+
+#: a tag that makes the browser fetch what its src / href / srcset names (an <a href> is a link a reader follows)
+FETCHING_TAG = re.compile(r"<(script|link|img|iframe|source|audio|video|embed|object|track)\b[^>]*>", re.I)
+REMOTE_ATTR = re.compile(r"""\b(src|href|srcset|data)\s*=\s*["']?\s*(https?:|//)""", re.I)
+REMOTE_CSS = re.compile(r"""@import|url\(\s*["']?\s*(https?:|//)""", re.I)
+#: where a page may show LaTeX as text: code, and the MathML itself
+CODE_OR_MATH = re.compile(r"<(pre|code|math)\b.*?</\1>", re.S)
+
+
+def _hook(name: str):
+    spec = importlib.util.spec_from_file_location(f"modopt_docs_hook_{name}", HOOKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("latex2mathml")
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def _pages(site: Path) -> list[Path]:
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 60, pages
+    return pages
+
+
+def test_the_built_site_fetches_nothing_from_the_network(site):
+    remote = []
+    for page in _pages(site):
+        for tag in FETCHING_TAG.finditer(page.read_text(encoding="utf-8")):
+            if REMOTE_ATTR.search(tag.group(0)):
+                remote.append(f"{page.relative_to(site)}: {tag.group(0)}")
+    for css in site.rglob("*.css"):
+        for m in REMOTE_CSS.finditer(css.read_text(encoding="utf-8")):
+            remote.append(f"{css.relative_to(site)}: {css.read_text(encoding='utf-8')[m.start():m.start() + 80]}")
+    assert not remote, "the site loads these from the network:\n" + "\n".join(remote[:20])
+    # (links in the prose, to papers and projects, stay: they are <a href>, followed only when clicked)
+    assert any(re.search(r'<a href="https://', p.read_text(encoding="utf-8")) for p in _pages(site))
+
+
+def test_every_formula_is_mathml_and_no_latex_is_left_as_text(site):
+    formulas = 0
+    for page in _pages(site):
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r'<(span|div) class="arithmatex">(.*?)</\1>', text, flags=re.S):
+            assert m.group(2).startswith("<math"), f"{page.relative_to(site)}: {m.group(2)[:120]}"
+            formulas += 1
+        prose = CODE_OR_MATH.sub("", text)
+        raw = re.search(r"\\\(|\\\[|\$\$", prose)
+        assert raw is None, f"{page.relative_to(site)}: LaTeX as text: {prose[raw.start() - 80:raw.end() + 80]!r}"
+        assert "mathjax" not in text.lower(), page
+    assert formulas > 300  # the family pages' math and the transforms' docstrings
+
+
+def test_the_math_hook_draws_what_the_pages_use_and_names_what_it_cannot():
+    pytest.importorskip("latex2mathml")
+    math_hook = _hook("mathml")
+    # \big before a delimiter command, an escaped underscore in \text, an aligned block, an operator name
+    out = math_hook.to_mathml(r"\big\lfloor \text{max\_norm} \big\rfloor", block=False)
+    assert "\u230a" in out and "max_norm" in out and "\\" not in out
+    out = math_hook.to_mathml(r"\begin{aligned} a &= b \\ c &= d \end{aligned}", block=True)
+    assert out.count("<mtr>") == 2 and "&amp;" not in out and 'display="block"' in out
+    assert "<mi>sign</mi>" in math_hook.to_mathml(r"\operatorname{sign}(x)", block=False)
+    html = '<p>a <span class="arithmatex">\\(x \\undefinedcommand y\\)</span></p>'
+    with pytest.raises(Exception, match=r"page\.md.*undefinedcommand"):
+        math_hook.convert_page(html, "page.md")
+    with pytest.raises(Exception, match=r"page\.md: LaTeX left as text"):
+        math_hook.convert_page("<p>$$ x $$</p>", "page.md")
+
+
+def test_every_transform_has_its_api_page_and_the_index_links_to_it(site):
+    hook = _hook("transforms")
+    from modopt.core.registry import get_transform
+
+    names = hook.names()
+    assert len(names) >= 40
+    index = (site / "modules" / "index.html").read_text(encoding="utf-8")
+    for name in names:
+        page = site / "transforms" / name / "index.html"
+        assert page.is_file(), f"no API page for {name}"
+        text = page.read_text(encoding="utf-8")
+        assert re.search(rf"<h1[^>]*>{name}\b", text), name
+        for field in get_transform(name).model_fields:  # the fields table names every field
+            assert f"<td><code>{field}</code></td>" in text, (name, field)
+        assert f'<td><a href="../transforms/{name}/"' in index, f"the index does not link {name}'s page"
+        # the page sits in the navigation, under the API reference
+        assert f'href="../{name}/"' in text or f'href="./"' in text
+
+
+def test_the_api_page_shows_each_signature_once(site):
+    text = re.sub(r"<[^>]+>", "", (site / "api" / "index.html").read_text(encoding="utf-8"))
+    assert len(re.findall(r"\bModular\(params", text)) == 1
+
+
+def test_every_api_page_example_runs():
+    hook = _hook("transforms")
+    ran = 0
+    for name in hook.names():
+        code = hook.example(name)
+        if code is None:  # (QKClip: the docstring's example, which tests/test_docstrings.py runs)
+            continue
+        ns: dict = {}
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (Identity: the lint says, rightly, that it does nothing)
+            exec(compile(code, f"<{name} example>", "exec"), ns)
+        assert f"mo.{name}(" in code, name
+        loss = float(out.getvalue().split(":")[-1])
+        assert math.isfinite(loss), (name, out.getvalue())
+        ran += 1
+    assert ran >= len(hook.names()) - 1
