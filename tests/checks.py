@@ -69,6 +69,7 @@ def _make_needs_the_host():
 
         positional = None
         update_access = "none"  # it neither reads nor writes them: the norm memo passes by it
+        device_skip = False  # (declared: stateless, it would be inferred True)
 
         def apply(self, ctx, st, updates):
             return updates

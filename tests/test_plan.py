@@ -106,3 +106,26 @@ def test_a_subclass_that_rewrites_apply_without_declaring_again_says_nothing():
     assert plan_mod.sets_norm(Louder()) is None
     assert make_plan([mo.ClipNorm(1.0), Louder(), mo.Adam()], "skip").cancelled == frozenset()
     assert make_plan([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], "skip").cancelled == {"0:ClipNorm"}
+
+
+def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without_declaring_it():
+    """Forgetting `device_skip` on a stateless transform would cost every pipeline holding it a sync a
+    step: the contract infers it. A transform that saves values, may stop the step or declares the
+    answer itself is left as it says."""
+
+    class Halve(mo.Transform, abstract=True):  # (abstract: not registered)
+        positional = None
+
+        def apply(self, ctx, st, updates):
+            return [u * 0.5 for u in updates]
+
+    class Counting(Halve, abstract=True):
+        state_buffers = {"n": "counter"}
+
+    class Declared(Halve, abstract=True):
+        device_skip = False
+
+    assert Halve().skips_on_device() and not Counting().skips_on_device() and not Declared().skips_on_device()
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert make_plan([Halve(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])
+    assert not make_plan([Declared(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])

@@ -223,8 +223,9 @@ def test_accumulate_clips_once_per_cycle_by_the_max_of_its_micro_batches():
     torch.testing.assert_close(opt.stats["2:QKClip.max_logit"], want)
 
 
-def test_the_step_compiles_to_one_graph_equal_to_eager():
-    """`torch.compile(opt.step, fullgraph=True)` with QKClip (the forward hook runs outside the step)."""
+def test_the_step_compiles_to_one_graph_equal_to_eager(device_path):
+    """`torch.compile(opt.step, fullgraph=True)` with QKClip (the forward hook runs outside the step), against
+    the eager device path (a compiled step decides every skip on the device)."""
     torch._dynamo.reset()
 
     def make():

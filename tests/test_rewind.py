@@ -695,7 +695,7 @@ def test_modopt_run_interrupted_in_the_middle_of_a_step_resumes_to_the_uninterru
     run directory then equals the uninterrupted run's: metrics.jsonl byte for byte, the parameters and the
     rewind bit for bit."""
     from modopt.cli import main
-    from modopt.core import modular
+    from modopt.core import nonfinite as driver  # (the step driver: Modular.step runs the chain through it)
 
     rewind = {"every": 10, "window": 10, "min_count": 5}
     base = experiment(rewind)
@@ -706,7 +706,7 @@ def test_modopt_run_interrupted_in_the_middle_of_a_step_resumes_to_the_uninterru
     flags = ["--quiet", "--no-plots"]
     assert main(["run", str(cfg), "--out", str(tmp_path / "whole"), *flags]) == 0
 
-    calls, real = [0], modular.run_step
+    calls, real = [0], driver.run_step
 
     def interrupted(*a, **kw):
         calls[0] += 1
@@ -715,11 +715,11 @@ def test_modopt_run_interrupted_in_the_middle_of_a_step_resumes_to_the_uninterru
         with _InterruptAt(3):  # gradients clipped, Adam's step count advanced, its moments and the parameters not
             return real(*a, **kw)
 
-    monkeypatch.setattr(modular, "run_step", interrupted)
+    monkeypatch.setattr(driver, "run_step", interrupted)
     assert main(["run", str(cfg), "--out", str(tmp_path / "cut"), *flags]) == 130
     assert calls[0] == 27
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 25
-    monkeypatch.setattr(modular, "run_step", real)
+    monkeypatch.setattr(driver, "run_step", real)
     assert main(["run", "--resume", str(tmp_path / "cut"), *flags]) == 0
     assert (tmp_path / "cut" / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
     whole, cut = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in ("whole", "cut"))

@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from .modular import PipelineConfig
-from .nonfinite import apply_nonfinite_policy
+from .nonfinite import drive
 from .plan import make_plan
-from .runner import collect, run_step
 from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
@@ -169,19 +168,16 @@ class AttachHandle:
         optimizer = self.optimizer
         _unscale_for_transforms(optimizer)
         stats: dict[str, torch.Tensor] = {}
-        ctx = collect(self, optimizer.param_groups, stats)
-        if ctx.params:
-            grads = [p.grad for p in ctx.params]
-            if apply_nonfinite_policy(self.nonfinite, ctx, grads):
-                out = run_step(self.transforms, ctx)
-                for p, u in zip(ctx.params, out or []):
-                    if u is not p.grad:
-                        p.grad = u
-                stats["skipped"] = torch.zeros((), dtype=torch.bool)
-            else:  # torch optimizers leave params without a grad (and their state) alone
-                for p in ctx.params:
-                    p.grad = None
-                stats["skipped"] = torch.ones((), dtype=torch.bool)
+        ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
+        if not go:  # torch optimizers leave params without a grad (and their state) alone
+            for p in ctx.params:
+                p.grad = None
+            stats["skipped"] = torch.ones((), dtype=torch.bool)
+        elif ctx.params:
+            for p, u in zip(ctx.params, out or []):
+                if u is not p.grad:
+                    p.grad = u
+            stats["skipped"] = torch.zeros((), dtype=torch.bool)
         self.stats = stats
 
     # --- the handle's state inside the optimizer's own state_dict ----------------

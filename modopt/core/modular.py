@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import operator
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -34,12 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
 from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
-from .nonfinite import CPU_FALSE, NonFinite, apply_nonfinite_policy
+from .nonfinite import CPU_FALSE, NonFinite, drive
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
 from .registry import trust_imports as _trust
-from .runner import TransformState, check_loss, collect, run_step
+from .runner import TransformState, check_loss
 from .state import declared_buffers
 from .select import check_selections, route_group
 from .plan import make_plan
@@ -193,9 +192,6 @@ def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
         if got != version:
             raise ValueError(f"load_state_dict: the migration to format_version {version} returned format {got!r}")
     return sd
-
-
-_grad_of = operator.attrgetter("grad")
 
 
 class _LastStep:
@@ -357,32 +353,22 @@ class Modular(torch.optim.Optimizer):
                 raise RuntimeError(f"opt.step(): {key} ({type(t).__name__}) holds the parameters in their eval form "
                                    "(after opt.eval()); call opt.train() before stepping")
         stats: dict[str, torch.Tensor] = {}
-        ctx = collect(self, self.param_groups, stats)
-        ctx.loss = loss
-        if ctx.params:
-            grads = [p.grad for p in ctx.params] if torch.compiler.is_compiling() else list(map(_grad_of, ctx.params))
-            plan = self.plan
-            on_device = plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups)
-            go = apply_nonfinite_policy(self._pipeline.nonfinite, ctx, grads, on_device, plan.host_on_cpu)
-            for tap in self.__dict__.get("_step_taps", {}).values():  # (modopt.telemetry: the gradient norms)
-                tap(ctx)
-            if go:
-                weights = self.plan.weights
-                for key, t in weights:  # (the weight stage reads the weights before this step's write)
-                    t.prepare_weights(ctx, TransformState(ctx, key))
-                if run_step(self.plan.updates, ctx, write=True) and weights:
-                    for key, t in weights:
-                        t.apply_weights(ctx, TransformState(ctx, key))
-                if ctx.skip is not None:  # decided on the device: count it there
-                    stats["skipped_steps"] = self._count_skipped(ctx.skip)
-                    stats["skipped"] = ctx.skip
-                else:
-                    stats["skipped"] = CPU_FALSE
-            else:  # the host skips it: the chain does not run, each transform hears of the call
-                for key, t in walk(self.transforms):
-                    t.on_host_skip(ctx, TransformState(ctx, key))
-                stats["skipped_steps"] = self._count_skipped(1)
-                stats["skipped"] = torch.ones((), dtype=torch.bool)
+        plan = self.plan
+        ctx, go, _ = drive(
+            self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
+            on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
+            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights)
+        if not go:  # the host skipped it: the chain did not run, each transform hears of the call
+            for key, t in walk(self.transforms):
+                t.on_host_skip(ctx, TransformState(ctx, key))
+            stats["skipped_steps"] = self._count_skipped(1)
+            stats["skipped"] = torch.ones((), dtype=torch.bool)
+        elif ctx.params:
+            if ctx.skip is not None:  # decided on the device: count it there
+                stats["skipped_steps"] = self._count_skipped(ctx.skip)
+                stats["skipped"] = ctx.skip
+            else:
+                stats["skipped"] = CPU_FALSE
         if "skipped_steps" not in stats:
             stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep

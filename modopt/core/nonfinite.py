@@ -1,16 +1,19 @@
-"""The non-finite policy of a step: shared by `Modular` and `attach`."""
+"""One step as `Modular` and `attach` take it (`drive`): the parameters with a gradient, the non-finite
+policy's decision, then the chain and the weight stage. The one step driver of both."""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 import torch
 
 from . import compile_marks
 from .distributed import any_nonfinite, any_sharded
 from .norms import common_acc_dtype, foreach_pnorm
-from .runner import Step
+from .runner import Step, TransformState, collect, run_step
 
 NonFinite = Literal["skip", "raise", "zero", "ignore"]
 
@@ -161,3 +164,37 @@ FULLGRAPH_HINT = (
 #: `_settle` for traced code (`compile_marks.settle`): a graph break under plain `torch.compile`,
 #: `FULLGRAPH_HINT` under fullgraph
 compile_marks.disabled("settle", _settle, FULLGRAPH_HINT)
+
+
+def drive(host: Any, groups: list[dict[str, Any]], transforms: Sequence[Any], policy: str,
+          stats: dict[str, torch.Tensor], *, loss: Any = None, write: bool = False, on_device: bool = False,
+          host_on_cpu: bool = False, taps: Iterable[Callable[[Step], None]] = (),
+          weights: Sequence[tuple[str, Any]] = ()) -> tuple[Step, bool, Any]:
+    """One step of `transforms` over the parameters of `groups` that have a gradient; `(ctx, go, out)`.
+
+    `go` is False when the policy skipped the step on the host (the chain did not run: the caller tells
+    its transforms, `Transform.on_host_skip`); `out` is then None, else `run_step`'s result: True when
+    `write` and the parameters were written, the updates without `write`, None when a transform stopped
+    the step. `taps` see the step after the decision, before the chain (telemetry); the weight stage
+    (`weights`: `(key, transform)`) reads the weights before the write and acts after it. No parameter
+    with a gradient: `ctx.params` is empty and nothing ran."""
+    ctx = collect(host, groups, stats)
+    ctx.loss = loss
+    if not ctx.params:
+        return ctx, True, None
+    grads = [p.grad for p in ctx.params] if torch.compiler.is_compiling() else list(map(_grad_of, ctx.params))
+    go = apply_nonfinite_policy(policy, ctx, grads, on_device, host_on_cpu)
+    for tap in taps:
+        tap(ctx)
+    if not go:
+        return ctx, False, None
+    for key, t in weights:  # (the weight stage reads the weights before this step's write)
+        t.prepare_weights(ctx, TransformState(ctx, key))
+    out = run_step(transforms, ctx, write=write)
+    if out and weights:
+        for key, t in weights:
+            t.apply_weights(ctx, TransformState(ctx, key))
+    return ctx, True, out
+
+
+_grad_of = operator.attrgetter("grad")

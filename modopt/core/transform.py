@@ -206,6 +206,19 @@ def plain_input(value: Any) -> Any:
     return value
 
 
+
+def _stateless(cls: type) -> bool:
+    """Whether `cls` keeps nothing a skipped step could change, so the device may decide its skips: it
+    declares no saved values, never stops the step or decides a skip, acts on the updates (not the
+    weights, not as the writer of the parameters) and has no field that holds transforms (`Chain`,
+    `Masked`: they ask their children)."""
+    if cls.state_buffers or cls.may_stop or cls.decides_skip or cls.must_be_last or cls.stage != "update":
+        return False
+    if getattr(cls, "swaps_weights", False) or cls.on_host_skip is not Transform.on_host_skip:
+        return False
+    return not any("Transform" in str(f.annotation) for f in cls.model_fields.values())
+
+
 class Transform(BaseModel):
     """Base class of every modopt module.
 
@@ -287,6 +300,10 @@ class Transform(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
+        if not any(c.__dict__.get("device_skip") is not None and "_device_skip_inferred" not in c.__dict__
+                   for c in cls.__mro__[:cls.__mro__.index(Transform)]):
+            # not declared: inferred (a forgotten declaration must not cost a sync a step), per class
+            cls.device_skip, cls._device_skip_inferred = _stateless(cls), True
         if not cls._abstract:
             _check_positional(cls)
             registry.register_transform(cls)
@@ -453,7 +470,9 @@ class Transform(BaseModel):
 
     # --- what the runner and the linter may rely on ----------------------------------
     #: True when the transform leaves its state bit-identical on a step the device decided to skip
-    #: (`ctx.skip`, a 0-d bool tensor), without a host sync: see `skips_on_device()`
+    #: (`ctx.skip`, a 0-d bool tensor), without a host sync: see `skips_on_device()`. Inferred True for a
+    #: class that declares nothing it keeps (no `state_buffers`), never stops the step, acts on the
+    #: updates and holds no other transform: it has nothing to keep. Declare it on any other class
     device_skip: ClassVar[bool] = False
 
     def skips_on_device(self, groups: list[dict[str, Any]] | None = None) -> bool:
@@ -624,3 +643,4 @@ def walk(transforms: list[Transform] | tuple[Transform, ...], prefix: str = "") 
         out.append((key, t))
         out.extend(walk(t.children(), key))
     return out
+
