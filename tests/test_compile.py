@@ -78,7 +78,7 @@ def test_step_has_no_host_sync(name):
     ("skip", lambda: [needs_the_host(), mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 4),  # a transform that needs the host
     ("raise", lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)], 4),  # it must raise: one sync a step
 ])
-def test_host_syncs_per_step_by_policy(policy, make, syncs):
+def test_host_syncs_per_step_by_policy(policy, make, syncs, device_path):
     params = _params()
     opt = mo.Modular(params, *make(), nonfinite=policy)
     counter = SyncCounter()
@@ -391,3 +391,16 @@ def test_slice_scopes_compile_with_fullgraph():
         for p, q in zip(eager_p, comp_p):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert comp.stats["0:ClipNormByEMA.norm"].shape == eager.stats["0:ClipNormByEMA.norm"].shape
+
+
+def test_on_a_cpu_the_default_step_reads_its_decision_once():
+    """Without the device path forced (`device_path`), a step on the CPU reads the device's decision back:
+    one sync a step (on a GPU: none, the test above); a compiled step keeps the device path."""
+    params = _params()
+    opt = mo.Modular(params, mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    counter = SyncCounter()
+    for step in range(4):
+        _set_grads(params, step)
+        with counter:
+            opt.step()
+    assert counter.syncs == 4
