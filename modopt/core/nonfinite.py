@@ -31,7 +31,8 @@ def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
 
 
-def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False) -> torch.Tensor:
+def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
+                 total_only: bool = False) -> torch.Tensor:
     """0-d bool tensor, cheap: True proves every gradient finite; False means "possibly not".
 
     It is the finiteness of the total 2-norm, combined from the per-tensor 2-norms
@@ -45,13 +46,13 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False) 
     of the gradients. With `on_device` (the device decides: an overflowing total
     skips the step) the total goes into the memo as well, so a global 2-norm clip
     costs no further op. The test is one op, `total < inf` (a norm is >= 0, and
-    NaN compares false).
+    NaN compares false). `total_only`: the total itself, for the host to compare.
     """
     acc = common_acc_dtype(grads)
     total = torch.linalg.vector_norm(ctx.memo.pnorms(grads, 2.0, acc))
     if on_device:
         ctx.memo.put_total(grads, 2.0, acc, total)
-    return total < math.inf
+    return total if total_only else total < math.inf
 
 
 #: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
@@ -104,16 +105,17 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
-        proceed = maybe_finite(ctx, grads, on_device=True)
         if host_on_cpu and HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
             # the device's decision, read where reading it is free: the plain chain runs (no cleaning
             # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
-            if bool(proceed):
+            # (the device's test, `total < inf`, made on the host: NaN compares false there too)
+            if maybe_finite(ctx, grads, on_device=True, total_only=True).item() < math.inf:
                 ctx.stats["nonfinite"] = CPU_FALSE
                 return True
-            ctx.stats["nonfinite"] = ~proceed
+            ctx.stats["nonfinite"] = torch.ones((), dtype=torch.bool)
             ctx.memo.close()
             return False
+        proceed = maybe_finite(ctx, grads, on_device=True)
         bad = ctx.stats["nonfinite"] = ~proceed
         ctx.proceed, ctx.skip = proceed, bad
         return True
