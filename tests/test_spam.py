@@ -495,3 +495,66 @@ def test_masked_with_its_own_optimizer_equals_the_selection_alone():
             o.step()
     for n, p in named:
         assert torch.equal(p, clones[n]), n
+
+
+# --- the eager step's shortcuts round as the plain expressions ------------------------------------------
+def _bits(x):
+    return x.reshape(-1).view(torch.uint8) if x.is_floating_point() else x
+
+
+PLAIN_CASES = {
+    "StableSPAM": lambda: [mo.StableSPAM(reset_every=4), mo.AdamW(weight_decay=0.0, fused=False)],
+    "StableSPAM, eps=0": lambda: [mo.StableSPAM(reset_every=None, eps=0.0), mo.LR(1.0)],
+    "StableSPAM, global": lambda: [mo.StableSPAM(reset_every=3, scope="global"), mo.Adam()],
+    "StableSPAM, group": lambda: [mo.StableSPAM(reset_every=3, scope="group"), mo.Adam()],
+    "StableSPAM, slices": lambda: [mo.StableSPAM(reset_every=4, scope="tensor", dim=0), mo.Adam()],
+    "SPAM": lambda: [mo.SPAM(theta=0.3, reset_every=6, warmup_steps=3, clip_delay=2), mo.AdamW()],
+    "SPAM, defaults": lambda: [mo.SPAM(clip_delay=3, reset_every=7), mo.AdamW()],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64", "mixed"])
+@pytest.mark.parametrize("nonfinite", ["skip", "ignore"])
+@pytest.mark.parametrize("case", sorted(PLAIN_CASES))
+def test_eager_shortcuts_give_the_bits_of_the_plain_expressions(case, nonfinite, dtype, monkeypatch):
+    """The eager step takes shortcuts a compiled step does not: the largest |g| from one min/max pass (not the
+    inf-norm kernel), the clips and AdaGN's scaling written in place, and no full-size select on a 0-d condition.
+    With them turned off (the plain expressions, as compiled) every parameter, saved value and statistic is the
+    same to the bit (NaN payloads included), in every dtype and in mixed ones (0-d tensors among them: there an
+    in-place op would round in the narrower dtype, so the plain expression runs), across resets, spikes, zero
+    and tiny gradients, and NaN and inf ones (kept by `ignore`, skipped by `skip`)."""
+    from modopt.transforms import spam as impl
+
+    shapes = [(5, 3), (7,), (), (4, 2, 3), (64, 33), (0,), (1, 1)]
+    kinds = {"float32": [torch.float32], "bfloat16": [torch.bfloat16], "float64": [torch.float64],
+             "mixed": [torch.bfloat16, torch.float32, torch.float64]}[dtype]
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64).to(kinds[i % len(kinds)]))
+              for i, s in enumerate(shapes)]
+        opt = mo.Modular([{"params": ps[:3]}, {"params": ps[3:]}], *PLAIN_CASES[case](), nonfinite=nonfinite)
+        out, clipped = [], 0
+        for k in range(14):
+            for i, p in enumerate(ps):
+                x = torch.randn(p.shape, generator=g, dtype=torch.float64) * (0.1 + i)
+                x = x * (300.0 if k % 5 == 3 and i == k % len(shapes) else 1.0) * (1e-30 if k % 7 == 4 else 1.0)
+                x = torch.zeros_like(x) if k % 6 == 2 and i == 1 else x
+                p.grad = x.to(p.dtype)
+                if k in (3, 8) and p.numel():
+                    p.grad.view(-1)[0] = math.nan if k == 3 else math.inf
+            opt.step()
+            clipped += sum(int(v.sum()) for n, v in opt.stats.items() if n.endswith(".clipped"))
+            out.append([p.detach().clone() for p in ps] + [v.clone() for s in opt.state.values() for v in s.values()
+                                                           if torch.is_tensor(v)] + [v.clone() for v in opt.stats.values()])
+        return out, clipped
+
+    fast, clipped = run()
+    monkeypatch.setattr(impl, "_in_place", lambda u, *by: False)
+    monkeypatch.setattr(impl, "_max_abs", lambda seg, updates: seg.reduce(updates, math.inf))
+    plain, _ = run()
+    assert clipped > 0  # the spikes are clipped: the clip's shortcut is exercised
+    for k, (a, b) in enumerate(zip(fast, plain)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)), k

@@ -1,0 +1,167 @@
+"""modopt against pytorch_optimizer on the methods both publish: StableSPAM, SPAM and AdaGC.
+
+    python benchmarks/peers.py                        # both models, 3 repeats, 1 thread (a few minutes)
+    python benchmarks/peers.py --quick                # tiny models, 2 steps: a smoke run
+    python benchmarks/peers.py --only StableSPAM --models mlp --repeats 5 --json rows.json
+
+Each row trains two copies of `benchmarks/bench.py`'s model on the same batches: modopt's pipeline
+(`mo.Modular(params, *pipeline)`, the default `nonfinite="skip"`: a step with an inf/NaN gradient is
+skipped on the device, which the peer does not check) and the peer's optimizer with its own defaults.
+Each modopt pipeline is the configuration that reproduces the peer (its docstring says how): the same
+hyperparameters and torch's non-fused AdamW kernel, so `diff` (the largest parameter difference after a
+repeat, relative to the largest parameter) is 0 where the two are bit for bit, and for SPAM the eps
+placement alone (tests/test_spam.py bounds it).
+
+Timing is bench.py's own (`bench._timed_steps`: each side's `step` timed alone after a shared forward
+and backward, the order alternating, the garbage collector paused); a repeat reports the median of the
+per-iteration ratios modopt/peer, the table every repeat's ratio and their median. `ops / syncs / bytes`
+is one more untimed step per side under `bench.StepCounter`: aten ops (views excluded), host syncs and
+the bytes read and written in units of P, the parameters' bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import Side, _counted, _opt_state, _timed_steps, _version, build_model  # noqa: E402
+
+import modopt as mo  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    modopt: Callable[[], list]
+    modopt_label: str
+    peer: Callable[[list], torch.optim.Optimizer]
+    peer_label: str
+
+
+def _po():
+    import pytorch_optimizer  # the dev extra pins it
+
+    return pytorch_optimizer
+
+
+PEERS = [
+    Peer("StableSPAM", lambda: [mo.StableSPAM(), mo.AdamW(weight_decay=0.0, fused=False)],
+         "StableSPAM(), AdamW(weight_decay=0.0, fused=False)",
+         lambda ps: _po().StableSPAM(ps), "StableSPAM(params)"),
+    Peer("SPAM", lambda: [mo.SPAM(), mo.AdamW(eps=1e-6, weight_decay=0.0, fused=False)],
+         "SPAM(), AdamW(eps=1e-6, weight_decay=0.0, fused=False)",
+         lambda ps: _po().SPAM(ps), "SPAM(params)"),
+    Peer("AdaGC", lambda: [mo.AdaGC(), mo.AdamW(weight_decay=0.1, fused=False)],
+         "AdaGC(), AdamW(weight_decay=0.1, fused=False)",
+         lambda ps: _po().AdaGC(ps), "AdaGC(params)"),
+]
+
+
+@dataclass
+class Row:
+    model: str
+    method: str
+    modopt_ms: float
+    peer_ms: float
+    ratio: float  # median over repeats of each repeat's median paired ratio modopt/peer
+    ratios: list[float]
+    diff: float
+    counts: dict[str, list[float]]
+
+
+def run_one(peer: Peer, model_name: str, args) -> Row:
+    ratios, t_mo, t_pe, diffs = [], [], [], []
+    counts: dict[str, list[float]] = {}
+    for rep in range(args.repeats):
+        torch.manual_seed(rep)
+        base, make_batch = build_model(model_name, args.quick)
+
+        def modopt_side(model: nn.Module) -> Side:
+            opt = mo.Modular(model.parameters(), *peer.modopt())
+            return Side(model, opt.step, _opt_state(opt))
+
+        def peer_side(model: nn.Module) -> Side:
+            opt = peer.peer(list(model.parameters()))
+            return Side(model, opt.step, _opt_state(opt))
+
+        sides = {"modopt": modopt_side(copy.deepcopy(base)), "peer": peer_side(copy.deepcopy(base))}
+        g = torch.Generator().manual_seed(1000 + rep)
+        batches = [make_batch(g) for _ in range(args.warmup + args.steps)]
+        times = _timed_steps(sides, batches, args.warmup, 1)
+        ratios.append(statistics.median(a / b for a, b in zip(times["modopt"], times["peer"])))
+        t_mo.append(statistics.median(times["modopt"]))
+        t_pe.append(statistics.median(times["peer"]))
+        ps_mo, ps_pe = sides["modopt"].params, sides["peer"].params
+        scale = max(p.abs().max().item() for p in ps_pe) or 1.0
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(ps_mo, ps_pe)) / scale)
+        if rep == 0:
+            pbytes = sum(p.numel() * p.element_size() for p in ps_pe)
+            for n in sides:
+                c = _counted(sides[n], batches[0])
+                counts[n] = [c.ops, c.syncs, c.bytes / pbytes]
+    return Row(model_name, peer.name, 1e3 * statistics.median(t_mo), 1e3 * statistics.median(t_pe),
+               statistics.median(ratios), ratios, max(diffs), counts)
+
+
+def _counts(c: list[float]) -> str:
+    return f"{int(c[0])} / {int(c[1])} / {c[2]:.1f}P"
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["model", "method", "modopt ms", "peer ms", "modopt/peer", "repeats",
+            "ops/syncs/bytes modopt", "ops/syncs/bytes peer", "diff"]
+    lines = [head] + [[r.model, r.method, f"{r.modopt_ms:.2f}", f"{r.peer_ms:.2f}", f"{r.ratio:.3f}x",
+                       " ".join(f"{x:.3f}" for x in r.ratios), _counts(r.counts["modopt"]),
+                       _counts(r.counts["peer"]), f"{r.diff:.1e}"] for r in rows]
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    notes = [f"- {p.name}: modopt `{p.modopt_label}` against `pytorch_optimizer.{p.peer_label}`"
+             for p in PEERS if any(r.method == p.name for r in rows)]
+    return "\n".join(out + [""] + notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat (a smoke run)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default 20; quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="independent repeats (default 3; quick 1)")
+    ap.add_argument("--models", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
+    ap.add_argument("--only", nargs="+", choices=[p.name for p in PEERS], default=None, help="only these methods")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = ap.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    torch.set_num_threads(args.threads)
+    print(f"modopt peers: torch {torch.__version__}, pytorch_optimizer {_version('pytorch_optimizer')}, "
+          f"{torch.get_num_threads()} CPU thread(s), {args.repeats} repeat(s) of {args.steps} timed steps after "
+          f"{args.warmup} warm-up{' (quick)' if args.quick else ''}", flush=True)
+    rows = []
+    for peer in PEERS:
+        if args.only and peer.name not in args.only:
+            continue
+        for model in args.models:
+            rows.append(run_one(peer, model, args))
+            r = rows[-1]
+            print(f"  {model:11s} {peer.name}: modopt/peer {r.ratio:.3f}x", file=sys.stderr, flush=True)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
