@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import nonfinite
 from .keys import transform_key, value_key
 from .runner import Step, TransformState
 
@@ -203,6 +204,12 @@ class Moments:
         """Zero the provider's reset buffers (and, with `restart_count`, its step counters) of the step's
         parameters where `when` (a 0-d bool tensor) is true, in place; nothing where it is false."""
         names = list(self.offer.resets) + ([self.offer.count] if restart_count and self.offer.count else [])
+        if when.device.type == "cpu" and nonfinite.HOST_ON_CPU and not torch.compiler.is_compiling():
+            # read where reading is free (the step's own rule: modopt.core.nonfinite.HOST_ON_CPU): a step
+            # without a reset makes no pass over the moments, one with it zeroes them (the same bits)
+            if not when.item():
+                return
+            when = torch.ones((), dtype=torch.bool)
         by_device: dict[torch.device, torch.Tensor] = {when.device: when}
         for s in self.ctx.param_states():
             for name in names:
