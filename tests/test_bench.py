@@ -105,3 +105,16 @@ def test_a_bad_device_is_refused_naming_the_flag(bench, capsys, device, says):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--device '{device}'" in err and says in err
+
+
+def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it_was(capsys):
+    from modopt.core import nonfinite
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_decision.py"
+    spec = importlib.util.spec_from_file_location("modopt_host_decision_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tensors", "3", "--steps", "22", "--repeats", "1"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
+    assert len(rows) == 3 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
+    assert nonfinite.HOST_ON_CPU is True
