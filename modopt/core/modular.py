@@ -213,7 +213,7 @@ class _LastStep:
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
-    `Modular(params, *transforms, nonfinite="skip", **group_defaults)`
+    `Modular(params, *transforms, nonfinite=None, config=None, lint=True, **group_defaults)`
 
     * `params`: tensors, param-group dicts, or `named_parameters()` pairs.
     * `transforms`: run in order on the gradient; the update after the last one
@@ -221,8 +221,8 @@ class Modular(torch.optim.Optimizer):
       `LR`, ...) expose their hyperparameters as param-group keys (`lr`,
       `betas`, `momentum`, `weight_decay`, ...), so torch's schedulers and
       per-group overrides work as with any torch optimizer.
-    * `nonfinite`: what a step with an inf/NaN gradient does: `"skip"`
-      (default; parameters and every transform's state stay as they were, and
+    * `nonfinite`: what a step with an inf/NaN gradient does (None: the config's, else
+      `"skip"`): `"skip"` (parameters and every transform's state stay as they were, and
       `opt.stats["skipped_steps"]` counts it), `"raise"`, `"zero"` (non-finite
       elements become 0) or `"ignore"` (no check, no host sync).
     * `lint`: warn (`mo.LintWarning`, once, when built) about transforms that

@@ -243,8 +243,8 @@ class ZClip(Scoped):
 
     `max_grad_norm` (None: off) caps the norm on every step, warm-up
     included. The statistics then move with the threshold `c` on a spike,
-    else with `g` (mean first, then ``sigma**2 <- alpha*sigma**2 +
-    (1-alpha)*(x - mu_new)**2`); `skip_update_on_spike`` leaves them
+    else with `g` (mean first, then `sigma**2 <- alpha*sigma**2 +
+    (1-alpha)*(x - mu_new)**2`); `skip_update_on_spike` leaves them
     unchanged on spikes. The clip scale is `c / (g + 1e-6)` (the package's).
 
     Defaults: `alpha=0.97`, `z_thresh=2.5`, `max_grad_norm=1.0`,
