@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import modopt as mo
-from modopt.core import modular
+from modopt.core import checkpoint
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
@@ -111,8 +111,8 @@ def test_load_state_dict_runs_the_migration_chain(monkeypatch):
         calls.append(1)
         return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
 
-    monkeypatch.setattr(modular, "FORMAT_VERSION", 2)
-    monkeypatch.setitem(modular.MIGRATIONS, 1, v1_to_v2)
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 2)
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 1, v1_to_v2)
     m = v1.model()
     m.load_state_dict(ck["model"])
     opt = mo.Modular(v1.groups(m), *v1.pipeline())
@@ -130,14 +130,15 @@ def test_missing_or_broken_migration_is_a_clear_error_and_changes_nothing(monkey
     opt = mo.Modular(v1.groups(m), *v1.pipeline())
     v1.train(m, opt, ck["resume_batches"][:1])
     before = copy.deepcopy(opt.state_dict())
-    monkeypatch.setattr(modular, "FORMAT_VERSION", 3)
-    monkeypatch.setitem(modular.MIGRATIONS, 1, lambda sd: {**sd, "modopt": {**sd["modopt"], "format_version": 2}})
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 3)
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 1, lambda sd: {**sd, "modopt": {**sd["modopt"], "format_version": 2}})
     with pytest.raises(ValueError, match="no migration from checkpoint format_version 2 to 3"):
         opt.load_state_dict(ck["optimizer"])
-    monkeypatch.setitem(modular.MIGRATIONS, 2, lambda sd: sd)  # forgets to bump the version
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 2, lambda sd: sd)  # forgets to bump the version
     with pytest.raises(ValueError, match="migration to format_version 3 returned format 2"):
         opt.load_state_dict(ck["optimizer"])
     after = opt.state_dict()
     for k in before["state"]:
         for name, v in before["state"][k].items():
             assert torch.equal(v, after["state"][k][name])
+
