@@ -142,3 +142,36 @@ def test_missing_or_broken_migration_is_a_clear_error_and_changes_nothing(monkey
         for name, v in before["state"][k].items():
             assert torch.equal(v, after["state"][k][name])
 
+
+def test_a_modular_pickled_when_torch_optimizer_lived_in_optimizers_py_unpickles_and_continues():
+    """`pickle` names a class by its module: a Modular pickled before `TorchOptimizer` had its own module
+    names `modopt.transforms.optimizers.TorchOptimizer`. That path still resolves, to the same class, and
+    the unpickled optimizer continues bit for bit (its wrapped torch.optim.SGD's momentum included)."""
+    import pickle
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.TorchOptimizer(torch.optim.SGD, lr=0.1, momentum=0.9))
+    for _ in range(2):
+        p.grad = torch.randn(4, 3)
+        opt.step()
+    # protocol 2 writes a class as the text `module\nname\n`: the old module's path is a byte replacement
+    new = pickle.dumps(opt, protocol=2)
+    assert new.count(b"modopt.transforms.torch_optimizer\nTorchOptimizer\n") == 1
+    old = new.replace(b"modopt.transforms.torch_optimizer\nTorchOptimizer\n",
+                      b"modopt.transforms.optimizers\nTorchOptimizer\n")
+    assert b"modopt.transforms.torch_optimizer" not in old
+    back = pickle.loads(old)
+    assert type(back.transforms[1]) is mo.TorchOptimizer
+    q = back.param_groups[0]["params"][0]
+    assert torch.equal(q, p) and q is not p
+    for _ in range(3):
+        g = torch.randn(4, 3)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        back.step()
+        assert torch.equal(q, p)
+    from modopt.core.keys import value_key
+
+    k = value_key("1:TorchOptimizer", "inner")
+    assert torch.equal(back.state[q][k]["momentum_buffer"], opt.state[p][k]["momentum_buffer"])

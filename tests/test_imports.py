@@ -142,9 +142,11 @@ CORE_UPWARD = {
     # `Modular(..., lint=True)` warns once, when built, about what the linter finds (the step never reads
     # lint: the plan holds what it acts on); to go, the linter would read the plan (issue 37 item 1)
     ("modopt.core.modular", "modopt.lint"),
-    # a torch.optim checkpoint continues in the transform that runs the same torch algorithm; to go, the
-    # optimizer transforms would declare their algorithm
+    # a torch.optim checkpoint continues in the transform that runs the same torch algorithm (mo.SGD, mo.Adam,
+    # mo.AdamW, or mo.TorchOptimizer of the same class); to go, the optimizer transforms would declare their
+    # algorithm
     ("modopt.core.torch_checkpoint", "modopt.transforms.optimizers"),
+    ("modopt.core.torch_checkpoint", "modopt.transforms.torch_optimizer"),
 }
 
 
