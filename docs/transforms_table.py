@@ -33,6 +33,7 @@ PAGES = {
     "modopt.transforms.guards": "guards.md",
     "modopt.transforms.normalization": "normalization.md",
     "modopt.transforms.optimizers": "optimizers.md",
+    "modopt.transforms.torch_optimizer": "optimizers.md",
     "modopt.transforms.orthogonal": "orthogonal.md",
     "modopt.transforms.percentile": "percentile.md",
     "modopt.transforms.spam": "spam.md",

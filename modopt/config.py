@@ -1,4 +1,4 @@
-"""Pipeline configs as plain data (YAML, JSON, TOML): the public face of `modopt.core.modular`'s
+"""Pipeline configs as plain data (YAML, JSON, TOML): the public face of `modopt.core.pipeline_config`'s
 `PipelineConfig` and `load_config` (where the format is described), `modopt.core.configfile`'s
 readers and errors, and the JSON schema of a pipeline (`config_schema`).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .core.configfile import ConfigError, format_validation_error, parse_text, read_file
-from .core.modular import PipelineConfig, load_config
+from .core.pipeline_config import PipelineConfig, load_config
 from .core.registry import available, get_transform
 
 __all__ = ["ConfigError", "PipelineConfig", "config_schema", "format_validation_error", "load_config", "parse_text",

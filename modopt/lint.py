@@ -57,7 +57,7 @@ class Finding:
 
 
 def lint(config: Any) -> list[Finding]:
-    """Findings for a `PipelineConfig` (see the module docs; `Any` here: `modopt.core.modular` imports this module)."""
+    """Findings for a `PipelineConfig` (see the module docs; `Any` here: `modopt.core.pipeline_config` imports this module)."""
     from . import transforms as T
 
     flat = flatten(config.transforms)

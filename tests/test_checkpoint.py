@@ -36,7 +36,7 @@ def test_state_dict_is_plain_data_with_the_config():
     model, opt = model_and_opt()
     train(model, opt, 2)
     sd = roundtrip(opt.state_dict())
-    assert sd["modopt"]["format_version"] == mo.core.modular.FORMAT_VERSION == 2
+    assert sd["modopt"]["format_version"] == mo.core.checkpoint.FORMAT_VERSION == 2
     assert sd["modopt"]["config"] == opt.config.to_dict()
     assert mo.PipelineConfig.from_dict(sd["modopt"]["config"]) == opt.config
     assert set(sd["state"][0]) == {"1:Adam.step", "1:Adam.exp_avg", "1:Adam.exp_avg_sq"}

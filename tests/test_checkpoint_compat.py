@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import modopt as mo
-from modopt.core import modular
+from modopt.core import checkpoint
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
@@ -111,8 +111,8 @@ def test_load_state_dict_runs_the_migration_chain(monkeypatch):
         calls.append(1)
         return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
 
-    monkeypatch.setattr(modular, "FORMAT_VERSION", 2)
-    monkeypatch.setitem(modular.MIGRATIONS, 1, v1_to_v2)
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 2)
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 1, v1_to_v2)
     m = v1.model()
     m.load_state_dict(ck["model"])
     opt = mo.Modular(v1.groups(m), *v1.pipeline())
@@ -130,14 +130,48 @@ def test_missing_or_broken_migration_is_a_clear_error_and_changes_nothing(monkey
     opt = mo.Modular(v1.groups(m), *v1.pipeline())
     v1.train(m, opt, ck["resume_batches"][:1])
     before = copy.deepcopy(opt.state_dict())
-    monkeypatch.setattr(modular, "FORMAT_VERSION", 3)
-    monkeypatch.setitem(modular.MIGRATIONS, 1, lambda sd: {**sd, "modopt": {**sd["modopt"], "format_version": 2}})
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 3)
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 1, lambda sd: {**sd, "modopt": {**sd["modopt"], "format_version": 2}})
     with pytest.raises(ValueError, match="no migration from checkpoint format_version 2 to 3"):
         opt.load_state_dict(ck["optimizer"])
-    monkeypatch.setitem(modular.MIGRATIONS, 2, lambda sd: sd)  # forgets to bump the version
+    monkeypatch.setitem(checkpoint.MIGRATIONS, 2, lambda sd: sd)  # forgets to bump the version
     with pytest.raises(ValueError, match="migration to format_version 3 returned format 2"):
         opt.load_state_dict(ck["optimizer"])
     after = opt.state_dict()
     for k in before["state"]:
         for name, v in before["state"][k].items():
             assert torch.equal(v, after["state"][k][name])
+
+
+def test_a_modular_pickled_when_torch_optimizer_lived_in_optimizers_py_unpickles_and_continues():
+    """`pickle` names a class by its module: a Modular pickled before `TorchOptimizer` had its own module
+    names `modopt.transforms.optimizers.TorchOptimizer`. That path still resolves, to the same class, and
+    the unpickled optimizer continues bit for bit (its wrapped torch.optim.SGD's momentum included)."""
+    import pickle
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.TorchOptimizer(torch.optim.SGD, lr=0.1, momentum=0.9))
+    for _ in range(2):
+        p.grad = torch.randn(4, 3)
+        opt.step()
+    # protocol 2 writes a class as the text `module\nname\n`: the old module's path is a byte replacement
+    new = pickle.dumps(opt, protocol=2)
+    assert new.count(b"modopt.transforms.torch_optimizer\nTorchOptimizer\n") == 1
+    old = new.replace(b"modopt.transforms.torch_optimizer\nTorchOptimizer\n",
+                      b"modopt.transforms.optimizers\nTorchOptimizer\n")
+    assert b"modopt.transforms.torch_optimizer" not in old
+    back = pickle.loads(old)
+    assert type(back.transforms[1]) is mo.TorchOptimizer
+    q = back.param_groups[0]["params"][0]
+    assert torch.equal(q, p) and q is not p
+    for _ in range(3):
+        g = torch.randn(4, 3)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        back.step()
+        assert torch.equal(q, p)
+    from modopt.core.keys import value_key
+
+    k = value_key("1:TorchOptimizer", "inner")
+    assert torch.equal(back.state[q][k]["momentum_buffer"], opt.state[p][k]["momentum_buffer"])

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .modular import PipelineConfig
+from .pipeline_config import PipelineConfig
 from .nonfinite import drive
 from .plan import make_plan
 from .select import check_selections

@@ -1,4 +1,5 @@
-"""Checking and copying saved transform state: shared by `Modular` and `attach` handles.
+"""The checkpoint format: its version and the upgrades from older ones (`FORMAT_VERSION`, `MIGRATIONS`,
+`upgrade`), and checking and copying saved transform state, shared by `Modular` and `attach` handles.
 
 A checkpoint loads when the pipeline's *structure* matches: transform types and
 order, nesting, the fields that decide where a transform's state lives
@@ -18,17 +19,89 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from .keys import split_group_key, split_value_key, value_key
+from .keys import inventory_key, split_group_key, split_value_key, value_key
 from .norms import acc_dtype
 from .state import Buffer, declared_buffers
 from .transform import Transform, to_plain
 
 #: fields whose value decides where (and in which shape) a transform keeps its state
 LAYOUT_FIELDS = ("scope", "dim", "inverse_dims", "cls")
+
+
+# --- the format and its versions ------------------------------------------------------
+#: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
+FORMAT_VERSION = 2
+#: `MIGRATIONS[n]` upgrades a state dict of format `n` to format `n + 1`.
+#: When a change to `state_dict` bumps `FORMAT_VERSION` to `n + 1`, register
+#: here the function that rewrites an `n` checkpoint (renamed keys, new
+#: buffers with their initial values, ...). It must return a new dict and never
+#: modify its argument; `load_state_dict` runs the chain `n -> n+1 -> ...`
+#: before any check, so an old checkpoint is validated as a current one.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def _v1_to_v2(sd: dict[str, Any]) -> dict[str, Any]:
+    """Format 2 also carries the transform state in `param_groups[0]["modopt"]` (the part of a state
+    dict that torch.distributed.checkpoint keeps); format 1 had it only in `sd["modopt"]`, which
+    stays the primary copy, so the upgrade only renumbers."""
+    return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
+
+
+MIGRATIONS[1] = _v1_to_v2
+#: the key of param_groups[0] in a state dict that carries the transform state (what DCP keeps)
+GROUP_ENTRY = "modopt"
+
+
+def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
+    """Upgrade a state dict of format `version` to `FORMAT_VERSION` through `MIGRATIONS`."""
+    while version < FORMAT_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise ValueError(
+                f"load_state_dict: no migration from checkpoint format_version {version} to {version + 1} "
+                f"(this modopt writes {FORMAT_VERSION})"
+            )
+        sd = step(sd)
+        version += 1
+        got = sd.get("modopt", {}).get("format_version") if isinstance(sd, dict) else None
+        if got != version:
+            raise ValueError(f"load_state_dict: the migration to format_version {version} returned format {got!r}")
+    return sd
+
+
+def upgrade(sd: dict[str, Any]) -> dict[str, Any]:
+    """`sd` (its `sd["modopt"]` a dict) at `FORMAT_VERSION`: refused when its format is not one this modopt
+    reads, run through `migrate` when older (then a new dict), else `sd` itself."""
+    version = sd["modopt"].get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
+        raise ValueError(f"load_state_dict: unsupported checkpoint format_version {version!r} (this modopt reads <= {FORMAT_VERSION})")
+    if version < FORMAT_VERSION:
+        sd = migrate(sd, version)
+    return sd
+
+
+def check_inventory(state: Any, meta: dict) -> None:
+    """Refuse a state dict that lacks values its writer had (DCP fills only the target's slots)."""
+    inventory = meta.get("inventory")
+    if not isinstance(inventory, list) or not isinstance(state, dict):
+        return
+    have = {k for e in state.values() if isinstance(e, dict) for k in e}
+    store = meta.get("transforms")
+    if isinstance(store, dict):
+        have |= {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v}
+    missing = [k for k in inventory if k not in have]
+    if missing:
+        raise ValueError(
+            f"load_state_dict: the state dict lacks {len(missing)} value(s) its checkpoint was saved with "
+            f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}). "
+            "torch.distributed.checkpoint loads only the values its target state dict has a slot for, and a fresh "
+            "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
+            "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
+        )
 
 
 # --- configs ---------------------------------------------------------------------------

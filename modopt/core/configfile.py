@@ -1,6 +1,6 @@
 """Config files: reading YAML / JSON / TOML, writing TOML, and errors that name the file and the field.
 
-The layer below every config model: `modopt.core.modular.PipelineConfig` and the CLI's
+The layer below every config model: `modopt.core.pipeline_config.PipelineConfig` and the CLI's
 experiment configs read their files and report their errors through it.
 
 Config text is untrusted input, so reading it has bounds (`check_limits`, `_BoundedLoader`): at most

@@ -34,7 +34,8 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from . import distributed
 
-__all__ = ["KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_adam_",
+__all__ = ["KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_sgd_started_",
+           "fused_sgd_started_", "foreach_adam_",
            "torch_default_foreach", "torch_adam_", "torch_sgd_"]
 
 #: a hyperparameter a kernel takes as a number or a 0-d tensor (a scheduler may hold `lr` as a tensor)
@@ -180,6 +181,53 @@ def foreach_sgd_skip_(params: Tensors, grads: Tensors, bufs: list[torch.Tensor |
         distributed.copy_(bufs, [torch.where(skip, b, n) for b, n in zip(bufs, new)])
         grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
     torch._foreach_add_(params, [torch.where(skip, 0.0, u) for u in grads], alpha=-lr)
+
+
+def foreach_sgd_started_(params: Tensors, grads: Tensors, bufs: Tensors, started: Tensors, skip: torch.Tensor | None,
+                         *, lr: Scalar, weight_decay: float, momentum: float, dampening: float, nesterov: bool,
+                         maximize: bool = False) -> None:
+    """torch.optim.SGD's foreach formulas op for op (as `foreach_sgd_skip_`) for momentum buffers
+    with a `started` flag: where a flag is False the new buffer is the gradient, torch's first step,
+    else `momentum * b + (1 - dampening) * g`. With `skip` (a 0-d bool tensor) a skipped step keeps the
+    parameters and buffers. One more pass over the buffers than `foreach_sgd_skip_` (the flag's `where`)."""
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    new = [b.clone() for b in bufs]  # in place on copies: torch's rounding in every dtype
+    torch._foreach_mul_(new, momentum)
+    torch._foreach_add_(new, grads, alpha=1 - dampening)
+    new = [torch.where(f, n, g) for f, n, g in zip(started, new, grads)]
+    if skip is not None:
+        new = [torch.where(skip, b, n) for b, n in zip(bufs, new)]
+    distributed.copy_(bufs, new)
+    u = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+    if skip is not None:
+        u = [torch.where(skip, 0.0, x) for x in u]
+    torch._foreach_add_(params, u, alpha=-lr)
+
+
+def fused_sgd_started_(params: Tensors, grads: Tensors, bufs: Tensors, started: Tensors, skip: torch.Tensor | None,
+                       same: bool, *, lr: Scalar, weight_decay: float, momentum: float, dampening: float,
+                       nesterov: bool, maximize: bool = False) -> None:
+    """torch's fused SGD kernel for momentum buffers with a `started` flag: per flag value, one call as
+    a later step (`is_first_step=False`) where it is True and one as torch's first step (the buffer
+    becomes the gradient) where it is False, each made a no-op on the device by `found_inf` where it
+    does not apply (or where `skip` says the step is skipped). Both calls read nothing where they do
+    nothing: no pass more than the plain fused step, one kernel call more. With `same` (the flags are
+    known to be equal) one pair of calls serves them all; else one pair per parameter."""
+    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                 grad_scale=None, maximize=maximize)
+    flags = started[0].reshape(1) if same else torch.stack(started)
+    later, first = ~flags, flags  # 1: that call leaves everything as it is
+    if skip is not None:
+        later, first = later | skip, first | skip
+    later, first = later.to(torch.float32).unbind(0), first.to(torch.float32).unbind(0)
+    parts = [list(range(len(params)))] if same else [[j] for j in range(len(params))]
+    for n, js in enumerate(parts):
+        ps, gs, bs = [params[j] for j in js], [grads[j] for j in js], [bufs[j] for j in js]
+        fused_sgd_(ps, gs, bs, is_first_step=False, found_inf=later[n], **hyper)
+        fused_sgd_(ps, gs, bs, is_first_step=True, found_inf=first[n], **hyper)
 
 
 def foreach_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,

@@ -1,197 +1,32 @@
-"""`Modular`, a real `torch.optim.Optimizer` that runs a chain of transforms, and `PipelineConfig`,
-the pipeline as data that rebuilds it (both here: each one makes the other).
+"""`Modular`, a real `torch.optim.Optimizer` that runs a chain of transforms.
 
-A config lists the transforms by `type` with their fields:
-
-```yaml
-nonfinite: skip
-defaults: {lr: 0.001}          # optional param-group defaults (override the transforms')
-transforms:
-  - {type: ClipNorm, max_norm: 1.0}
-  - {type: Adam, lr: 0.001}
-```
-
-YAML is read with a safe loader; a config can never run code. `TorchOptimizer`
-resolves import paths only for `torch.optim.*` and classes registered with
-`modopt.register_optimizer()`, unless the caller passes `trust_imports=True`.
-TOML has no null: in TOML files the string `"null"` stands for None.
+Its pipeline as data is a `PipelineConfig` (`modopt.core.pipeline_config`); the format of its
+checkpoints and their upgrades live in `modopt.core.checkpoint`.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
 import warnings
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .checkpoint import StateLoader, encode_history, history_keys, structure_difference, value_differences
-from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
-from .nonfinite import CPU_FALSE, NonFinite, drive
+from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, check_inventory, encode_history, history_keys,
+                         structure_difference, upgrade, value_differences)
+from .nonfinite import CPU_FALSE, drive
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
-from .registry import trust_imports as _trust
 from .runner import TransformState, check_loss
-from .state import declared_buffers
 from .select import check_selections, route_group
+from .pipeline_config import PipelineConfig, load_config
 from .plan import make_plan
-from .transform import Transform, TransformField, plain_input, to_plain, walk
+from .transform import Transform, plain_input, to_plain, walk
 from .moments import Link
 
-class PipelineConfig(BaseModel):
-    """A whole pipeline: its transforms, the non-finite policy and param-group defaults."""
-
-    model_config: ClassVar[ConfigDict] = ConfigDict(extra="forbid", frozen=True)
-
-    transforms: list[TransformField] = Field(default_factory=list)
-    nonfinite: NonFinite = "skip"
-    defaults: dict[str, Any] = Field(default_factory=dict)
-
-    def __repr__(self) -> str:
-        """`PipelineConfig(ClipNorm(max_norm=1.0), Adam())`: the transforms, then non-default options."""
-        parts = [repr(t) for t in self.transforms]
-        if self.nonfinite != "skip":
-            parts.append(f"nonfinite={self.nonfinite!r}")
-        if self.defaults:
-            parts.append(f"defaults={self.defaults!r}")
-        return f"PipelineConfig({', '.join(parts)})"
-
-    def __str__(self) -> str:
-        return repr(self)
-
-    # --- serialisation ----------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """`{"transforms": [...], "nonfinite": ..., "defaults": {...}}` as plain data."""
-        return {
-            "transforms": [t.to_dict() for t in self.transforms],
-            "nonfinite": self.nonfinite,
-            "defaults": to_plain(self.defaults),
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The config as JSON text (`to_dict()`)."""
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def to_yaml(self) -> str:
-        """The config as YAML text (`to_dict()`, fields in reading order)."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def to_toml(self) -> str:
-        """The config as TOML text (`to_dict()`)."""
-        return _toml_dumps(self.to_dict())
-
-    def save(self, path: str | Path) -> Path:
-        """Write the config to `path` in the format its suffix names (.yaml/.yml, .json, .toml); returns the path."""
-        path = Path(path)
-        fmt = _format_of(path)
-        text = {"yaml": self.to_yaml, "json": self.to_json, "toml": self.to_toml}[fmt]()
-        path.write_text(text)
-        return path
-
-    @classmethod
-    def from_dict(cls, data: Any, trust_imports: bool = False) -> "PipelineConfig":
-        """Validate plain data (`to_dict()`'s shape) into a config (`trust_imports`: see `mo.trust_imports`)."""
-        with _trust(trust_imports):
-            return cls.model_validate(data)
-
-    def lint(self) -> list[Finding]:
-        """Transforms whose effect is provably cancelled or overridden by a later one (`modopt.lint`).
-
-        ```pycon
-        >>> import modopt as mo
-        >>> [f.key for f in mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()]).lint()]
-        ['0:ClipNormByEMA']
-
-        ```
-        """
-        from ..lint import lint
-
-        return lint(self)
-
-    # --- building -----------------------------------------------------------
-    def build(self, params: Any) -> "Modular":
-        """A fresh `Modular` over `params` running this pipeline."""
-        return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
-
-
-def load_config(path: Any, trust_imports: bool = False) -> PipelineConfig:
-    """Read a pipeline config: a YAML, JSON or TOML file, or the same data in memory.
-
-    `path` may be a file path, a dict (or any mapping), an OmegaConf `DictConfig`
-    (interpolations such as `${train.lr}` are resolved) or a `PipelineConfig`
-    (returned as is). An experiment config with an `optimizer` entry and no
-    `transforms` gives its `optimizer` pipeline.
-
-    Errors raise `ConfigError` naming the file (or `<dict>`) and the line
-    (syntax) or the field path (validation, e.g. `transforms.0.max_norm`).
-    """
-    if isinstance(path, PipelineConfig):
-        return path
-    if isinstance(path, (str, Path)):
-        data, source = read_file(path), str(path)
-    else:
-        check_limits(path, f"<{type(path).__name__}>", aliases=False)  # before plain_input expands shared parts
-        data, source = plain_input(path), f"<{type(path).__name__}>"
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"load_config: expected a file path, a mapping (dict, DictConfig) or a PipelineConfig; "
-                f"got {type(path).__name__}"
-            )
-    if isinstance(data, dict) and "optimizer" in data and "transforms" not in data:
-        data = plain_input(data["optimizer"])  # an experiment config: take its pipeline
-    try:
-        return PipelineConfig.from_dict(data, trust_imports=trust_imports)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, data, PipelineConfig)) from e
-    except ValueError as e:  # a transform's own check (pydantic wraps most; this catches the rest)
-        raise ConfigError(f"{source}: invalid config: {e}") from e
-
-
-#: the checkpoint format `state_dict` writes (`sd["modopt"]["format_version"]`)
-FORMAT_VERSION = 2
-#: `MIGRATIONS[n]` upgrades a state dict of format `n` to format `n + 1`.
-#: When a change to `state_dict` bumps `FORMAT_VERSION` to `n + 1`, register
-#: here the function that rewrites an `n` checkpoint (renamed keys, new
-#: buffers with their initial values, ...). It must return a new dict and never
-#: modify its argument; `load_state_dict` runs the chain `n -> n+1 -> ...`
-#: before any check, so an old checkpoint is validated as a current one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-
-
-def _v1_to_v2(sd: dict[str, Any]) -> dict[str, Any]:
-    """Format 2 also carries the transform state in `param_groups[0]["modopt"]` (the part of a state
-    dict that torch.distributed.checkpoint keeps); format 1 had it only in `sd["modopt"]`, which
-    stays the primary copy, so the upgrade only renumbers."""
-    return {**sd, "modopt": {**sd["modopt"], "format_version": 2}}
-
-
-MIGRATIONS[1] = _v1_to_v2
-#: the key of param_groups[0] in a state dict that carries the transform state (what DCP keeps)
-_GROUP_ENTRY = "modopt"
-
-
-def migrate(sd: dict[str, Any], version: int) -> dict[str, Any]:
-    """Upgrade a state dict of format `version` to `FORMAT_VERSION` through `MIGRATIONS`."""
-    while version < FORMAT_VERSION:
-        step = MIGRATIONS.get(version)
-        if step is None:
-            raise ValueError(
-                f"load_state_dict: no migration from checkpoint format_version {version} to {version + 1} "
-                f"(this modopt writes {FORMAT_VERSION})"
-            )
-        sd = step(sd)
-        version += 1
-        got = sd.get("modopt", {}).get("format_version") if isinstance(sd, dict) else None
-        if got != version:
-            raise ValueError(f"load_state_dict: the migration to format_version {version} returned format {got!r}")
-    return sd
 
 
 class _LastStep:
@@ -310,8 +145,8 @@ class Modular(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's `add_param_group`: keys this pipeline does not use are kept, as torch.optim does
         (SWALR's `swa_lr`, Lightning's `name`, timm's `lr_scale`), and saved in checkpoints."""
-        if isinstance(param_group, dict) and _GROUP_ENTRY in param_group:
-            raise ValueError(f"param-group key {_GROUP_ENTRY!r} is reserved: state_dict() uses it to carry the transform state")
+        if isinstance(param_group, dict) and GROUP_ENTRY in param_group:
+            raise ValueError(f"param-group key {GROUP_ENTRY!r} is reserved: state_dict() uses it to carry the transform state")
         given = set(param_group)
         with warnings.catch_warnings():  # torch only warns about duplicates; the check below refuses them
             warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
@@ -528,7 +363,7 @@ class Modular(torch.optim.Optimizer):
             "skipped_steps": skipped,
         }
         if sd["param_groups"]:
-            sd["param_groups"][0][_GROUP_ENTRY] = {
+            sd["param_groups"][0][GROUP_ENTRY] = {
                 "format_version": FORMAT_VERSION,
                 "transforms": {
                     k: {n: encode_history(x) if split_group_key(n)[0] in store_hist.get(k, ()) and isinstance(x, torch.Tensor)
@@ -595,25 +430,21 @@ class Modular(torch.optim.Optimizer):
                 f"param groups, this optimizer {len(self.param_groups)}"
             )
         meta = sd.get("modopt")
-        carried = saved_groups[0].get(_GROUP_ENTRY) if saved_groups and isinstance(saved_groups[0], dict) else None
+        carried = saved_groups[0].get(GROUP_ENTRY) if saved_groups and isinstance(saved_groups[0], dict) else None
         if meta is None and isinstance(carried, dict):
             # torch.distributed.checkpoint keeps only 'state' and 'param_groups': the group-0 copy has the
             # transform state; the config is this optimizer's own (the structure is checked through the keys)
             meta = {**carried, "config": self._pipeline.to_dict()}
             sd = {**sd, "modopt": meta}
-            _check_inventory(sd["state"], meta)
+            check_inventory(sd["state"], meta)
         if not isinstance(meta, dict):
             raise ValueError(
                 "load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry, "
                 "neither at the top nor in param_groups[0])"
             )
-        version = meta.get("format_version")
-        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION or version < 1:
-            raise ValueError(f"load_state_dict: unsupported checkpoint format_version {version!r} (this modopt reads <= {FORMAT_VERSION})")
-        if version < FORMAT_VERSION:
-            sd = migrate(sd, version)
-            meta = sd["modopt"]
-            saved_groups = sd["param_groups"]
+        sd = upgrade(sd)  # (the format's version checked, an older one migrated)
+        meta = sd["modopt"]
+        saved_groups = sd["param_groups"]
         saved_cfg = to_plain(meta.get("config"))
         live_cfg = self._pipeline.to_dict()
         if not isinstance(saved_cfg, dict):
@@ -636,14 +467,14 @@ class Modular(torch.optim.Optimizer):
                 index[idx] = p
             # torch's rule: the group's keys (extra ones included: swa_lr, name, lr_scale) come from the
             # checkpoint; keys this pipeline needs that the checkpoint lacks keep their current value
-            ng = {k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", _GROUP_ENTRY)}
+            ng = {k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", GROUP_ENTRY)}
             for k in self.defaults:
                 if k not in ng:
                     ng[k] = g[k]
             ng["params"] = g["params"]
             if "param_names" in g and "param_names" not in ng:
                 ng["param_names"] = g["param_names"]
-            self._gate.check(ng, gi, [k for k in sg if k not in ("params", _GROUP_ENTRY)])
+            self._gate.check(ng, gi, [k for k in sg if k not in ("params", GROUP_ENTRY)])
             new_groups.append(ng)
         state = sd["state"]
         if not isinstance(state, dict):
@@ -759,24 +590,3 @@ def _check_no_duplicates(group: dict[str, Any], index: int) -> None:
                 "(torch.optim warns about this and will refuse it; a step would update it twice)"
             )
         seen[p] = j
-
-
-def _check_inventory(state: Any, meta: dict) -> None:
-    """Refuse a state dict that lacks values its writer had (DCP fills only the target's slots)."""
-    inventory = meta.get("inventory")
-    if not isinstance(inventory, list) or not isinstance(state, dict):
-        return
-    have = {k for e in state.values() if isinstance(e, dict) for k in e}
-    store = meta.get("transforms")
-    if isinstance(store, dict):
-        have |= {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v}
-    missing = [k for k in inventory if k not in have]
-    if missing:
-        raise ValueError(
-            f"load_state_dict: the state dict lacks {len(missing)} value(s) its checkpoint was saved with "
-            f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}). "
-            "torch.distributed.checkpoint loads only the values its target state dict has a slot for, and a fresh "
-            "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
-            "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
-        )
-

@@ -122,7 +122,8 @@ def torch_algorithm(groups: list[dict[str, Any]]) -> str:
 
 def _live_optimizer(transforms: tuple[Transform, ...]) -> tuple[str, Transform, str]:
     """The pipeline's optimizer transform: (key, transform, the torch algorithm it runs or '')."""
-    from ..transforms.optimizers import _RESOLVED, SGD, Adam, TorchOptimizer  # (the classes TorchOptimizer runs)
+    from ..transforms.optimizers import SGD, Adam
+    from ..transforms.torch_optimizer import _RESOLVED, TorchOptimizer  # (the classes TorchOptimizer runs)
 
     found = [(k, t) for k, t in walk(transforms) if t.is_optimizer]
     if len(found) != 1:
@@ -200,7 +201,7 @@ def from_torch(sd: dict[str, Any], transforms: tuple[Transform, ...], group_keys
     saved config, None without a handle). `warning` names the transforms that
     start fresh (None: none has state).
     """
-    from ..transforms.optimizers import TorchOptimizer
+    from ..transforms.torch_optimizer import TorchOptimizer
 
     groups = sd["param_groups"]
     algo = torch_algorithm(groups)

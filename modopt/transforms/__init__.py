@@ -11,7 +11,7 @@ every name without running the package.
 from __future__ import annotations
 
 from . import (accumulate, adaptive, agc, caution, clipping, ema, growth, guards, masked, normalization, optimizers,
-               orthogonal, percentile, spam, stability, weights, wrappers)
+               orthogonal, percentile, spam, stability, torch_optimizer, weights, wrappers)
 from .accumulate import *  # noqa: F403
 from .adaptive import *  # noqa: F403
 from .agc import *  # noqa: F403
@@ -27,6 +27,7 @@ from .orthogonal import *  # noqa: F403
 from .percentile import *  # noqa: F403
 from .spam import *  # noqa: F403
 from .stability import *  # noqa: F403
+from .torch_optimizer import *  # noqa: F403
 from .weights import *  # noqa: F403
 from .wrappers import *  # noqa: F403
 
@@ -46,5 +47,6 @@ __all__ += orthogonal.__all__
 __all__ += percentile.__all__
 __all__ += spam.__all__
 __all__ += stability.__all__
+__all__ += torch_optimizer.__all__
 __all__ += weights.__all__
 __all__ += wrappers.__all__
