@@ -54,7 +54,7 @@ def cases() -> dict[str, object]:
                                                  mo.SGD(lr=0.05)],
         # a statistic of the orthogonalized DTensors after it (all-reduced norms; NorMuon's plain second
         # moments do not take DTensor updates yet, on either path)
-        "Orthogonalize-ClipNorm-SGD": lambda s: [mo.Momentum(0.9), mo.Orthogonalize(adjust_lr="original", sharded=s),
+        "Orthogonalize-bf16-ClipNorm-SGD": lambda s: [mo.Momentum(0.9), mo.Orthogonalize(adjust_lr="original", sharded=s),
                                                  mo.ClipNorm(0.5), mo.SGD(lr=0.05)],
         # the update path of Muon (not the last transform)
         "Muon-then-ClipNorm": lambda s: [mo.Muon(0.05, ns_dtype="float32", sharded=s), mo.ClipNorm(0.5)],
