@@ -388,7 +388,10 @@ class Orthogonalize(_OwnerRank):
     (one triple for every step, or a list of `ns_steps` triples, one per step),
     `ns_steps=5`, `eps=1e-7`, computed in `ns_dtype="bfloat16"` (torch's and
     Keller Jordan's choice; `"float32"`/`"float64"` for accuracy) and cast back
-    to the update's dtype. `adjust_lr` scales the result by torch.optim.Muon's
+    to the update's dtype. Under FSDP2, `sharded="owner"` (default) orthogonalizes
+    each sharded matrix once on an owner rank (two `all_to_all`s a step, bit for bit
+    the single-process result); `"dtensor"` uses DTensor's sharded matrix products
+    (docs/howto/distributed.md). `adjust_lr` scales the result by torch.optim.Muon's
     per-shape factor $r$ of a `rows x cols` matrix: `"none"` (default, 1),
     `"original"` $\sqrt{\max(1, \text{rows}/\text{cols})}$, `"match_rms_adamw"`
     $0.2\sqrt{\max(\text{rows}, \text{cols})}$ (Moonlight).
@@ -565,7 +568,8 @@ class Muon(_OwnerRank):
     ($r = 0.2\sqrt{\max(\text{rows}, \text{cols})}$: Moonlight's rule, which lets
     Muon reuse AdamW's lr and weight decay). Defaults are torch.optim.Muon's:
     `lr=1e-3`, `weight_decay=0.1`, `momentum=0.95`, `nesterov=True`, the
-    Newton-Schulz fields of `Orthogonalize` (`ns_dtype="bfloat16"`).
+    Newton-Schulz fields of `Orthogonalize` (`ns_dtype="bfloat16"`, and
+    `sharded`, its FSDP2 path).
     Exposes `lr`, `momentum`, `weight_decay`, `nesterov` as group keys.
 
     As the last transform it writes the parameters in torch's order of operations
