@@ -103,7 +103,7 @@ NON_DEFAULT = {
     "Orthogonalize": [
         mo.Orthogonalize(ns_coefficients=list(spec_orthogonal.TORCHZERO_COEFFICIENTS), eps=1e-6,
                          adjust_lr="match_rms_adamw", ns_dtype="float32"),
-        mo.Orthogonalize(ns_steps=3, adjust_lr="original", ns_dtype="float64"),
+        mo.Orthogonalize(ns_steps=3, adjust_lr="original", ns_dtype="float64", sharded="dtensor"),
         mo.Orthogonalize(ns_coefficients="polar_express", ns_safety=1.01, ns_dtype="float32"),  # a named schedule
     ],
     "OrthoGrad": [
@@ -114,7 +114,7 @@ NON_DEFAULT = {
     "Muon": [
         mo.Muon(lr=0.02, weight_decay=0.01, momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=6,
                 eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
-        mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64"),
+        mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64", sharded="dtensor"),
         # a named schedule (deepseek_v4 is tested in tests/test_muon_recipe.py: its eight steps of a=3.4445 magnify
         # rounding by about 2e4 in near-null directions, more than the 1e-6 of the shared compile check)
         mo.Muon(lr=0.01, ns_coefficients="quintic", ns_safety=1.05, ns_dtype="float64"),

@@ -300,4 +300,117 @@ def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     return ~torch.isfinite(maxabs).all()
 
 
-__all__ = ["world_mean", "any_nonfinite", "kth_abs", "local", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]
+# --- owner-rank computation: each full tensor assembled on one rank, the result sent back as shards ------------
+def _chunk_sizes(n: int, world: int) -> list[int]:
+    """The sizes `torch.chunk(x, world)` gives a dim of size `n` (DTensor's `Shard` split), padded with zeros to
+    `world` entries: `ceil(n / world)` each, the last ones smaller or empty."""
+    c = -(-n // world) if n else 0
+    return [max(0, min(n, (r + 1) * c) - r * c) for r in range(world)]
+
+
+class _OwnerItem:
+    """One tensor of an owner plan: its split mesh dim, tensor dim, the shard sizes of every rank, its owner."""
+
+    __slots__ = ("index", "mesh_dim", "dim", "sizes", "shape", "owner", "numels")
+
+    def __init__(self, index: int, mesh_dim: int, dim: int, sizes: list[int], shape: tuple[int, ...]):
+        self.index, self.mesh_dim, self.dim, self.sizes, self.shape = index, mesh_dim, dim, sizes, shape
+        rest = math.prod(shape[:dim] + shape[dim + 1 :])
+        self.numels = [s * rest for s in sizes]
+        self.owner = 0
+
+    def local_shape(self, r: int) -> tuple[int, ...]:
+        return self.shape[: self.dim] + (self.sizes[r],) + self.shape[self.dim + 1 :]
+
+
+def owner_split(t: torch.Tensor) -> tuple[int, int] | None:
+    """`(mesh_dim, tensor_dim)` when the DTensor `t` is split over exactly one mesh dim by a plain `Shard` (every
+    other mesh dim `Replicate`) and its local shard is the `torch.chunk` piece that rank holds: the layouts
+    `owner_apply` reassembles (FSDP2 on a 1-D mesh; FSDP2 or TP on one dim of a 2-D mesh, replicated over the
+    other). None otherwise (`_StridedShard`, two splitting dims, `Partial`, a plain tensor)."""
+    if not is_sharded(t):
+        return None
+    from torch.distributed.tensor import Shard
+
+    split = [(d, pl) for d, pl in enumerate(t.placements) if not pl.is_replicate()]
+    if len(split) != 1 or type(split[0][1]) is not Shard:
+        return None
+    mesh_dim, pl = split[0]
+    dim = pl.dim % t.dim()
+    mesh = t.device_mesh
+    sizes = _chunk_sizes(t.shape[dim], mesh.size(mesh_dim))
+    if t.to_local().shape[dim] != sizes[mesh.get_local_rank(mesh_dim)]:
+        return None
+    return mesh_dim, dim
+
+
+def owner_apply(tensors: list[torch.Tensor], fn, wire_in: list[torch.dtype], wire_out: list[torch.dtype]) -> list[torch.Tensor]:
+    """`fn` applied to each *full* tensor once, on one owner rank, and the result's shards sent back: for each
+    DTensor `tensors[i]` (every one accepted by `owner_split`), the plain tensor this rank holds of
+    `fn(full_i)` (the shard of the same placement as `tensors[i]`'s), in `wire_out[i]`.
+
+    `fn` takes a list of full tensors (the owner's, in `wire_in[i]`) and returns one result of the same shape
+    per tensor; it may batch them (same-shape tensors arrive together, in order). Per process group of a
+    split mesh dim and per pair of wire dtypes: the tensors are given owners round-robin (largest first, so
+    the work is spread), one `all_to_all_single` brings every shard of a tensor to its owner, `fn` runs
+    there, and a second `all_to_all_single` sends each rank its shard of the result. Each rank sends and
+    receives `(W - 1) / W` of each tensor's elements once in each direction, in total: `2 (W - 1) / W * N`
+    elements over the group per step (N the elements of the tensors), where the products of DTensor's
+    sharded path move their operands every iteration. Replicas over a `Replicate` mesh dim each run their own
+    exchange, with the same values (the work is duplicated over that dim, not the data of the split one).
+
+    The shards are copied into the wire buffers as they are (a cast to `wire_in` is elementwise, as the one
+    `fn` would make first), so the owner's full tensor is the single-process tensor bit for bit. No value is
+    read on the host: the split sizes are the shapes'.
+    """
+    import torch.distributed as dist
+
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    buckets: dict[tuple, list[_OwnerItem]] = {}
+    for i, t in enumerate(tensors):
+        md, dim = owner_split(t)
+        world = t.device_mesh.size(md)
+        item = _OwnerItem(i, md, dim, _chunk_sizes(t.shape[dim], world), tuple(t.shape))
+        buckets.setdefault((t.device_mesh.get_group(md), world, t.device_mesh.get_local_rank(md),
+                            wire_in[i], wire_out[i]), []).append(item)
+    for (group, world, me, w_in, w_out), items in buckets.items():
+        # owners: largest first, round robin (the same order on every rank: the tensors' order and shapes)
+        for k, item in enumerate(sorted(items, key=lambda it: (-math.prod(it.shape), it.index))):
+            item.owner = k % world
+        owned = [[it for it in items if it.owner == r] for r in range(world)]
+        dev = tensors[items[0].index].to_local().device
+        # 1. every shard to its owner
+        send = [_local(tensors[it.index]).reshape(-1).to(w_in) for r in range(world) for it in owned[r]]
+        in_splits = [sum(it.numels[me] for it in owned[r]) for r in range(world)]
+        out_splits = [sum(it.numels[r] for it in owned[me]) for r in range(world)]
+        recv = torch.empty(sum(out_splits), dtype=w_in, device=dev)
+        src = torch.cat(send) if send else torch.empty(0, dtype=w_in, device=dev)
+        dist.all_to_all_single(recv, src, out_splits, in_splits, group=group)
+        # 2. the owner's work: each full tensor reassembled from the ranks' pieces, in rank order
+        pieces = iter(recv.split([it.numels[r] for r in range(world) for it in owned[me]]))
+        by_rank = [[next(pieces).view(it.local_shape(r)) for it in owned[me]] for r in range(world)]
+        fulls = [torch.cat([by_rank[r][j] for r in range(world)], dim=it.dim) for j, it in enumerate(owned[me])]
+        results = fn(fulls) if fulls else []
+        # 3. each rank its shard of each result
+        back = [res.to(w_out).split(it.sizes, dim=it.dim)[r].reshape(-1)
+                for r in range(world) for res, it in zip(results, owned[me])]
+        recv2 = torch.empty(sum(in_splits), dtype=w_out, device=dev)
+        src2 = torch.cat(back) if back else torch.empty(0, dtype=w_out, device=dev)
+        dist.all_to_all_single(recv2, src2, in_splits, out_splits, group=group)
+        mine = iter(recv2.split([it.numels[me] for r in range(world) for it in owned[r]]))
+        for r in range(world):
+            for it in owned[r]:
+                out[it.index] = next(mine).view(it.local_shape(me))
+    return out  # type: ignore[return-value]
+
+
+def like_dtensor(local_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The plain shard `local_` as a DTensor laid out as `like` (same mesh, placements, global shape; no
+    communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+__all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "any_nonfinite", "kth_abs", "local", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import Field, model_validator
 
-from ..core.distributed import placed_like
+from ..core.distributed import any_sharded, like_dtensor, local, owner_apply, owner_split, placed_like
 from ..core.keys import value_key
 from ..core.norms import acc_dtype
 from ..core.runner import Step, TransformState
@@ -168,6 +168,30 @@ def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps:
     return x.T if tall else x
 
 
+
+def newton_schulz_batched(ms: list[torch.Tensor], steps: list[tuple[float, float, float]], eps: float,
+                          dtype: torch.dtype, safety: float = 1.0) -> list[torch.Tensor]:
+    """`newton_schulz` of each of the same-shape 2-D matrices `ms`, as one batch: the same ops with `bmm`
+    (`baddbmm`) in place of `mm` (`addmm`), each matrix divided by its own norm (computed one by one, as
+    `newton_schulz` does). A single matrix goes through `newton_schulz` itself. On a CPU the batched products
+    equal the single ones bit for bit except for the smallest float32 matrices (a 5 x 6 differed by 2e-6 in
+    torch 2.13: another kernel); on a GPU cuBLAS may pick other kernels too: equal within rounding."""
+    if len(ms) == 1:
+        return [newton_schulz(ms[0], steps, eps, dtype, safety)]
+    x = torch.stack(ms).to(dtype)  # (a new tensor: divided in place)
+    tall = ms[0].size(0) > ms[0].size(1)
+    if tall:
+        x = x.mT
+    norm = torch.stack([xi.norm() for xi in x.unbind(0)])
+    if safety != 1.0:
+        norm = norm * safety
+    x = x.div_(norm.clamp(min=eps).view(-1, 1, 1))
+    for a, b, c in steps:
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return list((x.mT if tall else x).unbind(0))
+
 def momentum_(ctx: Step, bufs: list[torch.Tensor], updates: list[torch.Tensor], beta: float, nesterov: bool,
               copy: bool = True, cache: dict | None = None) -> list[torch.Tensor]:
     """torch.optim.Muon's momentum, per tensor: `b <- lerp(b, u, 1 - beta)`; the direction is
@@ -303,7 +327,45 @@ class _NewtonSchulz(Transform, abstract=True):
         return all(a > 0 for a, _, _ in coefficient_steps(self.ns_coefficients, self.ns_steps))
 
 
-class Orthogonalize(_NewtonSchulz):
+class _OwnerRank(_NewtonSchulz, abstract=True):
+    """The `sharded` field of `Orthogonalize` and `Muon`: how a matrix sharded by FSDP2 is orthogonalized."""
+
+    sharded: Literal["owner", "dtensor"] = "owner"
+
+    def _owner_orthogonalized(self, directions: list[torch.Tensor | None],
+                              out_dtypes: list[torch.dtype | None]) -> dict[int, torch.Tensor]:
+        """`{i: this rank's shard of NS(full direction i), shaped as the direction's shard, in out_dtypes[i]}` for
+        each sharded matrix-shaped direction that the owner path takes (`sharded="owner"`, eager, a layout that
+        `owner_split` accepts); the others are left to the per-matrix path (`{}`: all of them)."""
+        if self.sharded != "owner" or torch.compiler.is_compiling() or not any_sharded(directions):
+            return {}
+        idx = [i for i, d in enumerate(directions)
+               if d is not None and d.dim() >= 2 and d.numel() > 0 and owner_split(d) is not None]
+        if not idx:
+            return {}
+        nsd = _DTYPES[self.ns_dtype]
+        steps, eps, safety = coefficient_steps(self.ns_coefficients, self.ns_steps), self.norm_floor(), self.safety()
+
+        def narrow(dt: torch.dtype) -> torch.dtype:  # a cast to the narrower dtype on the sender is the same op
+            return nsd if nsd.itemsize <= dt.itemsize else dt
+
+        def orthogonalize_all(fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+            res: list[torch.Tensor | None] = [None] * len(fulls)
+            by_shape: dict[tuple, list[int]] = {}
+            for j, f in enumerate(fulls):
+                by_shape.setdefault(tuple(f.shape), []).append(j)
+            for js in by_shape.values():
+                outs = newton_schulz_batched([as_matrix(fulls[j]) for j in js], steps, eps, nsd, safety)
+                for j, o in zip(js, outs):
+                    res[j] = o.reshape(fulls[j].shape)
+            return res  # type: ignore[return-value]
+
+        wire_in = [narrow(directions[i].dtype) for i in idx]
+        wire_out = [out_dtypes[i] or nsd for i in idx]
+        return dict(zip(idx, owner_apply([directions[i] for i in idx], orthogonalize_all, wire_in, wire_out)))
+
+
+class Orthogonalize(_OwnerRank):
     r"""Replace each matrix-shaped update by its Newton-Schulz orthogonalization (Muon's step direction).
 
     With $X$ the update as a matrix, transposed to be wide if it is tall, and
@@ -326,7 +388,10 @@ class Orthogonalize(_NewtonSchulz):
     (one triple for every step, or a list of `ns_steps` triples, one per step),
     `ns_steps=5`, `eps=1e-7`, computed in `ns_dtype="bfloat16"` (torch's and
     Keller Jordan's choice; `"float32"`/`"float64"` for accuracy) and cast back
-    to the update's dtype. `adjust_lr` scales the result by torch.optim.Muon's
+    to the update's dtype. Under FSDP2, `sharded="owner"` (default) orthogonalizes
+    each sharded matrix once on an owner rank (two `all_to_all`s a step, bit for bit
+    the single-process result); `"dtensor"` uses DTensor's sharded matrix products
+    (docs/howto/distributed.md). `adjust_lr` scales the result by torch.optim.Muon's
     per-shape factor $r$ of a `rows x cols` matrix: `"none"` (default, 1),
     `"original"` $\sqrt{\max(1, \text{rows}/\text{cols})}$, `"match_rms_adamw"`
     $0.2\sqrt{\max(\text{rows}, \text{cols})}$ (Moonlight).
@@ -359,11 +424,17 @@ class Orthogonalize(_NewtonSchulz):
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Replace each matrix-shaped update by its Newton-Schulz orthogonalization (others pass through)."""
         out = list(updates)
+        nsd = _DTYPES[self.ns_dtype]  # (FSDP2: the result comes back in the narrower of ns_dtype and u's dtype)
+        owned = self._owner_orthogonalized(updates, [nsd if nsd.itemsize <= u.dtype.itemsize else u.dtype
+                                                     for u in updates])
         for i, u in enumerate(updates):
             m = as_matrix(u)
             if m is None:
                 continue
             r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr)
+            if i in owned:  # this rank's shard of the owner's result: the same cast and product, on the shard
+                out[i] = like_dtensor(laid_out_like(local(u), owned[i], r), u)
+                continue
             out[i] = laid_out_like(u, self.orthogonalized(m), r)  # cast to u's dtype, then times r
         return out
 
@@ -477,7 +548,7 @@ class OrthoGrad(Scoped):
         return out
 
 
-class Muon(_NewtonSchulz):
+class Muon(_OwnerRank):
     r"""Muon: momentum, Newton-Schulz orthogonalization and a decoupled weight decay; `torch.optim.Muon`, bit for bit.
 
     Per parameter, with $g$ the update entering it (the gradient):
@@ -497,7 +568,8 @@ class Muon(_NewtonSchulz):
     ($r = 0.2\sqrt{\max(\text{rows}, \text{cols})}$: Moonlight's rule, which lets
     Muon reuse AdamW's lr and weight decay). Defaults are torch.optim.Muon's:
     `lr=1e-3`, `weight_decay=0.1`, `momentum=0.95`, `nesterov=True`, the
-    Newton-Schulz fields of `Orthogonalize` (`ns_dtype="bfloat16"`).
+    Newton-Schulz fields of `Orthogonalize` (`ns_dtype="bfloat16"`, and
+    `sharded`, its FSDP2 path).
     Exposes `lr`, `momentum`, `weight_decay`, `nesterov` as group keys.
 
     As the last transform it writes the parameters in torch's order of operations
@@ -545,9 +617,22 @@ class Muon(_NewtonSchulz):
     is_optimizer: ClassVar[bool] = True
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"momentum_buffer": "param"}
 
-    def _directions(self, ctx, st, updates, g, a, b):
+    def _directions(self, ctx, st, updates, g, a, b, cache=None):
         bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
-        return momentum_(ctx, bufs, updates[a:b], g["momentum"], g["nesterov"], copy=False)
+        return momentum_(ctx, bufs, updates[a:b], g["momentum"], g["nesterov"], copy=False, cache=cache)
+
+    def _owner_directions(self, ctx, st, updates) -> tuple[list, dict[int, torch.Tensor], dict[int, dict]]:
+        """Under FSDP2 with `sharded="owner"` (eager): every parameter's direction (the momentum buffers updated),
+        this rank's shards of the owner-rank orthogonalizations (`_owner_orthogonalized`, in `ns_dtype`), and
+        each group's 0-d factors (by the group's first index). `([], {}, {})` otherwise: nothing done."""
+        if self.sharded != "owner" or torch.compiler.is_compiling() or not any_sharded(updates):
+            return [], {}, {}
+        dirs: list = []
+        factors: dict[int, dict] = {}
+        for g, a, b in ctx.per_group():
+            factors[a] = {}
+            dirs.extend(self._directions(ctx, st, updates, g, a, b, cache=factors[a]))
+        return dirs, self._owner_orthogonalized(dirs, [None] * len(dirs)), factors
 
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
         """Write the parameters (momentum, orthogonalization, weight decay, learning rate): True; False where
@@ -557,18 +642,22 @@ class Muon(_NewtonSchulz):
         if any(isinstance(g["lr"], torch.Tensor) for g in ctx.groups):
             return False  # a tensor lr: the update path, which multiplies by it
         skip = ctx.skip
+        # FSDP2 with sharded="owner": every direction first, then each sharded matrix orthogonalized once, on
+        # its owner rank (one exchange for all of them); else one tensor at a time below
+        dirs, owned, group_factors = self._owner_directions(ctx, st, updates)
         for g, a, b in ctx.per_group():
             lr, wd = g["lr"], g["weight_decay"]
-            factors: dict[Any, torch.Tensor] = {}
+            factors: dict[Any, torch.Tensor] = group_factors.get(a, {})
             bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
-            for p, buf, u in zip(ctx.params[a:b], bufs, updates[a:b]):
+            for i, p, buf, u in zip(range(a, b), ctx.params[a:b], bufs, updates[a:b]):
                 # one tensor at a time, as torch does: one direction alive at once, not the group's
-                (d,) = momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False, cache=factors)
+                (d,) = (dirs[i],) if dirs else momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False,
+                                                         cache=factors)
                 m = as_matrix(d)
                 if m is None:
                     o, step = d, lr * 1.0
                 else:
-                    o = self.orthogonalized(m)
+                    o = like_dtensor(owned[i], p) if i in owned else self.orthogonalized(m)
                     step = lr * adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
                     if o.shape != p.shape:
                         o = o.reshape(p.shape)
@@ -603,16 +692,18 @@ class Muon(_NewtonSchulz):
         from .optimizers import _lr_value
 
         out: list[torch.Tensor] = []
+        dirs, owned, _ = self._owner_directions(ctx, st, updates)
         for g, a, b in ctx.per_group():
             lr = _lr_value(g["lr"], updates[a]) if b > a else g["lr"]
             wd = g["weight_decay"]
-            for p, d in zip(ctx.params[a:b], self._directions(ctx, st, updates, g, a, b)):
+            for i, p, d in zip(range(a, b), ctx.params[a:b], dirs[a:b] if dirs else self._directions(ctx, st, updates, g, a, b)):
                 m = as_matrix(d)
                 if m is None:
                     u = d * lr
                 else:
                     r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
-                    u = laid_out_like(d, self.orthogonalized(m), lr * r)
+                    u = (like_dtensor(laid_out_like(local(d), owned[i], lr * r), d) if i in owned
+                         else laid_out_like(d, self.orthogonalized(m), lr * r))
                 if wd != 0:
                     u = u + p.detach() * (lr * wd)
                 out.append(u)
