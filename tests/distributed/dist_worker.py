@@ -264,6 +264,9 @@ def run_skip(rank: int) -> dict:
                 Syncs.n += 1
             return func(*args, **(kwargs or {}))
 
+    from modopt.core import nonfinite
+
+    nonfinite.HOST_ON_CPU = False  # the device path (a GPU's): on a CPU the host would read the decision
     model, opt = _sharded(skip_pipeline())
     skipped = []
     for step in range(SKIP_STEPS):
