@@ -1,4 +1,4 @@
-"""Issue 26: every value that enters an optimizer is checked before anything changes.
+"""modopt/core/hyper.py: every value that enters an optimizer is checked before anything changes.
 
 The doors through which a hyperparameter enters (constructor keywords, group dicts,
 `add_param_group`, a config's `defaults`, `TorchOptimizer`'s kwargs, a checkpoint's

@@ -1,4 +1,4 @@
-"""ZeroNonFinite and Accumulate."""
+"""Accumulate (modopt/transforms/accumulate.py): the mean over a cycle's calls, its spec, checkpoints mid-cycle."""
 
 from __future__ import annotations
 
