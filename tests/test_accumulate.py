@@ -1,4 +1,11 @@
-"""Accumulate (modopt/transforms/accumulate.py): the mean over a cycle's calls, its spec, checkpoints mid-cycle."""
+"""Accumulate (modopt/transforms/accumulate.py): the mean over a cycle's calls, its spec, checkpoints
+mid-cycle, sums that never leak into the next cycle, and the non-finite skip decided on the device.
+
+Every `opt.step()` call is a call of the cycle, a skipped one too: the cycle ends on the host's
+`steps`-th call (a Python counter, no sync), a skipped call adds nothing to the sums, and the
+cycle's update is the mean over the calls that added (a device counter). A skipped final call
+skips the cycle's step. The host-decided path (`Transform.on_host_skip`) follows the same rules.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +15,9 @@ import pytest
 import torch
 
 import modopt as mo
-from modopt.spec import guards as spec
+from checks import Syncs, same, saved
 from harness import Harness
-
-
-def test_zero_nonfinite_matches_spec():
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        u = torch.tensor([[1.0, float("inf")], [float("-inf"), float("nan")], [-2.5, 0.0]]).to(dtype)
-        h = Harness(mo.ZeroNonFinite(), [torch.zeros_like(u)])
-        out = h.step([u])[0]
-        assert out.dtype == dtype
-        assert torch.equal(out, spec.zero_nonfinite([u])[0].to(dtype))
-        assert int(h.stats["0:ZeroNonFinite.zeroed"]) == 3
-
-
-def test_zero_nonfinite_in_a_pipeline_with_ignore():
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = mo.Modular([p], mo.ZeroNonFinite(), mo.SGD(lr=1.0), nonfinite="ignore")
-    p.grad = torch.tensor([1.0, float("nan"), float("inf")])
-    opt.step()
-    assert torch.equal(p.detach(), torch.tensor([0.0, 1.0, 1.0]))
+from modopt.spec import guards as spec
 
 
 def micro_grads(k, shapes):
@@ -112,3 +102,262 @@ def test_accumulate_cannot_be_attached_and_validates():
     for bad in (0, -1, 1.5):
         with pytest.raises(Exception):
             mo.Accumulate(bad)
+
+
+def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call():
+    a = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([a, b], mo.Accumulate(2), mo.SGD(lr=1.0))
+    # cycle 1: b has a gradient on the first call only
+    a.grad, b.grad = torch.ones(2), torch.full((2,), 10.0)
+    opt.step()
+    a.grad, b.grad = torch.ones(2), None
+    opt.step()
+    assert torch.equal(b.detach(), torch.zeros(2))  # no grad on the final call: b does not move
+    assert torch.equal(a.detach(), -torch.ones(2))
+    # cycle 2: zero gradients for both. Nothing of cycle 1 may come back.
+    for _ in range(2):
+        a.grad, b.grad = torch.zeros(2), torch.zeros(2)
+        opt.step()
+    assert torch.equal(b.detach(), torch.zeros(2)), b
+    assert torch.equal(a.detach(), -torch.ones(2)), a
+    key = "0:Accumulate.sum"
+    for p in (a, b):
+        assert torch.equal(opt.state[p][key], torch.zeros(2))
+
+
+# --- the non-finite skip decided on the device ----------------------------------------------------
+class _HostDecidesForAccumulate(mo.Transform):
+    """Changes nothing and does not declare `skips_on_device()`: a pipeline with it decides on the host."""
+
+    positional = None
+
+    def apply(self, ctx, st, updates):
+        return updates
+
+
+#: in front of a pipeline: changes no value, and makes the host decide the skip
+HOST_IDENTITY = [_HostDecidesForAccumulate()]
+
+
+SHAPES = [(5, 3), (5,), (2, 5)]
+
+
+def params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def grads(k, dtype=torch.float32, nan=False):
+    g = torch.Generator().manual_seed(100 + k)
+    out = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    if nan:
+        out[1][2] = float("nan")
+    return out
+
+
+def set_grads(ps, gs):
+    for p, g in zip(ps, gs):
+        p.grad = g.clone()
+
+
+def acc_state(opt):
+    """Accumulate's transform-wide values (the host's call counter and the device's count)."""
+    key = next(k for k in opt._keys if k.endswith(":Accumulate"))
+    return dict(opt._store.get(key, {}))
+
+
+def test_accumulate_skips_on_the_device():
+    assert mo.Accumulate(3).skips_on_device()
+    ps = params()
+    assert mo.Modular(ps, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam())._skip_on_device
+    assert not mo.Modular(ps, *HOST_IDENTITY, mo.Accumulate(3), mo.Adam())._skip_on_device
+
+
+def test_no_host_sync_over_two_cycles_with_a_nan_micro_batch():
+    ps = params()
+    opt = mo.Modular(ps, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+    start = [p.detach().clone() for p in ps]
+    syncs = Syncs()
+    for k in range(6):
+        set_grads(ps, grads(k, nan=k == 4))
+        with syncs:
+            opt.step()
+            _ = dict(opt.stats)
+    assert syncs.n == 0, f"{syncs.n} host syncs in two cycles"
+    assert int(opt.stats["skipped_steps"]) == 1
+    assert acc_state(opt)["calls"] == 0 and int(acc_state(opt)["count"]) == 0
+    assert all(not torch.equal(a, p) for a, p in zip(start, ps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_nan_micro_batch_gives_the_mean_of_the_finite_ones(dtype):
+    ps = params(dtype)
+    start = [p.detach().clone() for p in ps]
+    opt = mo.Modular(ps, mo.Accumulate(4), mo.SGD(lr=1.0))
+    gs = [grads(k, dtype, nan=k == 1) for k in range(4)]
+    for k, g in enumerate(gs):
+        set_grads(ps, g)
+        opt.step()
+        if k < 3:
+            assert all(torch.equal(a, p) for a, p in zip(start, ps))
+        assert bool(opt.stats["skipped"]) == (k == 1)
+    for i, p in enumerate(ps):  # by hand: the three finite micro-batches, summed in order, divided by 3
+        mean = ((gs[0][i] + gs[2][i]) + gs[3][i]) / 3
+        assert torch.equal(p.detach(), start[i] - mean), i
+    assert int(opt.stats["skipped_steps"]) == 1
+
+
+def test_a_cycle_of_nan_micro_batches_changes_nothing():
+    def run(nan_cycle):
+        ps = params()
+        opt = mo.Modular(ps, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam(lr=1e-2))
+        for k in range(3):  # a finite cycle first: every state exists
+            set_grads(ps, grads(k))
+            opt.step()
+        if nan_cycle:
+            before = saved(opt, ps)
+            for k in range(3):
+                set_grads(ps, grads(50 + k, nan=True))
+                opt.step()
+                assert bool(opt.stats["skipped"])
+                assert int(opt.stats["skipped_steps"]) == k + 1
+            same(before, saved(opt, ps))
+        for k in range(3, 6):
+            set_grads(ps, grads(k))
+            opt.step()
+        return [p.detach().clone() for p in ps]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_a_nan_final_call_skips_the_cycle_and_drops_its_sums():
+    ps = params()
+    start = [p.detach().clone() for p in ps]
+    opt = mo.Modular(ps, mo.Accumulate(2), mo.SGD(lr=1.0))
+    set_grads(ps, grads(0))
+    opt.step()
+    set_grads(ps, grads(1, nan=True))
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(start, ps))
+    assert acc_state(opt)["calls"] == 0 and int(acc_state(opt)["count"]) == 0
+    key = next(k for k in opt._keys if k.endswith(":Accumulate")) + ".sum"
+    assert all(not opt.state[p][key].any() for p in ps)
+    gs = [grads(2), grads(3)]  # the next cycle knows nothing of the dropped one
+    for g in gs:
+        set_grads(ps, g)
+        opt.step()
+    for i, p in enumerate(ps):
+        assert torch.equal(p.detach(), start[i] - (gs[0][i] + gs[1][i]) / 2)
+
+
+#: calls of Accumulate(3) cycles: a NaN in a cycle's middle, a NaN final call, a cycle of NaN only
+NAN_CALLS = (1, 5, 6, 7, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_host_path_has_the_same_semantics_bit_for_bit(dtype):
+    ends = []
+    for on_device in (True, False):
+        ps = params(dtype)
+        pipe = [mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam(lr=1e-2)]
+        opt = mo.Modular(ps, *(pipe if on_device else HOST_IDENTITY + pipe))
+        assert opt._skip_on_device == on_device
+        for k in range(15):
+            set_grads(ps, grads(k, dtype, nan=k in NAN_CALLS))
+            opt.step()
+            assert bool(opt.stats["skipped"]) == (k in NAN_CALLS)
+            st = acc_state(opt)
+            assert st["calls"] == (k + 1) % 3
+        assert int(opt.stats["skipped_steps"]) == len(NAN_CALLS)
+        ends.append(([p.detach().clone() for p in ps], int(st["count"])))
+    (a, na), (b, nb) = ends
+    assert na == nb
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_a_nested_accumulate_counts_the_calls_the_host_skips():
+    ps = params()
+    opt = mo.Modular(ps, *HOST_IDENTITY, mo.Chain(mo.Accumulate(2)), mo.SGD(lr=1.0))
+    key = next(k for k in opt._keys if k.endswith(":Accumulate"))
+    assert "/" in key
+    set_grads(ps, grads(0, nan=True))
+    opt.step()
+    assert opt._store[key]["calls"] == 1 and int(opt._store[key]["count"]) == 0
+    start = [p.detach().clone() for p in ps]
+    g = grads(1)
+    set_grads(ps, g)
+    opt.step()  # the cycle's end: the mean over its one finite call
+    for i, p in enumerate(ps):
+        assert torch.equal(p.detach(), start[i] - g[i])
+
+
+def test_zero_and_ignore_count_every_call_as_one_that_added():
+    """Under "zero" and "ignore" no step is skipped: every call adds (zeroed, or as it is)."""
+    for policy in ("zero", "ignore"):
+        ps = params()
+        start = [p.detach().clone() for p in ps]
+        opt = mo.Modular(ps, mo.Accumulate(2), mo.SGD(lr=1.0), nonfinite=policy)
+        gs = [grads(0), grads(1, nan=True)]
+        for g in gs:
+            set_grads(ps, g)
+            opt.step()
+        assert int(opt.stats["skipped_steps"]) == 0
+        for i, p in enumerate(ps):
+            second = torch.nan_to_num(gs[1][i], nan=0.0) if policy == "zero" else gs[1][i]
+            torch.testing.assert_close(p.detach(), start[i] - (gs[0][i] + second) / 2, rtol=0, atol=0, equal_nan=True)
+
+
+def test_an_old_checkpoint_without_the_device_counter_loads_and_continues():
+    """A checkpoint written when a skipped call was no call has "calls" and "sum" only: every call it
+    counted was finite, so the count starts at "calls"."""
+
+    def make():
+        ps = params()
+        return ps, mo.Modular(ps, mo.Accumulate(3), mo.Adam(lr=1e-2))
+
+    pa, oa = make()
+    set_grads(pa, grads(0))
+    oa.step()
+    sd = oa.state_dict()
+    key = next(k for k in oa._keys if k.endswith(":Accumulate"))
+    for where in (sd["modopt"]["transforms"], sd["param_groups"][0]["modopt"]["transforms"]):
+        where[key] = {k: v for k, v in where[key].items() if k != "count"}
+    assert set(sd["modopt"]["transforms"][key]) == {"calls"}
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    pb, ob = make()
+    ob.load_state_dict(torch.load(buf, weights_only=True))
+    assert "count" not in ob._store[key]
+    for k in (1, 2, 3, 4, 5):  # a NaN call in the resumed cycle, then a full cycle
+        for p, o in ((pa, oa), (pb, ob)):
+            set_grads(p, grads(k, nan=k == 1))
+            o.step()
+        for x, y in zip(pa, pb):
+            assert torch.equal(x, y)
+        assert acc_state(oa)["calls"] == acc_state(ob)["calls"]
+        assert torch.equal(acc_state(oa)["count"], acc_state(ob)["count"])
+    ob.load_state_dict(oa.state_dict())  # the new format round-trips
+    assert torch.equal(acc_state(ob)["count"], acc_state(oa)["count"])
+
+
+def test_fullgraph_compile_equals_eager_over_two_cycles_with_a_nan_call():
+    torch._dynamo.reset()
+    pa, pb = params(), params()
+    eager = mo.Modular(pa, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam())
+    comp = mo.Modular(pb, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam())
+    step = torch.compile(comp.step, fullgraph=True)
+    for k in range(6):
+        g = grads(k, nan=k == 4)
+        set_grads(pa, g)
+        set_grads(pb, g)
+        eager.step()
+        step()
+        assert bool(comp.stats["skipped"]) == (k == 4)
+        for p, q in zip(pa, pb):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert int(comp.stats["skipped_steps"]) == 1
+    assert acc_state(comp)["calls"] == 0 and int(acc_state(comp)["count"]) == 0
