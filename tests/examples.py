@@ -86,7 +86,7 @@ NON_DEFAULT = {
     "Lookahead": mo.Lookahead(mo.SGD(lr=0.05, momentum=0.9), k=2, alpha=0.3),
     "ProjectNorm": [mo.ProjectNorm(), mo.ProjectNorm(2.0, min_ndim=1, eps=1e-8)],
     # the example models hold no attention: QKClip warns and changes nothing there (it takes part for its config,
-    # state, skip and compile plumbing); tests/test_qkclip.py clips real heads (nn.MultiheadAttention, TinyTransformer)
+    # state, skip and compile plumbing); tests/test_weights.py clips real heads (nn.MultiheadAttention, TinyTransformer)
     "QKClip": mo.QKClip(50.0, alpha=0.3, eps=1e-3),
     # warm-up 2, so the 5-step checks cross its end; eps representable in fp16
     "ScheduleFreeSGD": mo.ScheduleFreeSGD(lr=0.05, momentum=0.8, weight_decay=1e-3, warmup_steps=2, r=0.5,
@@ -184,7 +184,7 @@ SPECS = {
     "Sign": Spec(spec_core.sign),
     "ZScoreNormalize": Spec(spec_adaptive.z_score_normalize),
     "ClipValueByPercentile": Spec(spec_percentile.clip_value_by_percentile),
-    "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards_accumulate.py
+    "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards.py
     "ClipNormByEMA": "tests/test_ema.py::test_clip_norm_by_ema_matches_spec",
     "NormalizeByEMA": "tests/test_ema.py::test_normalize_by_ema_matches_spec",
     "ClipValueByEMA": "tests/test_ema.py::test_clip_value_by_ema_matches_spec",
@@ -194,13 +194,13 @@ SPECS = {
     "ZClip": "tests/test_statistical.py::test_zclip_matches_spec",
     "AutoClip": "tests/test_statistical.py::test_autoclip_matches_spec",
     "AGC": "tests/test_agc.py::test_matches_formula_per_unit",  # its spec also reads the parameters
-    "Accumulate": "tests/test_guards_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
+    "Accumulate": "tests/test_accumulate.py::test_accumulate_matches_spec_and_stops_the_chain",
     "Lookahead": "tests/test_wrappers.py::test_lookahead_matches_spec",  # and pytorch_optimizer.Lookahead, bit for bit
     "ProjectNorm": "tests/test_weights.py::test_project_norm_matches_spec",  # a weight-stage transform
-    "QKClip": "tests/test_qkclip.py::test_qk_clip_matches_spec",  # a weight-stage transform reading attention logits
+    "QKClip": "tests/test_weights.py::test_qk_clip_matches_spec",  # a weight-stage transform reading attention logits
     # and schedulefree's SGDScheduleFree / AdamWScheduleFree, bit for bit
-    "ScheduleFreeSGD": "tests/test_schedulefree.py::test_schedule_free_sgd_matches_spec",
-    "ScheduleFreeAdamW": "tests/test_schedulefree.py::test_schedule_free_adamw_matches_spec",
+    "ScheduleFreeSGD": "tests/test_wrappers.py::test_schedule_free_sgd_matches_spec",
+    "ScheduleFreeAdamW": "tests/test_wrappers.py::test_schedule_free_adamw_matches_spec",
     "Orthogonalize": "tests/test_orthogonal.py::test_orthogonalize_matches_spec",  # float64 NS; bf16 within a bound
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",

@@ -103,3 +103,24 @@ def test_defaults():
     assert (t.clipping, t.eps, t.exclude) == (0.01, 1e-3, None)
     with pytest.raises(Exception):
         mo.AGC(clipping=0.0)
+
+
+def test_agc_exclusion_mask_is_cached_per_layout(monkeypatch):
+    import fnmatch
+
+    calls = []
+    real = fnmatch.fnmatchcase
+    monkeypatch.setattr(fnmatch, "fnmatchcase", lambda n, pat: calls.append(n) or real(n, pat))
+    lin = torch.nn.Linear(3, 2)
+    opt = mo.Modular(lin.named_parameters(), mo.AGC(clipping=0.01, exclude=["bias"]), mo.LR(0.1))
+    for _ in range(3):
+        lin.weight.grad, lin.bias.grad = torch.ones(2, 3), torch.full((2,), 100.0)
+        b0 = lin.bias.detach().clone()
+        opt.step()
+        assert torch.allclose(lin.bias.detach(), b0 - 10.0)  # excluded: not clipped
+    assert len(calls) == 2, calls  # matched once (two names), not once per step
+    # a new layout (weight only has a grad) computes its own mask
+    lin.bias.grad = None
+    lin.weight.grad = torch.ones(2, 3)
+    opt.step()
+    assert len(calls) == 3

@@ -1,4 +1,4 @@
-"""The caution family (issue 40): `Cautious`, `Grams`, `WeightDecay` / `CautiousWeightDecay`.
+"""The caution family (modopt/transforms/caution.py): `Cautious`, `Grams`, `WeightDecay` / `CautiousWeightDecay`.
 
 Against the float64 spec (`modopt/spec/caution.py`) on drawn updates and gradients, and against the
 references with their own defaults through `Modular.step()` after a real `backward()`:

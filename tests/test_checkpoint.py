@@ -1,15 +1,29 @@
-"""Checkpoints: weights_only round trip, mismatch errors, and failed loads that change nothing."""
+"""Checkpoints (modopt/core/checkpoint.py): weights_only round trip, mismatch errors, and failed loads that change nothing.
+
+`load_state_dict` is all or nothing: state of another dtype is cast by torch's rule whether or not the
+optimizer holds state, values that no modopt run writes (NaN, negative counts and variances) are refused,
+and any mutation of a state dict is refused with nothing changed or loads and steps finitely."""
 
 from __future__ import annotations
 
 import copy
 import io
+import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import modopt as mo
 from checks import assert_same, train
+from modopt.core.keys import split_group_key, split_value_key
+from modopt.core.norms import acc_dtype
+from modopt.core.state import declared_buffers
+from modopt.core.transform import walk
+import warnings
+
+NAN, INF = float("nan"), float("inf")
 
 
 def model_and_opt(*transforms, seed=0, **kw):
@@ -181,3 +195,380 @@ def test_a_step_count_saved_as_a_number_loads_as_a_tensor_as_torch_does():
         x.grad = torch.ones(3)
         o.step()
     assert torch.equal(p, q) and float(opt2.state[p]["0:Adam.step"]) == 2.0
+
+
+# --- load is all or nothing, and casts as torch does -------------------------------------------------
+def make_model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(dtype)
+
+
+def everything(model, opt):
+    """What a refusal must leave as it was: parameters, state (tensors and store), groups."""
+    return copy.deepcopy({"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()})
+
+
+def refused(model, opt, call, match):
+    before = everything(model, opt)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+    assert_same(before, everything(model, opt))
+
+
+def _expected_dtype(b, p, saved):
+    if b.kind == "counter":
+        return torch.float32 if b.dtype == "float32" else saved
+    return {"param": p.dtype, "acc": acc_dtype(p.dtype)}.get(b.dtype, saved)
+
+
+@pytest.mark.parametrize("saved_dtype,live_dtype", [(torch.float64, torch.float32), (torch.float32, torch.bfloat16),
+                                                    (torch.float32, torch.float64)])
+def test_state_of_another_dtype_is_cast_as_a_fresh_optimizer_would_create_it(saved_dtype, live_dtype):
+    sys.path.insert(0, "tests")
+    from examples import base_examples, pipeline_for
+
+    for name, t in base_examples():
+        pipe = pipeline_for(t)
+        src = make_model(saved_dtype)
+        named = list(src.named_parameters())
+        opt = mo.Modular(named, *pipe)
+        train_typed(src, opt, 3, saved_dtype)
+        live = make_model(live_dtype)
+        fresh = mo.Modular(list(live.named_parameters()), *pipe)
+        fresh.load_state_dict(opt.state_dict())  # a fresh optimizer: no state to compare with
+        ref = mo.Modular(list(live.named_parameters()), *pipe)
+        train_typed(live, ref, 1, live_dtype)  # what a run in live_dtype creates
+        owners = dict(walk(fresh.transforms))
+        for p in live.parameters():
+            for k, v in fresh.state[p].items():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                prefix, n = split_value_key(k)
+                b = declared_buffers(owners[prefix])[n]
+                if b.kind == "torch":
+                    continue
+                assert v.dtype == ref.state[p][k].dtype, (name, k, v.dtype, ref.state[p][k].dtype)
+        train_typed(live, fresh, 2, live_dtype)  # and it steps
+        assert all(torch.isfinite(p).all() for p in live.parameters()), name
+
+
+def train_typed(model, opt, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(5, 3, generator=g).to(dtype)).float().pow(2).sum().backward()
+        opt.step()
+
+
+def test_a_double_checkpoint_resumes_a_float_model_as_a_cast_one_does():
+    """The case that failed halfway: float64 moments loaded into a fresh float32 optimizer."""
+    src = make_model(torch.float64)
+    opt = mo.Modular(src.parameters(), mo.ZClip(), mo.Adam(lr=1e-2))
+    train_typed(src, opt, 3, torch.float64)
+    sd = opt.state_dict()
+    cast = copy.deepcopy(sd)
+    for entry in cast["state"].values():
+        for k in ("1:Adam.exp_avg", "1:Adam.exp_avg_sq"):
+            entry[k] = entry[k].float()
+        for k in ("0:ZClip.count", "0:ZClip.mu", "0:ZClip.var"):
+            if k in entry:
+                entry[k] = entry[k].float()
+    a, b = make_model(), make_model()
+    for m in (a, b):
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), src.parameters()):
+                p.copy_(q)
+    oa, ob = mo.Modular(a.parameters(), mo.ZClip(), mo.Adam(lr=1e-2)), mo.Modular(b.parameters(), mo.ZClip(), mo.Adam(lr=1e-2))
+    oa.load_state_dict(sd)
+    ob.load_state_dict(cast)
+    train(a, oa, 3)
+    train(b, ob, 3)
+    assert_same([p.detach() for p in a.parameters()], [p.detach() for p in b.parameters()])
+    assert_same(oa.state_dict()["state"], ob.state_dict()["state"])
+
+
+# --- values that no run writes --------------------------------------------------------------------
+def _trained(nonfinite="skip"):
+    model = make_model()
+    opt = mo.Modular(model.parameters(), mo.ZClip(scope="tensor"), mo.ClipNormByEMA(), mo.Adam(lr=1e-2),
+                     nonfinite=nonfinite)
+    train(model, opt, 4)
+    return model, opt
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("2:Adam.exp_avg", NAN, "is not finite"),
+    ("2:Adam.exp_avg", INF, "is not finite"),
+    ("2:Adam.exp_avg_sq", NAN, "is not free of NaN"),
+    ("2:Adam.exp_avg_sq", -1.0, ">= 0"),
+    ("2:Adam.step", -3.0, ">= 0"),
+    ("2:Adam.step", INF, "is not finite"),
+    ("0:ZClip.var", -1.0, ">= 0"),
+    ("0:ZClip.mu", NAN, "is not finite"),
+    ("0:ZClip.count", -1.0, ">= 0"),
+    ("1:ClipNormByEMA.ema", NAN, "is not finite"),
+])
+def test_values_no_run_writes_are_refused_and_nothing_changes(key, value, match):
+    model, opt = _trained()
+    sd = copy.deepcopy(opt.state_dict())
+    v = sd["state"][1][key]
+    v.view(-1)[0] = value
+    refused(model, opt, lambda: opt.load_state_dict(sd), rf"buffer '{key}' of parameter 1 .*{match}")
+
+
+def test_squares_may_hold_inf_and_ignore_loads_what_it_let_in():
+    model, opt = _trained()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["2:Adam.exp_avg_sq"].view(-1)[0] = INF  # what gradients of 1e20 leave in float32
+    opt.load_state_dict(sd)
+    model, opt = _trained(nonfinite="ignore")
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["2:Adam.exp_avg"].view(-1)[0] = NAN
+    opt.load_state_dict(sd)  # nonfinite="ignore": the user let NaN reach the state
+    assert opt.state[next(model.parameters())]["2:Adam.exp_avg"].isnan().any()
+
+
+def test_skipped_steps_must_be_a_count():
+    model, opt = _trained()
+    for bad in (torch.tensor(-1), torch.tensor(1.5), torch.tensor([1, 2]), 3):
+        sd = copy.deepcopy(opt.state_dict())
+        sd["modopt"]["skipped_steps"] = bad
+        refused(model, opt, lambda: opt.load_state_dict(sd), "skipped_steps must be a 0-d integer tensor >= 0")
+
+
+def test_declared_invariants_hold_in_every_state_modopt_writes():
+    """What the load refuses is never written: every declared buffer of every transform, after steps
+    of normal, tiny, huge (1e20) and non-finite gradients, is free of NaN, finite where declared, >= low."""
+    sys.path.insert(0, "tests")
+    from examples import all_examples, pipeline_for
+
+    for name, t in all_examples():
+        for dtype in (torch.bfloat16, torch.float32):
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(4, 5, dtype=dtype)), torch.nn.Parameter(torch.randn(5, dtype=dtype))]
+            opt = mo.Modular([(f"{i}.w", p) for i, p in enumerate(ps)], *pipeline_for(t))
+            for s, scale in enumerate([1.0, 1e-30, 1e20, 1.0, 1e20, 1.0]):
+                for p in ps:
+                    p.grad = torch.randn_like(p) * scale
+                if s == 3:
+                    ps[0].grad[0, 0] = NAN
+                opt.step()
+            owners = dict(walk(opt.transforms))
+            values = [(k, declared_buffers(owners[split_value_key(k)[0]])[split_value_key(k)[1]], v)
+                      for p in ps for k, v in opt.state[p].items()]
+            values += [(f"{key}/{n}", declared_buffers(owners[key])[split_group_key(n)[0]], v)
+                       for key, d in opt._store.items() for n, v in d.items()]
+            assert values or name in ("Identity", "ClipValue", "ClipNorm", "Normalize", "Centralize",
+                                      "GradientCentralization", "Chain", "LR", "AGC") or not t.state_buffers \
+                or (isinstance(t, mo.ProjectNorm) and t.radius is not None), name  # (a given radius: no state)
+            for k, b, v in values:
+                if b.kind == "torch" or not isinstance(v, torch.Tensor):
+                    continue
+                assert not v.isnan().any(), (name, dtype, k)
+                if b.finite:
+                    assert torch.isfinite(v).all(), (name, dtype, k)
+                if b.low is not None:
+                    assert (v >= b.low).all(), (name, dtype, k)
+
+
+# --- the hypothesis: any mutation is refused with nothing changed, or loads and steps finitely --------
+MUTATIONS = ["dtype64", "dtype16", "int", "bool", "flatten", "grow", "nan", "inf", "ninf", "neg", "huge",
+             "delete", "rename", "group_nan", "group_str", "group_neg", "group_none", "group_list", "junk_key",
+             "misplaced_key"]
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipe=st.sampled_from(["zclip", "ema", "hist", "autoclip", "sgd"]), mutation=st.sampled_from(MUTATIONS),
+       pick=st.integers(0, 10_000), grads=st.sampled_from(["normal", "huge"]))
+def test_a_mutated_state_dict_is_refused_with_nothing_changed_or_loads_and_steps_finitely(pipe, mutation, pick, grads):
+    transforms = {
+        "zclip": lambda: (mo.ZClip(), mo.AdamW(lr=1e-2, amsgrad=True)),
+        "ema": lambda: (mo.ClipNormByEMA(scope="tensor"), mo.ClipValueByEMA(), mo.Adam(lr=1e-2)),
+        "hist": lambda: (mo.HistClip(scope="group"), mo.ClipNormGrowth(), mo.Adam(lr=1e-2)),
+        "autoclip": lambda: (mo.AutoClip(), mo.ClipValueGrowth(), mo.SGD(lr=1e-2, momentum=0.9)),
+        "sgd": lambda: (mo.Accumulate(2), mo.SGD(lr=1e-2, momentum=0.9)),
+    }[pipe]
+    model = make_model()
+    opt = mo.Modular(model.parameters(), *transforms())
+    g = torch.Generator().manual_seed(pick)
+    for _ in range(4):
+        opt.zero_grad()
+        (model(torch.randn(5, 3, generator=g)).pow(2).sum() * (1e18 if grads == "huge" else 1.0)).backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    slots = [(sd["state"][i], k) for i in sorted(sd["state"]) for k in sorted(sd["state"][i])]
+    slots += [(sd["modopt"]["transforms"][t], n) for t in sorted(sd["modopt"]["transforms"])
+              for n in sorted(sd["modopt"]["transforms"][t])]
+    group = sd["param_groups"][pick % len(sd["param_groups"])]
+    gkey = sorted(k for k in group if k not in ("params", "modopt"))[pick % 3]
+    where, key = slots[pick % len(slots)]
+    v = where[key]
+    if mutation.startswith("group_"):
+        group[gkey] = {"group_nan": NAN, "group_str": "fast", "group_neg": -1.0, "group_none": None,
+                       "group_list": [1, 2, 3]}[mutation]
+    elif mutation == "junk_key":
+        group["my_framework_key"] = 1  # rides along
+    elif mutation == "misplaced_key":
+        group["max_norm" if pipe != "sgd" else "betas"] = 1.0
+    elif mutation == "delete":
+        del where[key]
+    elif mutation == "rename":
+        where[key + "x"] = where.pop(key)
+    elif isinstance(v, torch.Tensor):
+        if mutation in ("dtype64", "dtype16", "int", "bool"):
+            where[key] = v.to({"dtype64": torch.float64, "dtype16": torch.float16, "int": torch.int64,
+                               "bool": torch.bool}[mutation])
+        elif mutation == "flatten":
+            where[key] = v.reshape(-1)
+        elif mutation == "grow":
+            where[key] = torch.cat([v.reshape(-1), v.reshape(-1)[:1]]) if v.numel() else v.reshape(1, 0)
+        elif v.is_floating_point() and v.numel():
+            v.view(-1)[pick % v.numel()] = {"nan": NAN, "inf": INF, "ninf": -INF, "neg": -1.0, "huge": 1e30}[mutation]
+    before = everything(model, opt)
+    try:
+        opt.load_state_dict(sd)
+    except (ValueError, TypeError):
+        assert_same(before, everything(model, opt))
+        return
+    train(model, opt, 2, seed=1)
+    assert all(torch.isfinite(p).all() for p in model.parameters()), (pipe, mutation, key)
+
+
+def ema_model_and_opt(*transforms, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = mo.Modular(model.parameters(), *(transforms or (mo.ClipNormByEMA(scope="tensor"), mo.Adam(lr=1e-2))))
+    return model, opt
+
+
+def test_truncated_checkpoint_file_raises_and_changes_nothing():
+    model, opt = ema_model_and_opt()
+    train(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    data = buf.getvalue()
+    train(model, opt, 1, seed=1)
+    before = snapshot(opt)
+    for cut in (len(data) // 3, len(data) - 50):
+        with pytest.raises(Exception):
+            opt.load_state_dict(torch.load(io.BytesIO(data[:cut]), weights_only=True))
+        assert_same(before, snapshot(opt))
+
+
+def _drop_param_state(sd):
+    sd["state"].pop(next(iter(sd["state"])))
+
+
+@pytest.mark.parametrize(
+    "tamper,match",
+    [
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(99)), "does not fit the parameter"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, 2)), "does not fit"),
+        (lambda sd: sd["state"][0].__setitem__("0:ClipNormByEMA.ema", torch.zeros(3, 4)), "does not fit"),
+        (lambda sd: sd["state"][1].__setitem__("1:Adam.exp_avg_sq", torch.zeros(2)), "does not fit"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.int64)), "floating-point"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.exp_avg", torch.zeros(4, 3, dtype=torch.complex64)), "complex"),
+        (lambda sd: sd["state"][0].__setitem__("1:Adam.step", torch.zeros(1, 1, 1)), "does not fit"),
+        (lambda sd: sd["modopt"].__setitem__("format_version", "1"), "format_version"),
+        (lambda sd: sd["modopt"].__setitem__("format_version", True), "format_version"),
+        (lambda sd: sd["modopt"].__setitem__("config", {"transforms": []}), "pipeline differs"),
+        (lambda sd: sd["modopt"].__setitem__("skipped_steps", 3), "skipped_steps"),
+        (lambda sd: sd.__setitem__("state", [1, 2]), "'state' must be a dict"),
+        (lambda sd: sd["param_groups"][0].__setitem__("params", "all"), "malformed"),
+    ],
+)
+def test_tampered_buffers_are_refused_before_anything_changes(tamper, match):
+    model, opt = ema_model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    tamper(sd)
+    train(model, opt, 1, seed=1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(opt))
+    train(model, opt, 1, seed=2)  # still steps normally
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_wrong_shape_buffer_is_refused_on_a_fresh_optimizer():
+    model, opt = ema_model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][2]["1:Adam.exp_avg"] = torch.zeros(3, 4)  # the (2, 4) weight's buffer, transposed
+    _, fresh = ema_model_and_opt()
+    with pytest.raises(ValueError, match=r"buffer '1:Adam.exp_avg' of parameter 2 \(shape \(2, 4\)\) has shape \(3, 4\)"):
+        fresh.load_state_dict(sd)
+    assert len(fresh.state) == 0
+
+
+def test_a_checkpoint_missing_a_parameter_state_loads_as_fresh_state():
+    """Documented: a parameter without saved state starts fresh (as torch.optim does), it is not an error."""
+    model, opt = ema_model_and_opt()
+    train(model, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    _drop_param_state(sd)
+    _, o2 = ema_model_and_opt()
+    o2.load_state_dict(sd)
+    assert len(o2.state) == len(opt.state) - 1
+
+
+def _torch_adam_checkpoint(model) -> dict:
+    """A torch.optim.Adam checkpoint after two real steps (what a user resumes from)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for seed in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))).pow(2).mean().backward()
+        opt.step()
+    return copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "after_steps"])
+@pytest.mark.parametrize("tamper,match", [
+    (lambda s: s["exp_avg_sq"].fill_(float("nan")), "not free of NaN"),
+    (lambda s: s["exp_avg_sq"].fill_(-1.0), ">= 0"),
+    (lambda s: s["exp_avg"].fill_(float("inf")), "not finite"),
+    (lambda s: s.__setitem__("step", torch.tensor(float("nan"))), "not finite"),
+    (lambda s: s.__setitem__("step", torch.tensor(-5.0)), ">= 0"),
+    (lambda s: s.__setitem__("step", -5.0), ">= 0"),
+    (lambda s: s.pop("exp_avg_sq"), "lacks 'exp_avg_sq'"),
+    (lambda s: s.__setitem__("exp_avg", s["exp_avg"].to(torch.int64)), "floating-point tensor shaped like"),
+    (lambda s: s.__setitem__("exp_avg", torch.zeros(7)), "floating-point tensor shaped like"),
+])
+def test_torch_optimizer_refuses_a_wrapped_state_torchs_step_cannot_use(tamper, match, fresh):
+    # mo.TorchOptimizer(torch.optim.Adam) loading a torch.optim.Adam checkpoint (or its own): each of
+    # these loaded and then made NaN parameters or crashed inside torch's step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    sd = _torch_adam_checkpoint(model)
+    tamper(sd["state"][0])
+    opt = mo.Modular(model.parameters(), mo.TorchOptimizer(torch.optim.Adam, lr=1e-2))
+    if not fresh:
+        train(model, opt, 1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the kernel note of a torch checkpoint)
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(opt))
+    train(model, opt, 1, seed=3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_torch_optimizer_loads_an_untouched_torch_checkpoint_and_continues_as_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    twin = copy.deepcopy(model)
+    sd = _torch_adam_checkpoint(model)
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    _torch_adam_checkpoint(twin)  # the same two steps on the twin
+    ref.load_state_dict(copy.deepcopy(sd))
+    opt = mo.Modular(model.parameters(), mo.TorchOptimizer(torch.optim.Adam, lr=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.load_state_dict(sd)
+    for m, o in ((model, opt), (twin, ref)):
+        o.zero_grad()
+        m(torch.ones(5, 3)).pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

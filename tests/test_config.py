@@ -11,6 +11,7 @@ import torch
 
 import modopt as mo
 from examples import NON_DEFAULT, all_examples, instances, pipeline_for
+from modopt.cli import main as cli_main
 
 FORMATS = ["yaml", "json", "toml"]
 
@@ -289,3 +290,36 @@ def test_config_schema_covers_every_transform_and_validates_configs():
     bad = {"transforms": [{"type": "ClipNorm", "max_norm": -1.0}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+PWN = "!!python/object/apply:os.system ['touch {marker}']"
+
+
+@pytest.mark.parametrize("where", ["top", "field", "experiment"])
+def test_yaml_tags_never_run_code_library_and_cli(tmp_path, capsys, where):
+    marker = tmp_path / "pwned"
+    tag = PWN.format(marker=marker)
+    text = {
+        "top": f"transforms: {tag}\n",
+        "field": f"transforms:\n  - {{type: ClipNorm, max_norm: {tag}}}\n",
+        "experiment": f"optimizer:\n  transforms:\n    - {{type: Adam}}\ntask: {tag}\n",
+    }[where]
+    path = tmp_path / "evil.yaml"
+    path.write_text(text)
+    with pytest.raises(mo.ConfigError, match="invalid YAML"):
+        mo.load_config(path)
+    assert cli_main(["validate", str(path)]) == 1
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "run"), "--quiet", "--no-plots"]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_cli_refuses_import_paths_outside_the_allow_list(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text("optimizer:\n  transforms:\n    - {type: TorchOptimizer, cls: os.system}\ntrain: {steps: 2}\n")
+    assert cli_main(["validate", str(path)]) == 1
+    assert "not allowed" in capsys.readouterr().err
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "--quiet", "--no-plots"]) == 1
+    # trusting imports still refuses what is not an optimizer class
+    assert cli_main(["validate", str(path), "--trust-imports"]) == 1
+    assert "not a torch.optim.Optimizer" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The default `nonfinite="skip"` decided on the device (issue 18, items 1-3, first part).
+"""The default `nonfinite="skip"` decided on the device (modopt/core/nonfinite.py, modopt/core/plan.py).
 
 A pipeline whose every transform declares `skips_on_device()` runs each step with `ctx.skip`, a
 0-d bool tensor, instead of asking the host: no host sync on finite or non-finite steps, and a

@@ -1,4 +1,4 @@
-"""AutoClip and ClipValueGrowth under the device's skip decision (issue 18, item 1).
+"""AutoClip and ClipValueGrowth under the device's skip decision (adaptive.py's AutoClip, growth.py's ClipValueGrowth).
 
 Both used to need the host: AutoClip grew its history with `torch.cat` and ClipValueGrowth
 asked the host whether a parameter had its first step. Now a skipped step (NaN gradients) leaves

@@ -1,4 +1,4 @@
-"""Three more transforms decide the default `nonfinite="skip"` on the device (issue 18, item 1):
+"""Three more transforms decide the default `nonfinite="skip"` on the device:
 `SGD` with momentum and dampening, the EMAs with `ema_init="update"`, and `TorchOptimizer`.
 
 Each keeps a first step that is special (torch's first momentum buffer is the gradient; the EMA

@@ -1,4 +1,4 @@
-"""`Adam(fold_clip=True)` / `AdamW(fold_clip=True)` (issue 18, item 5): the global clip's scale goes into
+"""`Adam(fold_clip=True)` / `AdamW(fold_clip=True)` (modopt/transforms/optimizers.py): the global clip's scale goes into
 torch's fused kernel as its `grad_scale` instead of a multiply of its own.
 
 Checked against torch (`clip_grad_norm_` then `torch.optim.Adam(fused=True)`): the clipped gradients

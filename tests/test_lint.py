@@ -1,4 +1,4 @@
-"""cfg.lint(): flagged transforms provably change nothing (issue 10, item 5)."""
+"""cfg.lint(): flagged transforms provably change nothing (modopt/lint.py)."""
 
 from __future__ import annotations
 

@@ -261,7 +261,7 @@ def test_state_keys_nest_like_chain_and_checkpoints_resume_bit_exactly():
 
 def test_a_selection_that_matches_nothing_is_reported_once():
     m = Net()
-    # (a name that matches no parameter is an error when the optimizer is built: tests/test_names_at_build.py)
+    # (a name that matches no parameter is an error when the optimizer is built: tests/test_select.py)
     opt = mo.Modular(m.named_parameters(), mo.Masked(mo.ClipNorm(0.01), where=mo.Select(min_ndim=3)), mo.SGD(lr=0.1))
     ref = Net()
     ref_opt = mo.Modular(ref.named_parameters(), mo.SGD(lr=0.1))

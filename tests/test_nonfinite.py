@@ -1,4 +1,7 @@
-"""The non-finite policy of Modular, with the stateful module families in the pipeline."""
+"""The non-finite policy (modopt/core/nonfinite.py): skip, raise and zero with the stateful module families in
+the pipeline, and the default check: huge but finite gradients, a 2-norm that overflows, every dtype, no host
+sync when the device decides, one norm pass shared with `ClipNorm`. (The device's skip decision per
+transform: tests/test_device_skip*.py.)"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import pytest
 import torch
 
 import modopt as mo
+from checks import needs_the_host
 
 
 def model():
@@ -142,3 +146,118 @@ def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
     # ones; left: the large ones and the small bfloat16 and float16 pairs (two of a dtype: not worth a group)
     assert {id(t) for t in rest} == {id(t) for t in ts if t.numel() > runner.SMALL_CLEAN
                                      or t.dtype in (torch.bfloat16, torch.float16)}
+
+
+# --- the default non-finite check -----------------------------------------------------
+def count_syncs(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                n[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return n[0]
+
+
+@pytest.mark.parametrize(
+    "dtype,value",
+    [(torch.float32, 1e30), (torch.float32, 3e38), (torch.float16, 65504.0), (torch.bfloat16, 3e38), (torch.float64, 1e300)],
+)
+def test_finite_but_huge_gradients_are_not_skipped_when_the_host_decides(dtype, value):
+    """Their squares overflow the 2-norm's accumulator; the host's exact fallback calls them finite.
+    (`needs_the_host()` makes this pipeline decide on the host.)"""
+    p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    p.grad = torch.full((1000,), value, dtype=dtype)
+    opt = mo.Modular([p], needs_the_host(), mo.SGD(lr=1e-40 if dtype != torch.float16 else 1e-8, momentum=0.5, dampening=0.1))
+    assert not opt._skip_on_device
+    opt.step()
+    assert not bool(opt.stats["skipped"]) and not bool(opt.stats["nonfinite"])
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 1e30), (torch.bfloat16, 3e38), (torch.float64, 1e300)])
+def test_a_2_norm_that_overflows_skips_the_step_when_the_device_decides(dtype, value):
+    """On the device there is no second, exact look: a step whose 2-norm overflows is skipped, as the
+    careful torch loop (`if clip_grad_norm_(...).isfinite(): opt.step()`) skips it."""
+    p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    p.grad = torch.full((1000,), value, dtype=dtype)
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam())
+    assert opt._skip_on_device
+    opt.step()
+    assert bool(opt.stats["skipped"]) and torch.equal(p.detach(), torch.zeros(1000, dtype=dtype))
+    ref = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    ref.grad = torch.full((1000,), value, dtype=dtype)
+    assert not torch.isfinite(torch.nn.utils.clip_grad_norm_([ref], 1.0))  # what the careful loop checks
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_nonfinite_gradients_are_skipped_in_every_dtype(bad, dtype):
+    p = torch.nn.Parameter(torch.ones(50, dtype=dtype))
+    q = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
+    p.grad = torch.ones(50, dtype=dtype)
+    q.grad = torch.ones(3, dtype=dtype)
+    q.grad[1] = bad
+    opt.step()
+    assert bool(opt.stats["skipped"]) and bool(opt.stats["nonfinite"])
+    assert torch.equal(p.detach(), torch.ones(50, dtype=dtype))
+    # decided on the device, a skipped first step leaves Adam's state at its initial values (zero moments,
+    # step 0): the next step is a first step, bit for bit the same as a fresh optimizer's
+    for s in opt.state.values():
+        assert all(not bool(v.any()) for v in s.values()), s
+    fresh_p, fresh_q = torch.nn.Parameter(torch.ones(50, dtype=dtype)), torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    fresh = mo.Modular([fresh_p, fresh_q], mo.ClipNorm(1.0), mo.Adam())
+    for x, y in ((p, fresh_p), (q, fresh_q)):
+        x.grad = torch.linspace(-1, 1, x.numel(), dtype=dtype)
+        y.grad = x.grad.clone()
+    opt.step()
+    fresh.step()
+    assert torch.equal(p.detach(), fresh_p.detach()) and torch.equal(q.detach(), fresh_q.detach())
+
+
+def test_default_check_needs_no_sync_and_its_norms_serve_clipnorm(monkeypatch, device_path):
+    from modopt.core import nonfinite, norms
+
+    p = torch.nn.Parameter(torch.zeros(100))
+    q = torch.nn.Parameter(torch.zeros(7))
+    opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
+    calls = []
+    real = norms.foreach_pnorm
+    # the exact check calls it from modopt.core.nonfinite; every memoised norm goes through norms.pnorms
+    monkeypatch.setattr(nonfinite, "foreach_pnorm", lambda ts, p: calls.append(("exact", p)) or real(ts, p))
+    monkeypatch.setattr(norms, "foreach_pnorm", lambda ts, p: calls.append(("memo", p)) or real(ts, p))
+    p.grad, q.grad = torch.randn(100), torch.randn(7)
+    assert count_syncs(opt.step) == 0  # decided on the device
+    assert calls == [("memo", 2.0)]  # one 2-norm pass over the gradients, no inf-norm, no second pass
+    # a non-finite step: the same single pass, still no sync
+    calls.clear()
+    p.grad, q.grad = torch.randn(100), torch.full((7,), float("nan"))
+    assert count_syncs(opt.step) == 0
+    assert calls == [("memo", 2.0)] and bool(opt.stats["skipped"])
+    # decided on the host (a transform that needs it): one sync, the exact check only on a bad step
+    opt = mo.Modular([p, q], needs_the_host(), mo.ClipNorm(1.0), mo.SGD(momentum=0.9, dampening=0.1))
+    calls.clear()
+    p.grad, q.grad = torch.randn(100), torch.randn(7)
+    assert count_syncs(opt.step) == 1 and calls == [("memo", 2.0)]
+    calls.clear()
+    p.grad, q.grad = torch.randn(100), torch.full((7,), float("nan"))
+    assert count_syncs(opt.step) == 2
+    assert calls == [("memo", 2.0), ("exact", float("inf"))]
+
+
+def test_zero_policy_records_what_it_zeroed():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = mo.Modular([p], mo.LR(1.0), nonfinite="zero")
+    p.grad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    opt.step()
+    assert int(opt.stats["zeroed"]) == 3 and bool(opt.stats["nonfinite"])
+    assert torch.equal(p.detach(), torch.tensor([-1.0, 0.0, 0.0, 0.0]))
+    p.grad = torch.ones(4)
+    opt.step()
+    assert int(opt.stats["zeroed"]) == 0 and not bool(opt.stats["nonfinite"])

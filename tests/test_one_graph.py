@@ -1,4 +1,4 @@
-"""One graph (issue 18 item 3): a scheduler that changes hyperparameters reruns the compiled step, it does
+"""One graph: a scheduler that changes hyperparameters reruns the compiled step, it does
 not recompile it. One compile here (compiles are slow on a CPU); `tests/test_device_skip.py` checks that
 `fullgraph=True` equals eager for the benchmark pipelines."""
 

@@ -1,4 +1,4 @@
-"""The step computes what it computed before the core was rewritten (issue 17).
+"""The step computes what it computed before the core was rewritten.
 
 `tests/data/trajectories.pt` holds the parameters after each of 12 steps of 27 pipelines in
 float32, float64 and bfloat16, recorded by `tests/data/make_trajectories.py` on main before

@@ -1,4 +1,4 @@
-"""Runtime == spec through the path users run (issue 9, item 4).
+"""Runtime == spec through the path users run (`Modular.step()`).
 
 Every example goes through ``Modular.step()`` with default settings after a real
 backward pass: the cached layout, the non-finite check and its norm memo, and the
@@ -8,7 +8,7 @@ what a training loop gets.
 
 The last transform is ``SGD(lr=1.0)`` (fused write) for float32/float64, and ``LR(1.0)`` for
 float16/bfloat16 (the CPU ``_fused_sgd_`` of torch 2.4-2.13 is wrong for half precision:
-another part of issue 9 replaces that kernel). Parameters start at 0, so after the
+modopt/core/kernels.py routes around that kernel). Parameters start at 0, so after the
 step ``-p`` is the update the chain produced.
 """
 

@@ -1,4 +1,4 @@
-"""`mo.Rewind` (issue 19 item 5): snapshots, the trigger rule, bit-exact restores, skipped batches,
+"""`mo.Rewind` (modopt/rewind.py): snapshots, the trigger rule, bit-exact restores, skipped batches,
 the learning-rate cut, giving up, its state dict, host syncs, and `modopt run` with `train.rewind`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every registered transform is paired with its float64 spec, or says why it has none (issue 17, items 6-7).
+"""Every registered transform is paired with its float64 spec, or says why it has none.
 
 The pairing is ``SPECS`` / ``NO_SPEC`` in ``tests/examples.py``, next to ``NON_DEFAULT``.
 A ``Spec`` entry is checked here, generically: one step through ``Modular`` after a

@@ -1,4 +1,4 @@
-"""What one default step costs, counted (issue 18 items 2, 4, 5): aten ops, host syncs and bytes do not
+"""What one default step costs, counted: aten ops, host syncs and bytes do not
 depend on the machine, so they are asserted here; times are measured by `benchmarks/bench.py`, never here.
 """
 

@@ -1,4 +1,4 @@
-"""The telemetry history (modopt.telemetry, issue 19 items 1, 2 and 6): rows against values computed
+"""The telemetry history (modopt.telemetry): rows against values computed
 independently, the ring buffer, checkpoints, per-module norms, summaries, bad input, and the host
 syncs of N steps (exactly one transfer per read-back, none in between)."""
 

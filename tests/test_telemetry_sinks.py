@@ -1,7 +1,7 @@
 """Every telemetry sink writes what the history read back, and each is read back here with the
-reader of its own format (issue 19 item 3): JSON lines and CSV (stdlib), TensorBoard event files
+reader of its own format: JSON lines and CSV (stdlib), TensorBoard event files
 (tensorboard's EventAccumulator), a W&B offline run file (its records), Lightning's CSVLogger file
-and the HF Trainer's log_history; and `modopt run --` `output.tensorboard` (item 4)."""
+and the HF Trainer's log_history; and `modopt run --` `output.tensorboard`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torch's own optimizer conformance suite, run against modopt (issue 39).
+"""torch's own optimizer conformance suite, run against modopt.
 
 torch checks its optimizers with the `OptimizerInfo` database shipped in every wheel
 (`torch.testing._internal.common_optimizers`: `optim_db`, each entry's `optim_inputs_func`,

@@ -1,10 +1,13 @@
 """modopt/transforms/weights.py and the weight stage (modopt/core/plan.py): transforms that act on the
-parameters after the optimizer wrote them."""
+parameters after the optimizer wrote them. QK-Clip (`mo.QKClip`) and its statistics provider
+(`mo.AttentionLogits`, modopt/attention.py): the per-head max logit, the clip against its float64 spec,
+the skip, no sync, compile."""
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pydantic
 import pytest
@@ -13,6 +16,9 @@ from hypothesis import given, settings, strategies as st
 
 import modopt as mo
 from checks import Syncs, assert_resumes_bit_for_bit, assert_step_changes_nothing, mse_backward, regression_batches, tanh_mlp
+from modopt.attention import mha_max_logits
+from modopt.cli.tasks import TinyTransformer
+from modopt.spec.weights import attention_max_logits, qk_clip, qk_clip_factor
 from modopt.spec.weights import frobenius, project_norm
 
 
@@ -118,3 +124,318 @@ def test_project_norm_refuses_fields_that_would_break_the_weights(kw):
 def test_project_norm_config_round_trip():
     cfg = mo.PipelineConfig(transforms=[mo.AdamW(lr=3e-4), mo.ProjectNorm(min_ndim=2)])
     assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def _mha(e=8, h=2, batch_first=True, bias=True, kdim=None, scale=1.0, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.MultiheadAttention(e, h, batch_first=batch_first, bias=bias, kdim=kdim, vdim=kdim).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return m
+
+
+def _x(*shape, seed=1, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+# --- the provider: the logits are the ones MultiheadAttention softmaxes -----------------------------------
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mha_max_logits_are_the_logits_torch_softmaxes(batch_first, bias):
+    """log(torch's per-head attention weights) = the spec's logits - their row logsumexp: the spec's
+    logits are torch's (heads, scale, bias, layout); the hook's max equals the spec's max per head."""
+    m = _mha(batch_first=batch_first, bias=bias, dtype=torch.float64, scale=1.5)
+    x = _x(3, 5, 8, dtype=torch.float64)
+    xin = x if batch_first else x.transpose(0, 1)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    _, w = m(xin, xin, xin, attn_mask=causal, need_weights=True, average_attn_weights=False)  # (B, H, L, L)
+    wq, wk = m.in_proj_weight[:8], m.in_proj_weight[8:16]
+    bq, bk = (m.in_proj_bias[:8], m.in_proj_bias[8:16]) if bias else (None, None)
+    for h in range(2):
+        d = 4
+        q = x @ wq[h * d:(h + 1) * d].T + (0 if bq is None else bq[h * d:(h + 1) * d])
+        k = x @ wk[h * d:(h + 1) * d].T + (0 if bk is None else bk[h * d:(h + 1) * d])
+        s = (q @ k.transpose(1, 2) / math.sqrt(d)).masked_fill(causal, -math.inf)
+        torch.testing.assert_close(w[:, h].log(), s - s.logsumexp(-1, keepdim=True), rtol=1e-9, atol=1e-9)
+    want = attention_max_logits(x, x, wq, bq, wk, bk, 2, allowed=~causal)
+    stats = mo.AttentionLogits.attach(m)
+    with torch.enable_grad():
+        float_mask = torch.zeros(5, 5, dtype=torch.float64).masked_fill(causal, -math.inf)  # -inf: masked
+        m(xin, xin, xin, attn_mask=float_mask)
+    torch.testing.assert_close(stats.max_logits()["attention"], torch.tensor(want, dtype=torch.float32))
+
+
+def test_masks_padding_and_separate_key_projections_are_honoured():
+    m = _mha(e=8, h=4, kdim=6, dtype=torch.float64)  # kdim != embed_dim: q_proj_weight / k_proj_weight
+    q, k = _x(2, 3, 8, dtype=torch.float64), _x(2, 5, 6, seed=2, dtype=torch.float64)
+    pad = torch.tensor([[False, False, False, True, True], [False] * 5])
+    got = mha_max_logits(m, q, k, key_padding_mask=pad)
+    allowed = (~pad)[:, None, :].expand(2, 3, 5)
+    want = attention_max_logits(q, k, m.q_proj_weight, m.in_proj_bias[:8], m.k_proj_weight, m.in_proj_bias[8:16], 4,
+                                allowed=allowed)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32))  # (kept in float32)
+    full = attention_max_logits(q, k, m.q_proj_weight, m.in_proj_bias[:8], m.k_proj_weight, m.in_proj_bias[8:16], 4)
+    assert max(full) >= max(want) and full != want  # (the padding really left keys out)
+
+
+def test_the_maximum_runs_over_the_micro_batches_and_only_training_forwards():
+    m = _mha()
+    stats = mo.AttentionLogits.attach(m)
+    xs = [_x(2, 4, 8, seed=s) * (1 + s) for s in range(3)]
+    for x in xs:
+        m(x, x, x)
+    with torch.no_grad():  # an evaluation forward is not recorded
+        m(xs[2] * 100, xs[2] * 100, xs[2] * 100)
+    want = torch.stack([mha_max_logits(m, x, x) for x in xs]).amax(0).detach()
+    torch.testing.assert_close(stats.max_logits()["attention"], want)
+    stats.reset()
+    assert torch.isneginf(stats.max_logits()["attention"]).all()
+
+
+# --- the clip against its spec --------------------------------------------------------------------------
+def test_qk_clip_by_hand():
+    """Two heads of one row each: S = (400, 50), tau = 100: eta = (1/4, 1); alpha = 1/2: query row 0 halves,
+    key row 0 halves; alpha = 1: the query row takes all of it. S <= 0 or -inf (no forward): unchanged."""
+    for alpha, q0, k0 in ((0.5, 1.0, 2.0), (1.0, 0.5, 4.0), (0.0, 2.0, 1.0)):
+        wq = torch.nn.Parameter(torch.tensor([[2.0], [3.0]], dtype=torch.float64))
+        wk = torch.nn.Parameter(torch.tensor([[4.0], [5.0]], dtype=torch.float64))
+        stats = mo.AttentionLogits()
+        stats.watch("attn", 2, query=wq, key=wk)
+        opt = mo.Modular([wq, wk], mo.SGD(lr=0.0), mo.QKClip(alpha=alpha))
+        stats.record("attn", torch.tensor([400.0, 50.0]))
+        wq.grad, wk.grad = torch.zeros_like(wq), torch.zeros_like(wk)
+        opt.step()
+        assert wq.detach().flatten().tolist() == [q0, 3.0] and wk.detach().flatten().tolist() == [k0, 5.0]
+        assert opt.stats["1:QKClip.max_logit"].tolist() == [400.0, 50.0] and int(opt.stats["1:QKClip.clipped"]) == 1
+        for s in ([-3.0, 0.0], [-math.inf, 100.0], [math.nan, 1e-30], None):  # floored: no NaN, no negative
+            if s is not None:  # (None: no forward recorded this step, the maxima are -inf)
+                stats.record("attn", torch.tensor(s))
+            opt.step()
+            assert wq.detach().flatten().tolist() == [q0, 3.0] and wk.detach().flatten().tolist() == [k0, 5.0]
+            assert int(opt.stats["1:QKClip.clipped"]) == 0
+            stats.reset()
+
+
+@pytest.mark.parametrize("kw", [{}, {"tau": 2.0}, {"tau": 0.7, "alpha": 0.25}, {"tau": 3.0, "alpha": 1.0, "eps": 1e-2}])
+def test_qk_clip_matches_spec(kw):
+    """float64, random heads: a user's attention (query and key weights and biases of 3 heads of 2 rows),
+    random max logits each step (above, below, at tau, negative); SGD writes, then the clip, as the spec."""
+    t = mo.QKClip(**kw)
+    g = torch.Generator().manual_seed(0)
+    wq, wk = (torch.nn.Parameter(torch.randn(6, 4, generator=g, dtype=torch.float64)) for _ in range(2))
+    bq, bk = (torch.nn.Parameter(torch.randn(6, generator=g, dtype=torch.float64)) for _ in range(2))
+    other = torch.nn.Parameter(torch.randn(6, 4, generator=g, dtype=torch.float64))  # in no attention: unchanged
+    stats = mo.AttentionLogits()
+    stats.watch("attn", 3, query=[wq, bq], key=[wk, bk])
+    params = [wq, bq, other, wk, bk]
+    opt = mo.Modular(params, mo.SGD(lr=0.1), t)
+    for step in range(5):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        s = (torch.rand(3, generator=g, dtype=torch.float64) * 3 - 1) * t.tau * 2  # in (-2 tau, 4 tau)
+        if step == 2:
+            s[1] = t.tau
+        stats.record("attn", s)
+        fast = [p.detach() - 0.1 * p.grad for p in params]
+        s32 = s.to(torch.float32).double().tolist()  # (the provider keeps float32)
+        (q, b_q), (k, b_k) = qk_clip(fast[:2], fast[3:], s32, t.tau, t.alpha, t.eps)
+        opt.step()
+        for p, w in zip(params, [q, b_q, fast[2], k, b_k]):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14)
+        assert int(opt.stats["1:QKClip.clipped"]) == sum(qk_clip_factor(v, t.tau, t.eps) < 1 for v in s32)
+
+
+def test_rows_of_one_fused_tensor_and_only_the_steps_parameters():
+    """MultiheadAttention's in_proj_weight holds q, k, v: the value rows stay; with SGD(lr=0) the clipped
+    weights give, on the same input, per-head max logits eta_h * S_h <= tau."""
+    m = _mha(scale=4.0, dtype=torch.float64)
+    stats = mo.AttentionLogits.attach(m)
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.0), mo.QKClip(3.0))
+    x = _x(2, 6, 8, dtype=torch.float64)
+    m(x, x, x)[0].sum().backward()
+    before = mha_max_logits(m, x, x).detach()
+    v_rows = m.in_proj_weight[16:].detach().clone()
+    opt.step()
+    after = mha_max_logits(m, x, x).detach()
+    assert (before > 3.0).any()
+    torch.testing.assert_close(after, torch.minimum(before, torch.full_like(before, 3.0)), rtol=1e-6, atol=1e-9)
+    assert torch.equal(m.in_proj_weight[16:], v_rows)
+
+
+def test_a_tiny_transformer_keeps_its_logits_near_tau_and_without_the_clip_they_grow():
+    """The built-in transformer task's model (nn.MultiheadAttention), Adam at lr=0.1: the max logit of a
+    forward after each step grows past 8 tau without QK-Clip; with it, it stays under 2.5 tau and under tau
+    whenever the step before was clipped hard enough. (QK-Clip is reactive: it scales by the logits of the
+    forward before the write, so the write itself can add a little; Kimi K2's method is the same.)"""
+
+    def run(clip):
+        torch.manual_seed(0)
+        m = TinyTransformer(vocab=16, seq_len=12, d_model=32, nhead=4, layers=2, ff=64)
+        stats = mo.AttentionLogits.attach(m)
+        opt = mo.Modular(m.named_parameters(), mo.Adam(lr=0.1), *([mo.QKClip(5.0)] if clip else []))
+        g = torch.Generator().manual_seed(1)
+        after = []
+        for _ in range(8):
+            tok = torch.randint(0, 16, (8, 12), generator=g)
+            loss = torch.nn.functional.cross_entropy(m(tok[:, :-1]).reshape(-1, 16), tok[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            stats.reset()
+            m(tok[:, :-1])  # a forward after the step, on the same batch
+            after.append(max(float(v.max()) for v in stats.max_logits().values()))
+            stats.reset()
+        return after
+
+    without, with_clip = run(False), run(True)
+    assert without[-1] > 8 * 5.0
+    assert max(with_clip) < 2.5 * 5.0 and with_clip[-1] < without[-1] / 4
+
+
+# --- the step's rules -----------------------------------------------------------------------------------
+def test_a_skipped_step_keeps_every_bit_and_the_maxima_without_a_sync():
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m)
+    opt = mo.Modular(m.parameters(), mo.Adam(lr=1e-2), mo.QKClip(1.0))
+    x = _x(2, 4, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        m(x, x, x)[0].pow(2).sum().backward()
+        with Syncs() as s:
+            opt.step()
+        assert s.n == 0 and int(opt.stats["1:QKClip.clipped"]) > 0
+        assert torch.isneginf(stats.max_logits()["attention"]).all()  # consumed: reset for the next step
+    opt.zero_grad()
+    m(x, x, x)[0].pow(2).sum().backward()
+    recorded = stats.max_logits()["attention"]
+    m.in_proj_weight.grad[0, 0] = math.nan
+    syncs = Syncs()
+    assert_step_changes_nothing(m, opt, syncs)
+    assert syncs.n == 0 and bool(opt.stats["skipped"])
+    assert torch.equal(stats.max_logits()["attention"], recorded)  # still running: the next step clips by them
+
+
+def test_accumulate_clips_once_per_cycle_by_the_max_of_its_micro_batches():
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m)
+    opt = mo.Modular(m.parameters(), mo.Accumulate(2), mo.SGD(lr=0.0), mo.QKClip(1.0))
+    xs = [_x(2, 4, 8, seed=1), _x(2, 4, 8, seed=2) * 2]
+    w0 = m.in_proj_weight.detach().clone()
+    m(xs[0], xs[0], xs[0])[0].sum().backward()
+    opt.step()
+    assert torch.equal(m.in_proj_weight, w0)  # stopped: nothing clipped, the maximum keeps running
+    m(xs[1], xs[1], xs[1])[0].sum().backward()
+    want = torch.maximum(mha_max_logits(m, xs[0], xs[0]), mha_max_logits(m, xs[1], xs[1])).detach()
+    opt.step()
+    torch.testing.assert_close(opt.stats["2:QKClip.max_logit"], want)
+
+
+def test_the_step_compiles_to_one_graph_equal_to_eager(device_path):
+    """`torch.compile(opt.step, fullgraph=True)` with QKClip (the forward hook runs outside the step), against
+    the eager device path (a compiled step decides every skip on the device)."""
+    torch._dynamo.reset()
+
+    def make():
+        m = _mha(scale=2.0)
+        mo.AttentionLogits.attach(m)
+        return m, mo.Modular(m.parameters(), mo.SGD(lr=1e-2, momentum=0.9), mo.QKClip(2.0))
+
+    (a, eager), (b, comp) = make(), make()
+    step = torch.compile(comp.step, fullgraph=True)
+    clipped = 0
+    for k in range(4):
+        x = _x(3, 5, 8, seed=k)
+        for m in (a, b):
+            m.zero_grad()
+            m(x, x, x)[0].pow(2).sum().backward()
+            if k == 2:
+                m.in_proj_weight.grad[0, 0] = math.nan
+        eager.step()
+        step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+        assert torch.equal(eager.stats["1:QKClip.clipped"], comp.stats["1:QKClip.clipped"])
+        clipped += int(comp.stats["1:QKClip.clipped"])
+    assert clipped > 0 and int(comp.stats["skipped_steps"]) == 1
+
+
+def test_without_a_watched_attention_it_warns_and_changes_nothing():
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    opt = mo.Modular([p], mo.SGD(lr=0.5), mo.QKClip())
+    p.grad = torch.ones(2, 2)
+    with pytest.warns(UserWarning, match="AttentionLogits.attach"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.full((2, 2), 0.5))
+
+
+def test_a_detached_provider_stops_recording_and_the_clip_stops():
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m)
+    stats.detach()
+    x = _x(2, 4, 8)
+    m(x, x, x)[0].sum().backward()
+    assert stats.layers == {} and not m._forward_hooks
+    w = m.in_proj_weight.detach().clone()
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.0), mo.QKClip(1e-3))
+    with pytest.warns(UserWarning, match="does nothing"):
+        opt.step()
+    assert torch.equal(m.in_proj_weight, w)
+
+
+def test_the_provider_refuses_rows_that_do_not_split_into_heads():
+    w = torch.zeros(6, 4)
+    with pytest.raises(ValueError, match="split into 4 heads"):
+        mo.AttentionLogits().watch("a", 4, query=w, key=w)
+    with pytest.raises(ValueError, match="no torch.nn.MultiheadAttention"):
+        mo.AttentionLogits.attach(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("kw", [{"tau": 0.0}, {"tau": math.inf}, {"alpha": 1.5}, {"alpha": -0.1}, {"eps": 0.0},
+                                {"eps": math.nan}])
+def test_qk_clip_refuses_fields_that_would_break_the_weights(kw):
+    with pytest.raises(pydantic.ValidationError, match=f"QKClip.{next(iter(kw))}"):
+        mo.QKClip(**kw)
+
+
+def test_qk_clip_config_round_trip_and_position():
+    cfg = mo.PipelineConfig(transforms=[mo.Muon(lr=0.02), mo.QKClip(50.0, alpha=0.3)])
+    assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg and mo.QKClip(50.0).tau == 50.0
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="before an update transform"):
+        mo.Modular([p], mo.QKClip(), mo.SGD(lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [k for k, _ in mo.Modular([p], mo.SGD(lr=0.1), mo.QKClip()).plan.weights] == ["1:QKClip"]
+
+
+def test_the_hook_records_the_same_maxima_inside_a_compiled_model():
+    """`torch.compile(model, fullgraph=True)` traces the forward hook: the maxima are the eager ones."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    stats = mo.AttentionLogits.attach(layer)
+    x = _x(2, 6, 16)
+    torch.compile(layer, fullgraph=True)(x).sum().backward()
+    want = mha_max_logits(layer.self_attn, x, x).detach()
+    torch.testing.assert_close(stats.max_logits()["self_attn"], want)
+    assert torch.isfinite(want).all()
+
+
+def test_modopt_run_hooks_the_task_attention_for_the_example_config():
+    """examples/configs/muon_qkclip.yaml as `modopt run` builds it: its pipeline holds QKClip, so the
+    transformer task's nn.MultiheadAttention layers are watched (2 layers x 2 heads recorded)."""
+    from pathlib import Path
+
+    from modopt.cli.experiment import load_experiment
+    from modopt.cli.run import start_run
+
+    exp = load_experiment(Path(__file__).resolve().parents[1] / "examples" / "configs" / "muon_qkclip.yaml")
+    torch.manual_seed(0)
+    task, opt = start_run(exp)
+    loss = task.loss_fn(task.model, task.get_batch(0, 8))
+    loss.backward()
+    opt.step()
+    s = opt.stats["3:QKClip.max_logit"]
+    assert s.shape == (4,) and torch.isfinite(s).all() and [k for k, _ in opt.plan.weights] == ["3:QKClip"]

@@ -1,8 +1,11 @@
-"""modopt/transforms/wrappers.py: Lookahead, against its float64 spec and pytorch-optimizer's Lookahead."""
+"""modopt/transforms/wrappers.py: Lookahead, against its float64 spec and pytorch-optimizer's Lookahead;
+Schedule-Free SGD and AdamW against their float64 spec (the paper's three sequences) and Meta's
+`schedulefree` package, bit for bit; the train/eval forms, checkpoints, skipped steps."""
 
 from __future__ import annotations
 
 import functools
+import io
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 import modopt as mo
 from checks import Syncs, assert_resumes_bit_for_bit, flat_state, mse_backward, regression_batches, tanh_mlp
 from modopt.spec.wrappers import Lookahead as SpecLookahead
+from modopt.spec.wrappers import ScheduleFree as SpecScheduleFree
 
 
 SIZES = (6, 12, 3)
@@ -133,3 +137,350 @@ def test_lookahead_config_round_trip():
     again = mo.PipelineConfig.from_dict(cfg.to_dict())
     assert again == cfg
     assert "Lookahead" in cfg.to_yaml()
+
+
+def _spec_for(t: mo.Transform, params) -> SpecScheduleFree:
+    common = dict(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, r=t.r,
+                  weight_lr_power=t.weight_lr_power)
+    if isinstance(t, mo.ScheduleFreeAdamW):
+        return SpecScheduleFree(params, beta=t.betas[0], adam=True, beta2=t.betas[1], eps=t.eps, **common)
+    return SpecScheduleFree(params, beta=t.momentum, **common)
+
+
+SGD_CASES = [
+    mo.ScheduleFreeSGD(lr=0.1),
+    mo.ScheduleFreeSGD(lr=0.05, momentum=0.7, weight_decay=0.01, warmup_steps=4, r=1.0, weight_lr_power=1.0),
+    mo.ScheduleFreeSGD(lr=0.2, momentum=0.95, weight_lr_power=0.0, r=0.5),
+]
+ADAMW_CASES = [
+    mo.ScheduleFreeAdamW(),
+    mo.ScheduleFreeAdamW(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, warmup_steps=5, r=0.5),
+]
+
+
+def _against_spec(t: mo.Transform) -> None:
+    """float64: every step's parameters (y) and, at the end, the eval form (x) against the spec."""
+    model = _model(dtype=torch.float64)
+    opt = mo.Modular(model.parameters(), t)
+    spec = _spec_for(t, list(model.parameters()))
+    for x, y in _batches(12, dtype=torch.float64):
+        mse_backward(model, x, y)
+        want = spec.step([p.grad for p in model.parameters()])
+        opt.step()
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14)
+    with opt.evaluating():
+        for p, w in zip(model.parameters(), spec.x):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("t", SGD_CASES, ids=repr)
+def test_schedule_free_sgd_matches_spec(t):
+    _against_spec(t)
+
+
+@pytest.mark.parametrize("t", ADAMW_CASES, ids=repr)
+def test_schedule_free_adamw_matches_spec(t):
+    _against_spec(t)
+
+
+# --- the package, bit for bit ---------------------------------------------------------------------------
+def _package(t: mo.Transform, params):
+    schedulefree = pytest.importorskip("schedulefree")
+    if isinstance(t, mo.ScheduleFreeAdamW):
+        if t == mo.ScheduleFreeAdamW():
+            return schedulefree.AdamWScheduleFree(params)  # its own defaults
+        return schedulefree.AdamWScheduleFree(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay,
+                                              warmup_steps=t.warmup_steps, r=t.r, weight_lr_power=t.weight_lr_power)
+    if t == mo.ScheduleFreeSGD():
+        return schedulefree.SGDScheduleFree(params)
+    return schedulefree.SGDScheduleFree(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+                                        warmup_steps=t.warmup_steps, r=t.r, weight_lr_power=t.weight_lr_power)
+
+
+def _state(opt: mo.Modular, params, name: str) -> list[torch.Tensor]:
+    key = opt.plan.swaps[0][0]
+    return [opt.state[p][f"{key}.{name}"] for p in params]
+
+
+@pytest.mark.parametrize("t", [mo.ScheduleFreeAdamW(), mo.ScheduleFreeSGD()] + SGD_CASES[1:] + ADAMW_CASES[1:], ids=repr)
+def test_equals_the_schedulefree_package_bit_for_bit(t):
+    """float32, through `Modular.step()` after a real backward, two param groups (the second one's lr moved
+    by a scheduler), a bias that misses its gradient on some steps: the parameters (y), z and v equal the
+    package's bit for bit after 25 steps; then the eval form (x) and the training form again after it."""
+    a, b = _model(), _model()
+
+    def groups(m):
+        return [{"params": [m[0].weight, m[0].bias]}, {"params": [m[2].weight, m[2].bias], "lr": t.lr * 0.5}]
+
+    ours = mo.Modular(groups(a), t)
+    theirs = _package(t, groups(b))
+    assert ours.defaults["lr"] == theirs.defaults["lr"]  # the same defaults
+    theirs.train()
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 1.0, lambda s: 1.0 / (1 + s)]) for o in (ours, theirs)]
+    for i, (x, y) in enumerate(_batches(25)):
+        for m, o, s in ((a, ours, scheds[0]), (b, theirs, scheds[1])):
+            mse_backward(m, x, y)
+            if i % 3 == 1:
+                m[2].bias.grad = None  # not stepped this time (its z is made when it first has a gradient)
+            o.step()
+            s.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    params_a, params_b = list(a.parameters()), list(b.parameters())
+    for s, q in zip(_state(ours, params_a, "z"), params_b):
+        assert torch.equal(s, theirs.state[q]["z"])
+    if isinstance(t, mo.ScheduleFreeAdamW):
+        for s, q in zip(_state(ours, params_a, "exp_avg_sq"), params_b):
+            assert torch.equal(s, theirs.state[q]["exp_avg_sq"])
+    store = ours.state_dict()["modopt"]["transforms"][ours.plan.swaps[0][0]]
+    assert [float(store[f"k@group{i}"]) for i in (0, 1)] == [g["k"] for g in theirs.param_groups] == [25, 25]
+    assert [float(store[f"weight_sum@group{i}"]) for i in (0, 1)] == [g["weight_sum"] for g in theirs.param_groups]
+    assert [float(store[f"lr_max@group{i}"]) for i in (0, 1)] == [g["lr_max"] for g in theirs.param_groups]
+    ours.eval()
+    theirs.eval()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    ours.train()
+    theirs.train()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+# --- train and eval --------------------------------------------------------------------------------------
+def test_eval_holds_x_train_holds_y_and_a_step_in_eval_mode_is_refused():
+    model = _model(dtype=torch.float64)
+    t = mo.ScheduleFreeAdamW(lr=1e-2)
+    opt = mo.Modular(model.parameters(), t)
+    opt.eval()  # before any step: no z, nothing moves (as in the package)
+    opt.train()
+    spec = _spec_for(t, list(model.parameters()))
+    for x, y in _batches(6, dtype=torch.float64):
+        mse_backward(model, x, y)
+        spec.step([p.grad for p in model.parameters()])
+        opt.step()
+    y_form = [p.detach().clone() for p in model.parameters()]
+    opt.eval()
+    opt.eval()  # a second call changes nothing
+    for p, w in zip(model.parameters(), spec.x):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14)
+    before = [p.detach().clone() for p in model.parameters()], flat_state(opt.state_dict())
+    mse_backward(model, *_batches(1, seed=7, dtype=torch.float64)[0])
+    with pytest.raises(RuntimeError, match=r"eval form.*opt.train\(\)"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(before[0], model.parameters()))
+    after = flat_state(opt.state_dict())
+    assert before[1].keys() == after.keys()
+    assert all(torch.equal(before[1][k], after[k]) if isinstance(after[k], torch.Tensor) else before[1][k] == after[k]
+               for k in after)
+    opt.train()
+    for p, w in zip(model.parameters(), y_form):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-14, atol=1e-15)  # back to y (a lerp each way)
+
+
+def test_evaluating_swaps_in_and_back_as_the_package_does():
+    schedulefree = pytest.importorskip("schedulefree")
+    a, b = _model(), _model()
+    ours = mo.Modular(a.parameters(), mo.ScheduleFreeSGD(lr=0.1))
+    theirs = schedulefree.SGDScheduleFree(b.parameters(), lr=0.1)
+    theirs.train()
+    for x, y in _batches(5):
+        for m, o in ((a, ours), (b, theirs)):
+            mse_backward(m, x, y)
+            o.step()
+    theirs.eval()
+    with ours.evaluating() as o:
+        assert o is ours
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+        with ours.evaluating():  # already in the eval form: inside and after, it stays there
+            pass
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    theirs.train()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    ours.eval()
+    with ours.evaluating():
+        pass
+    with pytest.raises(RuntimeError, match="eval form"):  # it was in the eval form before: it stays
+        ours.step()
+
+
+def test_a_pipeline_without_schedule_free_has_no_train_or_eval():
+    """An AttributeError that says why, so that `hasattr(opt, "train")` is False: the Hugging Face Trainer
+    and accelerate call `optimizer.train()` / `eval()` whenever they exist."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.AdamW(lr=1e-3))
+    assert not hasattr(opt, "train") and not hasattr(opt, "eval")
+    for what in ("train", "eval", "evaluating"):
+        with pytest.raises(AttributeError, match=f"Modular.{what}: this pipeline has no transform .*Schedule-Free"):
+            getattr(opt, what)()
+    sf = mo.Modular([p], mo.ClipNorm(1.0), mo.ScheduleFreeAdamW())
+    assert callable(sf.train) and callable(sf.eval)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+def test_resumes_bit_for_bit_and_the_state_carries_z_and_the_schedule():
+    make = lambda m: mo.Modular(m.parameters(), mo.ClipNorm(1.0), mo.ScheduleFreeAdamW(lr=1e-2, warmup_steps=4))  # noqa: E731
+    osd = assert_resumes_bit_for_bit(_model, make, _batches(12), cut=6)
+    store = osd["modopt"]["transforms"]["1:ScheduleFreeAdamW"]
+    assert store["k@group0"].dtype == torch.float64 and float(store["k@group0"]) == 6
+    assert {"1:ScheduleFreeAdamW.z", "1:ScheduleFreeAdamW.exp_avg_sq"} <= set(osd["state"][0])
+    make_sgd = lambda m: mo.Modular(m.parameters(), mo.ScheduleFreeSGD(lr=0.1, r=1.0))  # noqa: E731
+    assert_resumes_bit_for_bit(_model, make_sgd, _batches(9), cut=4)
+
+
+def test_a_checkpoint_taken_in_eval_mode_resumes_in_eval_mode():
+    """The model saved with x in it and the optimizer in eval mode (as the package advises): a fresh optimizer
+    loads the mode, `train()` brings y back, and training goes on as the run that never stopped."""
+    data = _batches(10)
+    make = lambda m: mo.Modular(m.parameters(), mo.ScheduleFreeSGD(lr=0.1))  # noqa: E731
+
+    straight = _model()
+    o = make(straight)
+    for i, (x, y) in enumerate(data):
+        if i == 5:
+            o.eval()
+            o.train()
+        mse_backward(straight, x, y)
+        o.step()
+
+    model = _model()
+    opt = make(model)
+    for x, y in data[:5]:
+        mse_backward(model, x, y)
+        opt.step()
+    opt.eval()
+    buf = io.BytesIO()
+    torch.save((model.state_dict(), opt.state_dict()), buf)
+    buf.seek(0)
+    msd, osd = torch.load(buf, weights_only=True)
+    resumed = _model()
+    resumed.load_state_dict(msd)
+    opt2 = make(resumed)
+    opt2.load_state_dict(osd)
+    mse_backward(resumed, *data[5])
+    with pytest.raises(RuntimeError, match="eval form"):
+        opt2.step()
+    opt2.train()
+    for x, y in data[5:]:
+        mse_backward(resumed, x, y)
+        opt2.step()
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_damaged_train_mode_is_refused():
+    m = _model()
+    opt = mo.Modular(m.parameters(), mo.ScheduleFreeSGD(lr=0.1))
+    mse_backward(m, *_batches(1)[0])
+    opt.step()
+    sd = opt.state_dict()
+    sd["modopt"]["transforms"]["0:ScheduleFreeSGD"]["train_mode"] = 2
+    with pytest.raises(ValueError, match="train_mode is 2"):
+        mo.Modular(_model().parameters(), mo.ScheduleFreeSGD(lr=0.1)).load_state_dict(sd)
+
+
+# --- skipped steps, syncs, compile -------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [mo.ScheduleFreeAdamW(lr=1e-2, warmup_steps=3, r=0.5, weight_decay=0.1),
+                               mo.ScheduleFreeSGD(lr=0.1, weight_decay=0.01)], ids=repr)
+def test_a_skipped_step_keeps_every_bit_with_no_sync(t):
+    """The device decides (no host sync); a NaN gradient on step 3 leaves y, z, v and the schedule (count,
+    weight sum, largest lr) as they were, and the run goes on as if that step never came."""
+    a, b = _model(), _model()
+    oa, ob = mo.Modular(a.parameters(), t), mo.Modular(b.parameters(), t)
+    assert oa.plan.device_skip is True
+    data = _batches(7)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            mse_backward(a, x, y)
+            a[0].weight.grad[1, 2] = float("nan")
+            before = [p.detach().clone() for p in a.parameters()], flat_state(oa.state_dict())
+            with Syncs() as syncs:
+                oa.step()
+            assert syncs.n == 0 and bool(oa.stats["skipped"])
+            assert all(torch.equal(p, q) for p, q in zip(before[0], a.parameters()))
+            after = flat_state(oa.state_dict())
+            changed = {k for k in after if not (torch.equal(before[1][k], after[k]) if isinstance(after[k], torch.Tensor)
+                                                else before[1][k] == after[k])}
+            # only the skipped-step counter (param_groups[0] carries the same entries, the same tensors)
+            assert changed - {"/param_groups"} == {"/modopt/skipped_steps"}
+            name = type(t).__name__
+            assert {f"/modopt/transforms/0:{name}/{n}@group0" for n in ("k", "weight_sum", "lr_max")} <= set(after)
+            assert sum(k.endswith(f"0:{name}.z") for k in after) == 4  # compared too
+        for m, o in ((a, oa), (b, ob)):
+            mse_backward(m, x, y)
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_default_step_makes_no_host_sync():
+    m = _model()
+    opt = mo.Modular(m.parameters(), mo.ScheduleFreeAdamW(warmup_steps=2))
+    for x, y in _batches(3):
+        mse_backward(m, x, y)
+        with Syncs() as syncs:
+            opt.step()
+        assert syncs.n == 0
+
+
+@pytest.mark.parametrize("cls", [mo.ScheduleFreeAdamW, mo.ScheduleFreeSGD])
+def test_fullgraph_compile_equals_eager(cls):
+    """`torch.compile(opt.step, fullgraph=True)` with a NaN step among them (compiled arithmetic may round
+    otherwise than eager: to 1e-6)."""
+    torch._dynamo.reset()
+    t = cls(lr=1e-2, warmup_steps=2)
+    a, b = _model(), _model()
+    eager, comp = mo.Modular(a.parameters(), t), mo.Modular(b.parameters(), t)
+    step = torch.compile(comp.step, fullgraph=True)
+    for i, (x, y) in enumerate(_batches(6)):
+        for m in (a, b):
+            mse_backward(m, x, y)
+            if i == 3:
+                m[2].weight.grad[0, 0] = float("nan")
+        eager.step()
+        step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert int(comp.stats["skipped_steps"]) == 1
+    key = comp.plan.swaps[0][0]
+    assert float(comp.state_dict()["modopt"]["transforms"][key]["k@group0"]) == 5  # the NaN step not counted
+
+
+# --- where it may sit ----------------------------------------------------------------------------------------
+def test_it_comes_last_at_the_top_level_with_no_weight_stage_after_it():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    sf = mo.ScheduleFreeAdamW()
+    with pytest.raises(ValueError, match="must be the last transform"):
+        mo.Modular([p], sf, mo.ClipNorm(1.0))
+    with pytest.raises(ValueError, match="cannot run inside Lookahead"):
+        mo.Modular([p], mo.Lookahead(sf))
+    with pytest.raises(Exception, match="cannot run inside Masked"):
+        mo.Masked(sf, where=mo.Select(names=["*"]))
+    with pytest.raises(ValueError, match="cannot be attached"):
+        mo.attach(torch.optim.SGD([p], lr=0.1), sf)
+    with pytest.raises(ValueError, match="leave the weight stage out"):
+        mo.Modular([p], sf, mo.ProjectNorm())
+    opt = mo.Modular([p], mo.Chain(mo.ClipNorm(1.0), sf))  # a plain Chain is fine
+    assert [k for k, _ in opt.plan.swaps] == ["0:Chain/1:ScheduleFreeAdamW"]
+    p.grad = torch.ones(2, 2)
+    opt.step()
+    assert "0:Chain/1:ScheduleFreeAdamW.z" in opt.state[p]
+    opt.eval()
+    with pytest.raises(RuntimeError, match="0:Chain/1:ScheduleFreeAdamW"):
+        opt.step()
+
+
+def test_fields_are_checked():
+    with pytest.raises(Exception, match="betas.*interpolation momentum"):
+        mo.ScheduleFreeAdamW(betas=(0.0, 0.999))
+    with pytest.raises(Exception, match="momentum"):
+        mo.ScheduleFreeSGD(momentum=1.0)
+    with pytest.raises(Exception, match="warmup_steps"):
+        mo.ScheduleFreeSGD(warmup_steps=-1)
+    assert mo.ScheduleFreeSGD(0.5) == mo.ScheduleFreeSGD(lr=0.5)
+
+
+def test_config_round_trip():
+    cfg = mo.PipelineConfig(transforms=[mo.ClipNorm(1.0), mo.ScheduleFreeAdamW(lr=1e-3, betas=(0.95, 0.99), warmup_steps=10)])
+    assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg
+    assert "ScheduleFreeAdamW" in cfg.to_yaml()

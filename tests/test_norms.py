@@ -1,5 +1,6 @@
-"""`ord="inf"`: every `ord` field takes torch's spelling of the max-norm (`"inf"`), `float("inf")` and
-YAML's `.inf`, stores and writes the canonical `"linf"`, and refuses `-inf` (there is no min-norm `ord`)."""
+"""modopt/core/norms.py, the `ord` vocabulary.
+
+`ord="inf"`: every `ord` field takes torch's spelling of the max-norm (`"inf"`), `float("inf")` and YAML's `.inf`, stores and writes the canonical `"linf"`, and refuses `-inf` (there is no min-norm `ord`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""State never leaks across steps or cycles (issue 9, item 5): Accumulate's sums, the per-tensor
-norm memo (a write through ``.data``), AGC's exclusion cache."""
+"""The step's per-tensor norm memo (modopt/core/runner.py, `Step`): never serves a norm written through
+``.data``, is kept only across transforms that did not write, and is fresh every step."""
 
 from __future__ import annotations
 
@@ -10,28 +10,6 @@ import torch
 
 import modopt as mo
 from modopt.core.transform import Transform
-
-
-def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call():
-    a = torch.nn.Parameter(torch.zeros(2))
-    b = torch.nn.Parameter(torch.zeros(2))
-    opt = mo.Modular([a, b], mo.Accumulate(2), mo.SGD(lr=1.0))
-    # cycle 1: b has a gradient on the first call only
-    a.grad, b.grad = torch.ones(2), torch.full((2,), 10.0)
-    opt.step()
-    a.grad, b.grad = torch.ones(2), None
-    opt.step()
-    assert torch.equal(b.detach(), torch.zeros(2))  # no grad on the final call: b does not move
-    assert torch.equal(a.detach(), -torch.ones(2))
-    # cycle 2: zero gradients for both. Nothing of cycle 1 may come back.
-    for _ in range(2):
-        a.grad, b.grad = torch.zeros(2), torch.zeros(2)
-        opt.step()
-    assert torch.equal(b.detach(), torch.zeros(2)), b
-    assert torch.equal(a.detach(), -torch.ones(2)), a
-    key = "0:Accumulate.sum"
-    for p in (a, b):
-        assert torch.equal(opt.state[p][key], torch.zeros(2))
 
 
 class _DataWriter(Transform):
@@ -100,24 +78,3 @@ def test_norm_memo_is_fresh_every_step():
     g.data.mul_(3.0)  # same tensor object, same version counter, new values
     opt.step()
     assert [s.item() for s in _NormSpy.seen] == [5.0, 15.0]
-
-
-def test_agc_exclusion_mask_is_cached_per_layout(monkeypatch):
-    import fnmatch
-
-    calls = []
-    real = fnmatch.fnmatchcase
-    monkeypatch.setattr(fnmatch, "fnmatchcase", lambda n, pat: calls.append(n) or real(n, pat))
-    lin = torch.nn.Linear(3, 2)
-    opt = mo.Modular(lin.named_parameters(), mo.AGC(clipping=0.01, exclude=["bias"]), mo.LR(0.1))
-    for _ in range(3):
-        lin.weight.grad, lin.bias.grad = torch.ones(2, 3), torch.full((2,), 100.0)
-        b0 = lin.bias.detach().clone()
-        opt.step()
-        assert torch.allclose(lin.bias.detach(), b0 - 10.0)  # excluded: not clipped
-    assert len(calls) == 2, calls  # matched once (two names), not once per step
-    # a new layout (weight only has a grad) computes its own mask
-    lin.bias.grad = None
-    lin.weight.grad = torch.ones(2, 3)
-    opt.step()
-    assert len(calls) == 3

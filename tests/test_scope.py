@@ -1,4 +1,4 @@
-"""The slice rule under `dim` / `inverse_dims`: a tensor left with no slice dim is left alone.
+"""modopt/core/scope.py: the slice rule under `dim` / `inverse_dims`: a tensor left with no slice dim is left alone.
 
 One rule (`modopt.core.scope.slice_dims`, its spec `modopt.spec.scope.slice_dims`, documented in
 docs/concepts.md, "Slices"): a tensor is reduced over the listed dims it has, or with

@@ -1,4 +1,7 @@
-"""What users type means what they expect: positional arguments, printing, errors (issue 10)."""
+"""modopt/core/transform.py and modopt/core/fieldtext.py: what users type means what they expect.
+
+Positional fields, printing, frozen fields, validation errors that name the transform and the field,
+the trust boundary of `TorchOptimizer` built in code, and `help()`'s field text."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The names a selection asks for (`Masked`'s `where`, AGC's `exclude`) are checked when the `Modular`
+"""modopt/core/select.py: the names a selection asks for (`Masked`'s `where`, AGC's `exclude`) are checked when the `Modular`
 is built, from code and from a config, with the text a step would give, before any state exists."""
 
 from __future__ import annotations
