@@ -128,9 +128,11 @@ def test_accumulate_clears_a_sum_whose_parameter_has_no_grad_on_the_final_call()
 
 # --- the non-finite skip decided on the device ----------------------------------------------------
 class _HostDecidesForAccumulate(mo.Transform):
-    """Changes nothing and does not declare `skips_on_device()`: a pipeline with it decides on the host."""
+    """Changes nothing and declares that it needs the host (`device_skip = False`; stateless, it would be
+    inferred True): a pipeline with it decides on the host."""
 
     positional = None
+    device_skip = False
 
     def apply(self, ctx, st, updates):
         return updates
