@@ -142,13 +142,6 @@ def _make_ops():
 Ops = _make_ops()
 
 
-def twin_params(shapes, dtype=torch.float32, seed=0):
-    """Two lists of equal parameters (one for a reference optimizer, one for modopt), seeded."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    init = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
-    return [torch.nn.Parameter(x.clone()) for x in init], [torch.nn.Parameter(x.clone()) for x in init]
-
-
 def split(params, groups):
     """The first parameter in a group of its own and the rest in another (`groups`), or the list itself."""
     return [{"params": params[:1]}, {"params": params[1:]}] if groups else params
@@ -303,3 +296,20 @@ def assert_same_run(oa, a, ob, b, steps):
         ob.step()
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def everything(model, opt):
+    """What a refusal must leave as it was: parameters, state (tensors and store), groups."""
+    import copy
+
+    return copy.deepcopy({"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()})
+
+
+def refused(model, opt, call, match):
+    """`call()` raises ValueError or TypeError matching `match`, and leaves `everything` as it was."""
+    import pytest
+
+    before = everything(model, opt)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+    assert_same(before, everything(model, opt))

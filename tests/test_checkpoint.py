@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import modopt as mo
-from checks import assert_same, train
+from checks import assert_same, everything, refused, train
 from modopt.core.keys import split_group_key, split_value_key
 from modopt.core.norms import acc_dtype
 from modopt.core.state import declared_buffers
@@ -201,18 +201,6 @@ def test_a_step_count_saved_as_a_number_loads_as_a_tensor_as_torch_does():
 def make_model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(dtype)
-
-
-def everything(model, opt):
-    """What a refusal must leave as it was: parameters, state (tensors and store), groups."""
-    return copy.deepcopy({"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()})
-
-
-def refused(model, opt, call, match):
-    before = everything(model, opt)
-    with pytest.raises((ValueError, TypeError), match=match):
-        call()
-    assert_same(before, everything(model, opt))
 
 
 def _expected_dtype(b, p, saved):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import modopt as mo
-from checks import assert_same, train
+from checks import refused, train
 
 NAN, INF = float("nan"), float("inf")
 
@@ -24,18 +24,6 @@ NAN, INF = float("nan"), float("inf")
 def make_model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(dtype)
-
-
-def everything(model, opt):
-    """What a refusal must leave as it was: parameters, state (tensors and store), groups."""
-    return copy.deepcopy({"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()})
-
-
-def refused(model, opt, call, match):
-    before = everything(model, opt)
-    with pytest.raises((ValueError, TypeError), match=match):
-        call()
-    assert_same(before, everything(model, opt))
 
 
 # --- one gate for hyperparameters ------------------------------------------------------------------

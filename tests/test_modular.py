@@ -86,31 +86,8 @@ def test_an_expanded_gradient_steps_as_its_contiguous_copy(pipeline):
 # --- steps, closures, groups, copies ---------------------------------------------------------------
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
-
-
-def loss_fn(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def run(model, opt, data, scheduler=None):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(loss.item())
-    return losses
+# (the small model, its batches and the training loop are the equivalence suite's)
+from test_torch_equivalence import batches, make_model, run  # noqa: E402
 
 
 def test_clipnorm_normalize_adam_trains_a_small_model():
