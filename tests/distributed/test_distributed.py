@@ -10,11 +10,6 @@ to 1e-5 over 10 steps shows the statistics are those of the full tensors.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import dist_worker
+from launch import run_job
 import modopt as mo
 
-HERE = Path(__file__).parent
 TIMEOUT_S = 150
 
 pytestmark = pytest.mark.skipif(
@@ -32,48 +27,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(mode: str, tmp: Path) -> dict:
-    """Run the 2-process job; once more, on a new port, if gloo aborted while connecting.
-
-    In a full test run a rank sometimes dies at start-up with C++'s "terminate called without an
-    active exception" and no Python output (seen twice in about ten full runs on 2026-11-24, never
-    when the distributed tests run alone). The cause is not pinned down; the likeliest is that the
-    free port handed to `init_process_group` was taken by another process before the rendezvous.
-    A real failure of the job fails the second run too.
-    """
-    try:
-        return _run_mode_once(mode, tmp)
-    except _GlooStartup:
-        return _run_mode_once(mode, tmp)
-
-
-class _GlooStartup(Exception):
-    pass
-
-
-def _run_mode_once(mode: str, tmp: Path) -> dict:
+    """Run the 2-process job (`launch.run_job`); rank 0's results."""
     out = tmp / f"{mode}.pt"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "dist_worker.py"), mode, str(free_port()), str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its 2 ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"{mode}: the 2-process run did not finish within {TIMEOUT_S}s\n{log[-4000:]}")
-    if proc.returncode != 0 and log.lstrip().startswith("terminate called without an active exception"):
-        raise _GlooStartup(log)
-    assert proc.returncode == 0, f"{mode} run failed:\n{log[-6000:]}"
+    run_job("dist_worker.py", mode, out, TIMEOUT_S)
     return torch.load(out, weights_only=True)
 
 

@@ -17,11 +17,6 @@ The bugs this guards against move the parameters by 1e-4 to 1e-3 (the control ca
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +24,8 @@ import torch.distributed as dist
 
 import mesh2d_worker as w
 import modopt as mo
-from test_distributed import _GlooStartup, free_port  # the launcher pattern of the 2-process tests
+from launch import run_job
 
-HERE = Path(__file__).parent
 TIMEOUT_S = 240
 ATOL = 2e-6
 
@@ -40,34 +34,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_once(tmp: Path) -> dict:
-    out = tmp / "mesh2d.pt"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env.pop("MESH2D_ONLY", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "mesh2d_worker.py"), "mesh2d", str(free_port()), str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its 4 ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"the 4-process run did not finish within {TIMEOUT_S}s\n{log[-4000:]}")
-    if proc.returncode != 0 and log.lstrip().startswith("terminate called without an active exception"):
-        raise _GlooStartup(log)
-    assert proc.returncode == 0, f"4-process run failed:\n{log[-6000:]}"
-    return torch.load(out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def mesh2d(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mesh2d")
-    try:
-        return _run_once(tmp)
-    except _GlooStartup:  # (see test_distributed.run_mode: gloo sometimes aborts while connecting)
-        return _run_once(tmp)
+    out = tmp_path_factory.mktemp("mesh2d") / "mesh2d.pt"
+    run_job("mesh2d_worker.py", "mesh2d", out, TIMEOUT_S, env_drop=("MESH2D_ONLY",))
+    return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,6 @@ single-process reference runs here. The model has three 8x8 matrices (batched on
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +23,8 @@ import torch.distributed as dist
 import owner_worker as w
 from modopt.core.distributed import _chunk_sizes
 from modopt.transforms.orthogonal import NS_COEFFICIENTS, coefficient_steps, newton_schulz, newton_schulz_batched
-from test_distributed import _GlooStartup, free_port
+from launch import run_job
 
-HERE = Path(__file__).parent
 TIMEOUT_S = 240
 #: cases whose chain sums a statistic over the ranks after the orthogonalization (not bit for bit)
 REDUCED = ("Orthogonalize-bf16-ClipNorm-SGD",)
@@ -39,30 +34,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_once(mode: str, tmp: Path) -> dict:
-    out = tmp / f"{mode}.pt"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), mode, str(free_port()), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"{mode}: the run did not finish within {TIMEOUT_S}s\n{log[-4000:]}")
-    if proc.returncode != 0 and log.lstrip().startswith("terminate called without an active exception"):
-        raise _GlooStartup(log)
-    assert proc.returncode == 0, f"{mode} run failed:\n{log[-6000:]}"
-    return torch.load(out, weights_only=True)
-
-
 def _run(mode: str, tmp: Path) -> dict:
-    try:
-        return _run_once(mode, tmp)
-    except _GlooStartup:  # (see test_distributed.run_mode)
-        return _run_once(mode, tmp)
+    out = tmp / f"{mode}.pt"
+    run_job("owner_worker.py", mode, out, TIMEOUT_S)
+    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")

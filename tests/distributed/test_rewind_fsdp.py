@@ -7,11 +7,6 @@ moments sharded unevenly on dim 0, a loss spike in rank 1's batch alone.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import rewind_worker as W
+from launch import run_job
 
-HERE = Path(__file__).parent
 TIMEOUT_S = 150
 
 pytestmark = pytest.mark.skipif(
@@ -28,33 +23,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp: Path) -> list[dict]:
-    """Run the 2-rank job (once more, on a new port, if gloo aborted at start-up: see
-    test_distributed.run_mode); each rank's results."""
-    for attempt in range(2):
-        out = tmp / f"rewind{attempt}"
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-        proc = subprocess.Popen([sys.executable, str(HERE / "rewind_worker.py"), "fsdp", str(free_port()), str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its 2 ranks
-            log, _ = proc.communicate()
-            pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S}s\n{log[-4000:]}")
-        if proc.returncode != 0 and attempt == 0 and log.lstrip().startswith("terminate called without an active exception"):
-            continue
-        assert proc.returncode == 0, f"the 2-process run failed:\n{log[-6000:]}"
-        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(W.WORLD)]
-    raise AssertionError("unreachable")
+    """Run the 2-rank job (`launch.run_job`); each rank's results."""
+    out = tmp / "rewind"
+    run_job("rewind_worker.py", "fsdp", out, TIMEOUT_S)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(W.WORLD)]
 
 
 @pytest.fixture(scope="module")

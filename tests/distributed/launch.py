@@ -1,0 +1,54 @@
+"""How the multi-process tests start their ranks: one launcher process per job (a worker script that spawns
+its ranks), gloo on 127.0.0.1, the job killed whole on a timeout, and one retry when gloo aborts while
+connecting.
+
+In a full test run a rank sometimes dies at start-up with C++'s "terminate called without an active
+exception" and no Python output (seen twice in about ten full runs on 2026-11-24, never when the
+distributed tests run alone). The cause is not pinned down; the likeliest is that the free port handed to
+`init_process_group` was taken by another process before the rendezvous. A real failure of the job fails
+the second run too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+_GLOO_ABORT = "terminate called without an active exception"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(worker: str, mode: str, out: Path, timeout: int, env_drop: tuple[str, ...] = ()) -> None:
+    """Run `python worker mode PORT out` (a worker script next to this file) until it ends; fails the test
+    with the job's log when it times out (its whole process group killed) or exits non-zero. Retried once,
+    on a new port, when gloo aborted at start-up."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    for k in env_drop:
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    for attempt in range(2):
+        proc = subprocess.Popen([sys.executable, str(HERE / worker), mode, str(free_port()), str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the job's own process group: the launcher and its ranks
+            log, _ = proc.communicate()
+            pytest.fail(f"{worker} {mode}: the run did not finish within {timeout}s\n{log[-4000:]}")
+        if proc.returncode != 0 and attempt == 0 and log.lstrip().startswith(_GLOO_ABORT):
+            continue
+        assert proc.returncode == 0, f"{worker} {mode}: the run failed:\n{log[-6000:]}"
+        return
