@@ -118,3 +118,26 @@ def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
     assert len(rows) == 3 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
     assert nonfinite.HOST_ON_CPU is True
+
+
+def test_the_published_python_call_counts_are_the_step_s(tmp_path):
+    """docs/performance.md's last row for modopt's default step ("Python calls per step") is what
+    benchmarks/call_counts.py counts now: a change that adds Python work to the step shows here.
+    (Python 3.11, which CI runs: later versions inline comprehensions, so they count fewer calls.)"""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    rows = re.findall(r"^\| `Modular\(ps, ClipNorm\(1\.0\), Adam\(\)\)`, at \w+ \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+                      (root / "docs" / "performance.md").read_text(), flags=re.M)
+    assert rows, "the call-count table is not on the page"
+    calls, functions, files, hops = map(int, rows[-1])
+    spec = importlib.util.spec_from_file_location("modopt_call_counts_under_test", root / "benchmarks" / "call_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up)
+    spec.loader.exec_module(module)
+    got = module.measure()["modopt"]
+    now = (got.calls, len(got.functions), len(got.files), got.hops)
+    if sys.version_info[:2] == (3, 11):
+        assert now == (calls, functions, files, hops), f"the step now makes {now}; the page says {rows[-1]}"
+    else:
+        assert got.calls <= calls and len(got.files) <= files

@@ -342,18 +342,10 @@ def run_dcp(rank: int, ckpt_dir: str) -> dict:
     return results
 
 
-def _rank_main(rank: int, mode: str, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        results = run_dcp(rank, out + ".dcp") if mode == "fsdp-dcp" else run_all(mode, rank)
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, mode: str, out: str) -> None:
+    results = run_dcp(rank, out + ".dcp") if mode == "fsdp-dcp" else run_all(mode, rank)
+    if rank == 0:
+        torch.save(results, out)
 
 
 def main(argv: list[str]) -> None:
@@ -362,9 +354,9 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)
         torch.save(run_all(mode, 0), out)
         return
-    import torch.multiprocessing as mp
+    from launch import spawn_ranks
 
-    mp.spawn(_rank_main, args=(mode, port, out), nprocs=WORLD, join=True)
+    spawn_ranks(WORLD, port, _rank_main, mode, out)
 
 
 if __name__ == "__main__":

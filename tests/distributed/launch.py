@@ -52,3 +52,25 @@ def run_job(worker: str, mode: str, out: Path, timeout: int, env_drop: tuple[str
             continue
         assert proc.returncode == 0, f"{worker} {mode}: the run failed:\n{log[-6000:]}"
         return
+
+
+def spawn_ranks(world: int, port: int, job, *args) -> None:
+    """In a worker script: run `job(rank, *args)` on `world` processes, each inside a gloo process group on
+    127.0.0.1:`port` that it leaves after a barrier (so no rank tears the group down under another).
+    `job` is a function of the worker script, run in each spawned process."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(world, port, job, args), nprocs=world, join=True)
+
+
+def _rank(rank: int, world: int, port: int, job, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        job(rank, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

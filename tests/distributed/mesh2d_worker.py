@@ -323,20 +323,13 @@ def run_all(mode: str, mesh) -> dict:
     return results
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _rank_main(rank: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        results = run_all("mesh2d", mesh)
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = run_all("mesh2d", mesh)
+    if rank == 0:
+        torch.save(results, out)
 
 
 def main(argv: list[str]) -> None:
@@ -345,9 +338,9 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)
         torch.save(run_all(mode, None), out)
         return
-    import torch.multiprocessing as mp
+    from launch import spawn_ranks
 
-    mp.spawn(_rank_main, args=(port, out), nprocs=WORLD, join=True)
+    spawn_ranks(WORLD, port, _rank_main, out)
 
 
 if __name__ == "__main__":

@@ -210,25 +210,18 @@ def run_all(mode: str, mesh=None, rank: int = 0, dp_rank: int = 0, dp_size: int 
     return results
 
 
-def _rank_main(rank: int, mode: str, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _rank_main(rank: int, mode: str, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        if mode == "hsdp":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-            dp_rank, dp_size = rank, 4  # every rank its own quarter of the batch (HSDP averages over all four)
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-            dp_rank, dp_size = rank, world
-        results = run_all(mode, mesh, rank, dp_rank, dp_size, out + ".dcp")
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        dp_rank, dp_size = rank, 4  # every rank its own quarter of the batch (HSDP averages over all four)
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        dp_rank, dp_size = rank, world
+    results = run_all(mode, mesh, rank, dp_rank, dp_size, out + ".dcp")
+    if rank == 0:
+        torch.save(results, out)
 
 
 def main(argv: list[str]) -> None:
@@ -237,10 +230,10 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)
         torch.save(run_all(mode), out)
         return
-    import torch.multiprocessing as mp
+    from launch import spawn_ranks
 
     world = 4 if mode == "hsdp" else 2
-    mp.spawn(_rank_main, args=(mode, world, port, out), nprocs=world, join=True)
+    spawn_ranks(world, port, _rank_main, mode, world, out)
 
 
 if __name__ == "__main__":

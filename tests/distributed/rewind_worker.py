@@ -184,20 +184,12 @@ def run_fsdp(rank: int, out: str) -> dict:
     return res
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _rank_main(rank: int, out: str) -> None:
     try:
-        try:
-            res = run_fsdp(rank, out)
-        except Exception:
-            res = {"error": traceback.format_exc()}
-        torch.save(res, f"{out}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        res = run_fsdp(rank, out)
+    except Exception:
+        res = {"error": traceback.format_exc()}
+    torch.save(res, f"{out}.{rank}")
 
 
 def main(argv: list[str]) -> None:
@@ -205,9 +197,9 @@ def main(argv: list[str]) -> None:
     if mode == "single":
         torch.save(run_single(), f"{out}.0")
         return
-    import torch.multiprocessing as mp
+    from launch import spawn_ranks
 
-    mp.spawn(_rank_main, args=(port, out), nprocs=WORLD, join=True)
+    spawn_ranks(WORLD, port, _rank_main, out)
 
 
 if __name__ == "__main__":
