@@ -587,7 +587,7 @@ class StepCounter(TorchDispatchMode):
     """Counts what runs under it: aten ops other than views, host syncs (`_local_scalar_dense`,
     `is_nonzero`) and the bytes the ops read and write (torch's fused optimizers count as writing the
     gradients only when they unscale them). The counts are a GPU's: inside it a modopt step on the CPU
-    takes the device path (`modopt.core.nonfinite.HOST_ON_CPU` off), which it otherwise reads back on
+    takes the device path (`modopt.core.nonfinite.device_path`), which it otherwise reads back on
     the host; the times elsewhere in this script are this machine's default path."""
 
     def __init__(self) -> None:
@@ -596,15 +596,15 @@ class StepCounter(TorchDispatchMode):
         self.syncs = 0
         self.bytes = 0
         self.names: dict[str, int] = {}
-        self._host: list[bool] = []
+        self._paths: list[Any] = []
 
     def __enter__(self):
-        self._host.append(nonfinite.HOST_ON_CPU)
-        nonfinite.HOST_ON_CPU = False
+        self._paths.append(nonfinite.device_path())
+        self._paths[-1].__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        nonfinite.HOST_ON_CPU = self._host.pop()
+        self._paths.pop().__exit__(*exc)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

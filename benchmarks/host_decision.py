@@ -5,7 +5,7 @@ device keeps it. This runs modopt against itself in one process, both ways, on a
     python benchmarks/host_decision.py --tensors 8 2048 --steps 300
 
 Each side is the same pipeline over its own copy of the same parameters and gradients, with
-`modopt.core.nonfinite.HOST_ON_CPU` on (the CPU's default: one `.item()` a step, the plain chain) or off
+the CPU's default (one `.item()` a step, the plain chain) or inside `modopt.core.nonfinite.device_path()`
 (the device path a GPU runs: no sync, skip-aware kernels, the cleaning pass). Medians of the per-step
 times after 20 warm-up steps, the median over repeats; 1 thread. Ratios carry across machines, not times.
 """
@@ -13,6 +13,7 @@ times after 20 warm-up steps, the median over repeats; 1 thread. Ratios carry ac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -34,18 +35,14 @@ def step_time(n: int, make, host: bool, steps: int) -> float:
     ps = [torch.nn.Parameter(torch.randn(256, generator=g)) for _ in range(n)]
     grads = [torch.randn(256, generator=g) for _ in range(n)]
     opt = mo.Modular(ps, *make(), lint=False)
-    was = nonfinite.HOST_ON_CPU
-    nonfinite.HOST_ON_CPU = host
-    try:
-        times = []
+    times = []
+    with contextlib.nullcontext() if host else nonfinite.device_path():
         for _ in range(steps):
             for p, gr in zip(ps, grads):
                 p.grad = gr.clone()
             t = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t)
-    finally:
-        nonfinite.HOST_ON_CPU = was
     return statistics.median(times[20:]) * 1e6
 
 

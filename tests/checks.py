@@ -94,22 +94,22 @@ def _make_syncs():
     class Syncs(TorchDispatchMode):
         """Counts host syncs (`.item()`, `bool(tensor)`: `aten._local_scalar_dense`, `aten.is_nonzero`) in `n`.
 
-        Inside it, steps on the CPU take the device path (`modopt.core.nonfinite.HOST_ON_CPU` off): the
+        Inside it, steps on the CPU take the device path (`modopt.core.nonfinite.device_path`): the
         syncs counted are the ones a GPU would wait for."""
 
         def __init__(self):
             super().__init__()
             self.n = 0
-            self._host = []
+            self._paths = []
 
         def __enter__(self):
             # what a GPU pays: the device path, which a CPU step otherwise reads back on the host
-            self._host.append(nonfinite.HOST_ON_CPU)
-            nonfinite.HOST_ON_CPU = False
+            self._paths.append(nonfinite.device_path())
+            self._paths[-1].__enter__()
             return super().__enter__()
 
         def __exit__(self, *exc):
-            nonfinite.HOST_ON_CPU = self._host.pop()
+            self._paths.pop().__exit__(*exc)
             return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

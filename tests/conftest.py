@@ -25,9 +25,10 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path():
     """Steps on the CPU take the device path of the non-finite skip (what a GPU runs), which they
-    otherwise read back on the host (`modopt.core.nonfinite.HOST_ON_CPU`)."""
+    otherwise read back on the host (`modopt.core.nonfinite.device_path`)."""
     from modopt.core import nonfinite
 
-    monkeypatch.setattr(nonfinite, "HOST_ON_CPU", False)
+    with nonfinite.device_path():
+        yield

@@ -204,12 +204,11 @@ class Moments:
         """Zero the provider's reset buffers (and, with `restart_count`, its step counters) of the step's
         parameters where `when` (a 0-d bool tensor) is true, in place; nothing where it is false."""
         names = list(self.offer.resets) + ([self.offer.count] if restart_count and self.offer.count else [])
-        if when.device.type == "cpu" and nonfinite.HOST_ON_CPU and not torch.compiler.is_compiling():
-            # read where reading is free (the step's own rule: modopt.core.nonfinite.HOST_ON_CPU): a step
+        if nonfinite.reads_on_host(when):
+            # read where reading is free (modopt.core.nonfinite.reads_on_host): a step
             # without a reset makes no pass over the moments, one with it zeroes them (the same bits)
             if not when.item():
                 return
-            when = torch.ones((), dtype=torch.bool)
         by_device: dict[torch.device, torch.Tensor] = {when.device: when}
         for s in self.ctx.param_states():
             for name in names:

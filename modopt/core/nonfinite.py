@@ -3,9 +3,10 @@ policy's decision, then the chain and the weight stage. The one step driver of b
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -56,9 +57,28 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
 
 
 #: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
-#: only reads memory) when its plan allows it (`Plan.host_on_cpu`). False keeps the device path there too:
-#: the tests count what a GPU pays with it (tests/checks.py's `Syncs` sets it).
+#: only reads memory) when its plan allows it (`Plan.host_on_cpu`), and transforms read other values there
+#: to skip work (`reads_on_host`). False keeps the device path on the CPU too (`device_path`).
 HOST_ON_CPU = True
+
+
+def reads_on_host(t: torch.Tensor) -> bool:
+    """Whether the step may read `t`'s values on the host to leave out work the value makes useless (a
+    moment reset that is not due, a clip that cuts nothing): `t` on the CPU, where a read only reads memory,
+    outside a compiled step, unless `device_path` is in force. Either way the results are the same bits."""
+    return HOST_ON_CPU and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def device_path() -> Iterator[None]:
+    """Inside it, steps on the CPU take the device path (no host read of any decision): what a GPU runs.
+    The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
+    global HOST_ON_CPU
+    was, HOST_ON_CPU = HOST_ON_CPU, False
+    try:
+        yield
+    finally:
+        HOST_ON_CPU = was
 
 #: `False` as a 0-d bool tensor on the CPU, for the telemetry of steps that go ahead (`opt.stats` values are
 #: read, never written: one shared tensor instead of a new one each step)

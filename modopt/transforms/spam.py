@@ -302,10 +302,9 @@ class StableSPAM(Scoped):
         hat = m_max / (1 - torch.pow(self.gamma3, tf)).to(acc)
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
         counts = []
-        # on a CPU, where reading is free (the step's rule: nonfinite.HOST_ON_CPU), a tensor whose segment's
+        # on a CPU, where reading is free (nonfinite.reads_on_host), a tensor whose segment's
         # max |u| is at most hat has nothing to cut: no pass over it (the same bits; NaN compares false)
-        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and nonfinite.HOST_ON_CPU and top.device.type == "cpu"
-                 and not torch.compiler.is_compiling() else [False] * len(updates))
+        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and nonfinite.reads_on_host(top) else [False] * len(updates))
         for u, on, h, x, q in zip(updates, seg.active, seg.expand(hat), seg.expand(top), quiet):
             if not on or q:
                 counts.append(torch.zeros((), dtype=torch.int64, device=u.device))

@@ -266,7 +266,6 @@ def run_skip(rank: int) -> dict:
 
     from modopt.core import nonfinite
 
-    nonfinite.HOST_ON_CPU = False  # the device path (a GPU's): on a CPU the host would read the decision
     model, opt = _sharded(skip_pipeline())
     skipped = []
     for step in range(SKIP_STEPS):
@@ -276,7 +275,7 @@ def run_skip(rank: int) -> dict:
         if step == NAN_STEP and rank == 1:
             local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
             local.view(-1)[0] = float("nan")
-        with Syncs():
+        with nonfinite.device_path(), Syncs():  # the device path (a GPU's): on a CPU the host reads the decision
             opt.step()
         skipped.append(bool(opt.stats["skipped"]))
     return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,

@@ -124,7 +124,6 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
 
     from modopt.core import nonfinite
 
-    nonfinite.HOST_ON_CPU = False  # the device path of the skip decision (a GPU's; tests/conftest.py device_path)
     model = make_model()
     shard(model, mesh)
     opt = mo.Modular(param_groups(model), mo.Muon(0.05, sharded=sharded))
@@ -137,14 +136,13 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
             next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel()).view(-1)[0] = float("nan")
         before = [p.to_local().clone() for p in model.parameters()]
         bufs = [v.to_local().clone() for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
-        with Syncs():
+        with nonfinite.device_path(), Syncs():  # the device path of the skip decision (a GPU's)
             opt.step()
         skipped.append(bool(opt.stats["skipped"]))
         if step == 2:
             after_bufs = [v.to_local() for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
             unchanged = (all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
                          and len(bufs) == len(after_bufs) > 0 and all(torch.equal(a, b) for a, b in zip(bufs, after_bufs)))
-    nonfinite.HOST_ON_CPU = True
     return {"skipped": skipped, "unchanged": unchanged, "syncs": Syncs.n, "on_device": opt._skip_on_device,
             "params": [full(p) for p in model.parameters()], "error": None}
 
