@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import modopt as mo
-from modopt.core import nonfinite
+from modopt.core import runner
 
 # --------------------------------------------------------------------------- models
 
@@ -587,7 +587,7 @@ class StepCounter(TorchDispatchMode):
     """Counts what runs under it: aten ops other than views, host syncs (`_local_scalar_dense`,
     `is_nonzero`) and the bytes the ops read and write (torch's fused optimizers count as writing the
     gradients only when they unscale them). The counts are a GPU's: inside it a modopt step on the CPU
-    takes the device path (`modopt.core.nonfinite.device_path`), which it otherwise reads back on
+    takes the device path (`modopt.core.runner.device_path`), which it otherwise reads back on
     the host; the times elsewhere in this script are this machine's default path."""
 
     def __init__(self) -> None:
@@ -599,7 +599,7 @@ class StepCounter(TorchDispatchMode):
         self._paths: list[Any] = []
 
     def __enter__(self):
-        self._paths.append(nonfinite.device_path())
+        self._paths.append(runner.device_path())
         self._paths[-1].__enter__()
         return super().__enter__()
 

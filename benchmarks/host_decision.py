@@ -5,7 +5,7 @@ device keeps it. This runs modopt against itself in one process, both ways, on a
     python benchmarks/host_decision.py --tensors 8 2048 --steps 300
 
 Each side is the same pipeline over its own copy of the same parameters and gradients, with
-the CPU's default (one `.item()` a step, the plain chain) or inside `modopt.core.nonfinite.device_path()`
+the CPU's default (one `.item()` a step, the plain chain) or inside `modopt.core.runner.device_path()`
 (the device path a GPU runs: no sync, skip-aware kernels, the cleaning pass). Medians of the per-step
 times after 20 warm-up steps, the median over repeats; 1 thread. Ratios carry across machines, not times.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 
 import modopt as mo
-from modopt.core import nonfinite
+from modopt.core import runner
 
 PIPELINES = {
     "ClipNorm(1.0), Adam()": lambda: [mo.ClipNorm(1.0), mo.Adam()],
@@ -36,7 +36,7 @@ def step_time(n: int, make, host: bool, steps: int) -> float:
     grads = [torch.randn(256, generator=g) for _ in range(n)]
     opt = mo.Modular(ps, *make(), lint=False)
     times = []
-    with contextlib.nullcontext() if host else nonfinite.device_path():
+    with contextlib.nullcontext() if host else runner.device_path():
         for _ in range(steps):
             for p, gr in zip(ps, grads):
                 p.grad = gr.clone()

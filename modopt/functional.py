@@ -12,10 +12,11 @@ from typing import Iterable
 
 import torch
 
-from .core.norms import ORD_NAMES, Ord, parse_ord
+from .core.reduce import ORD_NAMES, Ord, parse_ord
 from .core.keys import split_value_key
 from .core.runner import Step, run_step
-from .core.scope import ScopeName, make_segments
+from .core.reduce import make_segments
+from .core.scope import ScopeName
 from .core.transform import Transform
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .core.norms import parse_ord
+from .core.reduce import parse_ord
 from .core.transform import walk
 from .core.plan import cancelled_by, cancelled_scales, flatten, folded_scale, pnorm, segments, sets_norm
 

@@ -89,12 +89,12 @@ def _sync_ops():
 def _make_syncs():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     class Syncs(TorchDispatchMode):
         """Counts host syncs (`.item()`, `bool(tensor)`: `aten._local_scalar_dense`, `aten.is_nonzero`) in `n`.
 
-        Inside it, steps on the CPU take the device path (`modopt.core.nonfinite.device_path`): the
+        Inside it, steps on the CPU take the device path (`modopt.core.runner.device_path`): the
         syncs counted are the ones a GPU would wait for."""
 
         def __init__(self):
@@ -104,7 +104,7 @@ def _make_syncs():
 
         def __enter__(self):
             # what a GPU pays: the device path, which a CPU step otherwise reads back on the host
-            self._paths.append(nonfinite.device_path())
+            self._paths.append(runner.device_path())
             self._paths[-1].__enter__()
             return super().__enter__()
 

@@ -27,8 +27,8 @@ import pytest  # noqa: E402
 @pytest.fixture
 def device_path():
     """Steps on the CPU take the device path of the non-finite skip (what a GPU runs), which they
-    otherwise read back on the host (`modopt.core.nonfinite.device_path`)."""
-    from modopt.core import nonfinite
+    otherwise read back on the host (`modopt.core.runner.device_path`)."""
+    from modopt.core import runner
 
-    with nonfinite.device_path():
+    with runner.device_path():
         yield

@@ -108,7 +108,7 @@ def test_a_bad_device_is_refused_naming_the_flag(bench, capsys, device, says):
 
 
 def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it_was(capsys):
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_decision.py"
     spec = importlib.util.spec_from_file_location("modopt_host_decision_under_test", path)
@@ -117,7 +117,7 @@ def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it
     assert module.main(["--tensors", "3", "--steps", "22", "--repeats", "1"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
     assert len(rows) == 3 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
-    assert nonfinite.HOST_ON_CPU is True
+    assert runner.HOST_ON_CPU is True
 
 
 def test_the_published_python_call_counts_are_the_step_s(tmp_path):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import modopt as mo
 from checks import assert_same, everything, refused, train
 from modopt.core.keys import split_group_key, split_value_key
-from modopt.core.norms import acc_dtype
+from modopt.core.reduce import acc_dtype
 from modopt.core.state import declared_buffers
 from modopt.core.transform import walk
 import warnings

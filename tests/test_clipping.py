@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import modopt as mo
-from modopt.core.norms import combine_pnorms
+from modopt.core.reduce import combine_pnorms
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""The default `nonfinite="skip"` decided on the device (modopt/core/nonfinite.py, modopt/core/plan.py).
+"""The default `nonfinite="skip"` decided on the device (modopt/core/runner.py, modopt/core/plan.py).
 
 A pipeline whose every transform declares `skips_on_device()` runs each step with `ctx.skip`, a
 0-d bool tensor, instead of asking the host: no host sync on finite or non-finite steps, and a
@@ -245,11 +245,11 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
     """On a CPU the step reads the device's decision back (a sync that only reads memory) and runs the
     plain chain: every parameter, every saved value and the skip count equal the device path's, bit for
     bit, with NaN steps (a whole cycle of them for Accumulate and Lookahead)."""
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     ends, hosts = [], []
     for host in (True, False):
-        monkeypatch.setattr(nonfinite, "HOST_ON_CPU", host)
+        monkeypatch.setattr(runner, "HOST_ON_CPU", host)
         m = model()
         opt = mo.Modular(groups(m), *pipeline_of(t))
         for k in range(9):
@@ -272,10 +272,10 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
 def test_on_a_cpu_an_overflowing_norm_skips_as_on_the_device(monkeypatch):
     """Finite gradients whose total 2-norm overflows float32 skip the step on both paths (the device's
     rule, the careful loop's `if clip_grad_norm_(...).isfinite()`), not only where the host decided alone."""
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     for host in (True, False):
-        monkeypatch.setattr(nonfinite, "HOST_ON_CPU", host)
+        monkeypatch.setattr(runner, "HOST_ON_CPU", host)
         p = torch.nn.Parameter(torch.ones(4))
         opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(lr=0.1))
         p.grad = torch.tensor([1e30, 1.0, -1.0, 0.0])

@@ -96,7 +96,7 @@ def test_a_mark_is_made_once_and_unknown_names_are_errors():
     marked = compile_marks.settle
     assert marked is compile_marks.settle
     assert vars(compile_marks)["settle"] is marked
-    from modopt.core.nonfinite import _settle
+    from modopt.core.runner import _settle
 
     assert marked is not _settle and marked.__wrapped__ is _settle
     from modopt.core.select import _any_match

@@ -1,6 +1,6 @@
 """The package's dependency direction: no import cycles, and every module imports on its own.
 
-Data and contracts sit at the bottom (norms, keys, registry, state, runner, transform,
+Data and contracts sit at the bottom (keys, registry, reduce, state, runner, transform,
 scope), the config (`core.pipeline_config`) and the checkpoint format (`core.checkpoint`)
 below the optimizer (`core.modular`), the command line above everything. An import that
 points back up, even one hidden inside a function or under `if TYPE_CHECKING:` (a type hint
@@ -158,7 +158,7 @@ def test_the_core_imports_nothing_above_it_but_the_listed():
               for t in ts if t.startswith(("modopt.transforms", "modopt.lint", "modopt.cli", "modopt.telemetry",
                                            "modopt.rewind", "modopt.functional", "modopt.config"))}
     assert upward == CORE_UPWARD
-    for step_module in ("modopt.core.runner", "modopt.core.plan", "modopt.core.nonfinite", "modopt.core.scope"):
+    for step_module in ("modopt.core.runner", "modopt.core.plan", "modopt.core.reduce", "modopt.core.scope"):
         assert not any(m == step_module for m, _ in upward), step_module
     # and each exception is an import inside a function: loading the core loads none of the layers above it
     at_load = import_graph(at_load=True)

@@ -1,4 +1,4 @@
-"""The non-finite policy (modopt/core/nonfinite.py): skip, raise and zero with the stateful module families in
+"""The non-finite policy (modopt/core/runner.py): skip, raise and zero with the stateful module families in
 the pipeline, and the default check: huge but finite gradients, a 2-norm that overflows, every dtype, no host
 sync when the device decides, one norm pass shared with `ClipNorm`. (The device's skip decision per
 transform: tests/test_device_skip*.py.)"""
@@ -222,16 +222,16 @@ def test_nonfinite_gradients_are_skipped_in_every_dtype(bad, dtype):
 
 
 def test_default_check_needs_no_sync_and_its_norms_serve_clipnorm(monkeypatch, device_path):
-    from modopt.core import nonfinite, norms
+    from modopt.core import reduce, runner
 
     p = torch.nn.Parameter(torch.zeros(100))
     q = torch.nn.Parameter(torch.zeros(7))
     opt = mo.Modular([p, q], mo.ClipNorm(1.0), mo.Adam())
     calls = []
-    real = norms.foreach_pnorm
-    # the exact check calls it from modopt.core.nonfinite; every memoised norm goes through norms.pnorms
-    monkeypatch.setattr(nonfinite, "foreach_pnorm", lambda ts, p: calls.append(("exact", p)) or real(ts, p))
-    monkeypatch.setattr(norms, "foreach_pnorm", lambda ts, p: calls.append(("memo", p)) or real(ts, p))
+    real = reduce.foreach_pnorm
+    # the exact check calls it from modopt.core.runner; every memoised norm goes through reduce.pnorms
+    monkeypatch.setattr(runner, "foreach_pnorm", lambda ts, p: calls.append(("exact", p)) or real(ts, p))
+    monkeypatch.setattr(reduce, "foreach_pnorm", lambda ts, p: calls.append(("memo", p)) or real(ts, p))
     p.grad, q.grad = torch.randn(100), torch.randn(7)
     assert count_syncs(opt.step) == 0  # decided on the device
     assert calls == [("memo", 2.0)]  # one 2-norm pass over the gradients, no inf-norm, no second pass

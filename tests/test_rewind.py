@@ -695,7 +695,7 @@ def test_modopt_run_interrupted_in_the_middle_of_a_step_resumes_to_the_uninterru
     run directory then equals the uninterrupted run's: metrics.jsonl byte for byte, the parameters and the
     rewind bit for bit."""
     from modopt.cli import main
-    from modopt.core import nonfinite as driver  # (the step driver: Modular.step runs the chain through it)
+    from modopt.core import runner as driver  # (the step driver: Modular.step runs the chain through it)
 
     rewind = {"every": 10, "window": 10, "min_count": 5}
     base = experiment(rewind)

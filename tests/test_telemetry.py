@@ -156,11 +156,11 @@ def test_module_norms_reuse_the_steps_norms(monkeypatch):
     """Under the default non-finite check the per-tensor norms come from the step's memo: one norm
     pass a step with the history on, as without it; under nonfinite='ignore' one pass, which the
     following global ClipNorm reads from the memo in turn."""
-    from modopt.core import runner
+    from modopt.core import reduce
 
     calls = []
-    real = runner.any_pnorms
-    monkeypatch.setattr(runner, "any_pnorms", lambda *a: calls.append(1) or real(*a))
+    real = reduce.any_pnorms
+    monkeypatch.setattr(reduce, "any_pnorms", lambda *a: calls.append(1) or real(*a))
     for nonfinite in ("skip", "ignore"):
         for on in (False, True):
             model = Net()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .pipeline_config import PipelineConfig
-from .nonfinite import drive
+from .runner import drive
 from .plan import make_plan
 from .select import check_selections
 from .state import declared_buffers

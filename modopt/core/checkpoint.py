@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .keys import inventory_key, split_group_key, split_value_key, value_key
-from .norms import acc_dtype
+from .reduce import acc_dtype
 from .state import Buffer, declared_buffers
 from .transform import Transform, to_plain
 

@@ -1,42 +1,25 @@
-"""Statistics of sharded tensors (FSDP2 / DTensor): the one place modopt talks to `torch.distributed`.
+"""Sharded tensors (FSDP2 / DTensor): the one place modopt talks to `torch.distributed`.
 
 Under FSDP2 (`torch.distributed.fsdp.fully_shard`) parameters, gradients and
 every buffer made with `zeros_like` are `DTensor`\\ s, each rank holding a
-shard (`Shard(0)`) of the full tensor. A statistic must be that of the full,
-unsharded tensor, so `modopt.core.scope.Segments.reduce()` hands lists that
-hold DTensors to `reduce()`, which
+shard of the full tensor. This module says which tensors are sharded, over
+which process groups a partial statistic of a tensor is summed (`groups_of`:
+the mesh dims that split it, `Shard` and FSDP2's `_StridedShard`; `Replicate`
+dims hold the same values everywhere and are not summed; a `Partial` tensor
+is an error) or maximised (`all_groups_of`: every mesh dim, so a NaN in one
+rank's copy of a replicated tensor reaches every rank), and runs those
+collectives (`all_reduce`, batched per group). The statistics themselves are
+made in `modopt.core.reduce`, the same way for plain and sharded tensors.
 
-1. computes *partial* statistics of each tensor on its local shard
-   (`to_local()`): the max and the scaled sum of `|x|**p` for p-norms, the
-   count of non-zeros, sums for means, sums of squared deviations for
-   variances, all accumulated in at least float32;
-2. all-reduces them over the process groups of the mesh dims that split the
-   tensor (`Shard`, and `_StridedShard`, FSDP2's placement on a dim that
-   tensor parallelism split already; `Replicate` dims hold the same values
-   everywhere and are not summed; a `Partial` tensor is an error), each
-   group from `device_mesh.get_group(dim)`, batched: one collective per kind
-   of partial and group, per call. The NaN flags and maxima of p-norms are
-   reduced with MAX over every mesh dim, `Replicate` ones too, so a NaN in one
-   rank's copy of a replicated tensor reaches every rank (the non-finite
-   decision is the same everywhere);
-3. returns plain tensors, exactly as in a single process, so everything a
-   transform computes from a statistic (scales, EMAs of norms, warm-up
-   counters, histories) is a plain tensor, identical on every rank.
-
-A plain 0-d scale multiplies a DTensor as a replicated scalar, so the scales
-apply back with the transforms' ordinary (local) ops. Percentiles of elements
-(`kth_abs`) are found exactly by a bisection on counts, without sending an
-element. Tested on a 2x2 mesh (TP x FSDP2, tests/distributed/test_mesh_2d.py).
-
-Per-slice statistics (`scope="tensor"` with `dim`) of sharded parameters
-are refused with a `ValueError` naming the parameter and its sharded
-dims (`check_slices()`, when the transform first builds its scope's
-layout, on the first step).
+It also holds the owner-rank computation (`owner_apply`: each full matrix
+assembled on one rank, the result sent back as shards), the loss mean over
+ranks (`world_mean`) and the refusal of per-slice statistics of sharded
+parameters (`check_slices()`, when a transform first builds its scope's
+layout). Tested on a 2x2 mesh (TP x FSDP2, tests/distributed/test_mesh_2d.py).
 
 DDP needs nothing of this: its gradients are plain tensors, already averaged
 over the ranks before `step`.
 """
-
 from __future__ import annotations
 
 import math
@@ -47,7 +30,6 @@ from typing import Any
 import torch
 
 from .hostdata import on_device
-from .norms import common_acc_dtype, foreach_pnorm, slice_stat
 
 
 def _dtensor_cls() -> type | None:
@@ -83,7 +65,7 @@ def _splits(pl: Any) -> bool:
     return not (pl.is_replicate() or pl.is_partial())
 
 
-def _groups_of(t: torch.Tensor, where: str = "") -> tuple:
+def groups_of(t: torch.Tensor, where: str = "") -> tuple:
     """The process groups to all-reduce a partial *sum* (or count, or max) of `t` over: those of the mesh dims
     that split `t` (empty: it is whole here). `Replicate` dims are left out: each of their ranks holds the
     same values, and summing over them would count those values once per rank."""
@@ -102,7 +84,7 @@ def _groups_of(t: torch.Tensor, where: str = "") -> tuple:
     return tuple(groups)
 
 
-def _all_groups_of(t: torch.Tensor) -> tuple:
+def all_groups_of(t: torch.Tensor) -> tuple:
     """The groups of every mesh dim of `t` (split or replicated): a *maximum* taken over them is the same
     on every rank that holds a piece or a copy of `t`, even where copies that should be equal are not
     (a NaN in one rank's copy of a replicated gradient: every rank sees it)."""
@@ -121,10 +103,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 _local = local
 
 
-def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
-    """All-reduce entry `i` of the 1-D `values` over the groups `keys[i]` (batched per key)."""
+def all_reduce(values: torch.Tensor, keys: list[tuple], op: str) -> torch.Tensor:
+    """A copy of the 1-D `values` with entry `i` all-reduced (`op`: "sum" or "max") over the groups `keys[i]`
+    (`groups_of`, `all_groups_of`), batched: one collective per distinct key and group."""
     import torch.distributed as dist
 
+    op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     out = values.clone()
     by_key: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
@@ -137,110 +121,6 @@ def _all_reduce(values: torch.Tensor, keys: list[tuple], op) -> torch.Tensor:
             dist.all_reduce(buf, op=op, group=group)
         out.index_copy_(0, ix, buf)
     return out
-
-
-def tensor_pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
-    """1-D plain tensor: the p-norm of each *full* tensor (DTensors reduced over their shards), in `acc`.
-
-    The partials are scaled by the global per-tensor maximum before summing
-    `|x|**p`, so no magnitude that a single-process norm can represent
-    overflows here. inf and NaN propagate as in a single process.
-    """
-    import torch.distributed as dist
-
-    if not tensors:
-        return torch.zeros(0, dtype=acc)
-    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
-    local = torch.stack(foreach_pnorm([_local(t) for t in tensors], p)).to(acc)
-    # the NaN flag and the maximum, in one MAX over every mesh dim (Replicate dims too: an inf or NaN in
-    # one rank's copy reaches every rank, so every rank takes the same decision on it)
-    if p == 0:  # non-zero counts add up (over the splitting dims only); a count is never NaN
-        return _all_reduce(local, keys, dist.ReduceOp.SUM)
-    n = len(tensors)
-    flagmax = _all_reduce(torch.cat([local.isnan().to(acc), torch.nan_to_num(local, nan=0.0)]),
-                          [_all_groups_of(t) for t in tensors] * 2, dist.ReduceOp.MAX)
-    nan, big = flagmax[:n] > 0, flagmax[n:]
-    if math.isinf(p):
-        out = big
-    else:
-        safe = torch.where((big > 0) & torch.isfinite(big), big, torch.ones_like(big))
-        q = torch.where(torch.isfinite(local), local / safe, torch.zeros_like(local)).pow(p)
-        s = _all_reduce(torch.nan_to_num(q, nan=0.0), keys, dist.ReduceOp.SUM)
-        out = torch.where(torch.isfinite(big) & (big > 0), safe * s.pow(1.0 / p), big)
-    return torch.where(nan, torch.full_like(out, math.nan), out)
-
-
-def kth_abs(tensors: list[torch.Tensor], ranges: list[tuple[int, int]], ks: list[int]) -> torch.Tensor:
-    """1-D plain tensor: for each segment `tensors[a:b]` of `ranges`, the `ks[i]`-th smallest (1-based) `|x|`
-    over the elements of its *full* tensors, exactly (the value `torch.kthvalue` gives one process).
-
-    Found by bisection on the bit patterns of the magnitudes, which order non-negative floats as their
-    values do: 31 rounds in float32 (63 in float64), each counting, on the local shards, the elements at or
-    below the middle pattern and summing the counts over the splitting mesh dims (one all-reduce per
-    round, group and kind of placement; no element is sent, nothing is read on the host). Half precision
-    is ranked in float32 (exact). A segment with a NaN ranks it above every number, as `kthvalue` does,
-    but returns +inf where the rank falls on a NaN (a non-finite step is skipped before this under the
-    default policy).
-    """
-    import torch.distributed as dist
-
-    acc = common_acc_dtype(tensors)
-    ibits, rounds = (torch.int64, 63) if acc == torch.float64 else (torch.int32, 31)
-    dev = _device([_local(t) for t in tensors])
-    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
-    bits = [_local(t).detach().abs().to(acc).reshape(-1).view(ibits) for t in tensors]
-    seg_of = [s for s, (a, b) in enumerate(ranges) for _ in range(a, b)]
-    pick = on_device(seg_of, torch.int64, dev)
-    k = on_device(ks, torch.float64, dev)
-    lo = torch.zeros(len(ranges), dtype=ibits, device=dev)
-    hi = torch.full_like(lo, int(torch.tensor(math.inf, dtype=acc).view(ibits)))  # the pattern of +inf
-    ranged = [i for a, b in ranges for i in range(a, b)]
-    for _ in range(rounds):  # invariant: at least k elements are <= hi, fewer than k are < lo
-        mid = lo + (hi - lo) // 2
-        mids = mid.index_select(0, pick).unbind(0) if ranged else ()
-        counts = torch.zeros(len(tensors), dtype=torch.float64, device=dev)
-        if ranged:
-            local = torch.stack([(bits[i] <= m).sum(dtype=torch.float64) for i, m in zip(ranged, mids)])
-            counts = counts.index_copy(0, on_device(ranged, torch.int64, dev), local)
-        counts = _all_reduce(counts, keys, dist.ReduceOp.SUM)
-        per_seg = torch.zeros(len(ranges), dtype=torch.float64, device=dev).index_add_(0, pick, counts[ranged] if ranged else counts[:0])
-        enough = per_seg >= k
-        hi = torch.where(enough, mid, hi)
-        lo = torch.where(enough, lo, mid + 1)
-    return hi.view(acc)
-
-
-def _tensor_sums(locals_: list[torch.Tensor], keys: list[tuple], acc: torch.dtype, fn) -> torch.Tensor:
-    import torch.distributed as dist
-
-    parts = torch.stack([fn(t) for t in locals_]) if locals_ else torch.zeros(0, dtype=acc)
-    return _all_reduce(parts.to(acc), keys, dist.ReduceOp.SUM)
-
-
-def reduce(seg: Any, tensors: list[torch.Tensor], stat: float | str) -> torch.Tensor:
-    """`Segments.reduce()` (`seg`) for lists that hold DTensors (`stat` already parsed)."""
-    if seg.kind == "slices":  # sharded parameters were refused when the layout was built (check_slices)
-        return seg.concat([slice_stat(_local(t), stat, d) for t, d in zip(tensors, seg.dims)], tensors)
-    acc = common_acc_dtype(tensors)  # (p-norms come through `Segments.tensor_pnorms`, the step's memo)
-    keys = [_groups_of(t, f"tensor #{i}") for i, t in enumerate(tensors)]
-    locals_ = [_local(t) for t in tensors]
-    counts = seg.count_tensor(acc, _device(locals_))
-    if stat == "mad":
-        return seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.abs().sum(dtype=acc))) / counts.clamp(min=1)
-    sums = seg.segment_sums(_tensor_sums(locals_, keys, acc, lambda t: t.sum(dtype=acc)))
-    if stat == "sum":
-        return sums
-    mean = sums / counts.clamp(min=1)
-    if stat == "mean":
-        return mean
-    means = iter(seg.expand(mean))
-    sq = _tensor_sums(locals_, keys, acc, lambda t: (t.to(acc) - next(means)).square().sum())
-    var = torch.where(counts >= 2, seg.segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
-    return var if stat == "var" else var.sqrt()
-
-
-def _device(tensors: list[torch.Tensor]) -> torch.device:
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names: list[str | None]) -> None:
@@ -292,12 +172,6 @@ def world_mean(x: torch.Tensor) -> torch.Tensor:
     out = x.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / dist.get_world_size()
-
-
-def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
-    """0-d plain bool: does any element of any (full) gradient hold inf or NaN; the same on every rank."""
-    maxabs = tensor_pnorms(grads, math.inf, torch.float32)
-    return ~torch.isfinite(maxabs).all()
 
 
 # --- owner-rank computation: each full tensor assembled on one rank, the result sent back as shards ------------
@@ -413,4 +287,5 @@ def like_dtensor(local_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                               stride=like.stride())
 
 
-__all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "any_nonfinite", "kth_abs", "local", "any_sharded", "check_slices", "copy_", "is_sharded", "reduce", "tensor_pnorms"]
+__all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "local", "any_sharded", "check_slices", "copy_",
+           "is_sharded", "groups_of", "all_groups_of", "all_reduce"]

@@ -30,7 +30,6 @@ guarded constants or tensors).
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Iterable
 
 import torch
@@ -99,8 +98,8 @@ class GroupGate:
                 for k in cls.group_keys:
                     if k not in self.readers:
                         self.optimizer_keys.setdefault(k, []).append(name)
-        self._live = tuple(self.readers)
-        self._checked: list[Any] = []  # the values check_live last found good
+        self.live = tuple(self.readers)  # the group keys a transform reads, checked at every step
+        self.checked: list[Any] = []  # their values (per group) that check_live last found good
 
     def check(self, group: dict[str, Any], index: int, given: Iterable[str] | None = None) -> None:
         """Refuse a group whose keys or values this pipeline cannot run with (`given`: the keys the
@@ -128,23 +127,19 @@ class GroupGate:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"param group {index}, as read by {key}: {e}") from None
 
-    def check_live(self, groups: list[dict[str, Any]]) -> None:
+    def check_live(self, groups: list[dict[str, Any]], now: list[Any]) -> None:
         """The per-step check of the group values that transforms read: what a scheduler or a hand wrote
         since the last step is refused, naming the group and key, before the step changes anything.
 
-        The values last found good are kept: a step whose groups hold the same objects checks nothing
-        again (one comparison by identity, no Python call). A changed plain number (a scheduler's) is
-        checked to be finite; any other changed value (a tensor, a string, None, a list) is checked as
-        the transform's field (`check`): a 0-d tensor by its value, one host read when it changes."""
-        if torch.compiler.is_compiling():
-            return
-        now = [g.get(k) for g in groups for k in self._live]
-        if len(now) == len(self._checked) and all(map(operator.is_, now, self._checked)):
-            return
-        old = self._checked if len(self._checked) == len(now) else [None] * len(now)
-        n = len(self._live)
+        `now` is `[g.get(k) for g in groups for k in self.live]`. The step calls this only when `now`
+        differs from the values last found good (`checked`) by identity: a step whose groups hold the
+        same objects checks nothing again. A changed plain number (a scheduler's) is checked to be
+        finite; any other changed value (a tensor, a string, None, a list) is checked as the
+        transform's field (`check`): a 0-d tensor by its value, one host read when it changes."""
+        old = self.checked if len(self.checked) == len(now) else [None] * len(now)
+        n = len(self.live)
         for i, g in enumerate(groups):
-            for j, k in enumerate(self._live):
+            for j, k in enumerate(self.live):
                 v = now[i * n + j]
                 if v is old[i * n + j]:
                     continue
@@ -161,4 +156,4 @@ class GroupGate:
                             except (ValueError, TypeError) as e:
                                 raise ValueError(f"param group {i}, as read by {key}: {e} (set since the last step; "
                                                  "nothing was changed by this step)") from None
-        self._checked = now
+        self.checked = now

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
@@ -16,7 +17,7 @@ import torch
 
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, check_inventory, encode_history, history_keys,
                          structure_difference, upgrade, value_differences)
-from .nonfinite import CPU_FALSE, drive
+from .runner import CPU_FALSE, drive
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
@@ -182,7 +183,11 @@ class Modular(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._gate.check_live(self.param_groups)
+        gate = self._gate
+        if not torch.compiler.is_compiling():  # the group values a scheduler or a hand changed since the last step
+            now = [g.get(k) for g in self.param_groups for k in gate.live]
+            if len(now) != len(gate.checked) or not all(map(operator.is_, now, gate.checked)):
+                gate.check_live(self.param_groups, now)
         for key, t in self.plan.swaps:  # (before anything changes: the step moves the training form)
             if t.weights_mode(self, key) != "train":
                 raise RuntimeError(f"opt.step(): {key} ({type(t).__name__}) holds the parameters in their eval form "

@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
-from .nonfinite import NonFinite
+from .runner import NonFinite
 from .registry import trust_imports as _trust
 from .transform import TransformField, plain_input, to_plain
 

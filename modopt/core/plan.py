@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .moments import Link, link
-from .norms import parse_ord
+from .reduce import parse_ord
 from .select import routes as find_routes
 from .state import declared_buffers
 from .transform import Chain, Transform, walk
@@ -214,8 +214,8 @@ def contains(outer: tuple, inner: tuple) -> bool:
 
 def _may_leave_alone(seg: tuple) -> bool:
     """Whether the slicing `(scope, dim, inverse_dims)` leaves some tensor shape with no slice dim
-    (`modopt.core.scope.slice_dims`); tensors with more dims than any listed dim reaches never are."""
-    from .scope import slice_dims
+    (`modopt.core.reduce.slice_dims`); tensors with more dims than any listed dim reaches never are."""
+    from .reduce import slice_dims
 
     scope, dim, inverse = seg
     if scope != "tensor" or (dim is None and not inverse):

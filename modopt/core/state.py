@@ -50,7 +50,7 @@ BUFFER_DEVICES = ("param", "cpu")
 
 #: the dtype a loaded floating-point value is cast to (torch's rule for optimizer state, made
 #: explicit per buffer): `"param"` the parameter's dtype, `"acc"` the dtype statistics of it
-#: accumulate in (`modopt.core.norms.acc_dtype`: float32 for half precision), a dtype name
+#: accumulate in (`modopt.core.reduce.acc_dtype`: float32 for half precision), a dtype name
 #: (`"float32"`: Adam's step counters, as torch keeps them), or None to keep the saved dtype
 BUFFER_DTYPES = ("param", "acc", "float32", "float64")
 #: the cast each kind gets unless its declaration says otherwise

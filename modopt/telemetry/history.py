@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core.hostdata import on_device
 from ..core.keys import split_value_key
-from ..core.norms import common_acc_dtype
+from ..core.reduce import common_acc_dtype
 
 #: the values the history derives from a step's stats, in row order, and what each means
 DERIVED = {
@@ -184,7 +184,7 @@ class History:
     def _tap(self, ctx: Any) -> None:
         """Inside the step, after the non-finite check: the gradient norms into the step's stats.
 
-        The per-tensor 2-norms come from the step's norm memo (`modopt.core.runner.NormMemo`): the
+        The per-tensor 2-norms come from the step's norm memo (`modopt.core.reduce.NormMemo`): the
         default non-finite check (`nonfinite="skip"`/`"raise"`) has already computed them, so this
         costs no pass over the gradients; under `"zero"`/`"ignore"` it is one `_foreach_norm` pass,
         which a following global or per-tensor 2-norm clip then reads from the memo in turn."""

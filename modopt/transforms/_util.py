@@ -22,15 +22,6 @@ def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torc
     return below_one(limit / (norm + eps))
 
 
-def record_clip(st, norm: torch.Tensor, scale: torch.Tensor, **extra: torch.Tensor) -> None:
-    """Telemetry of a norm clipper, one value per segment: pre-clip `norm`, `scale`, `clipped`, and `extra`."""
-    st.record("norm", norm)
-    st.record("scale", scale)
-    st.record("clipped", scale < 1)
-    for k, v in extra.items():
-        st.record(k, v)
-
-
 # field types for hyperparameters that must be finite (pydantic's own `NonNegativeFloat` and `PositiveFloat`
 # take inf: an infinite lr, eps, momentum or floor can only produce inf or NaN parameters)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

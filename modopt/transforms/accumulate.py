@@ -9,7 +9,7 @@ from pydantic import PositiveInt
 
 from ..core import distributed
 from ..core.keys import value_key
-from ..core.norms import acc_dtype
+from ..core.reduce import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.state import Buffer
 from ..core.transform import Transform

@@ -20,11 +20,11 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from ..core.norms import Ord
+from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer
-from ._util import below_one, clip_to, record_clip
+from ._util import below_one, clip_to
 
 __all__ = ["HistClip", "EMACriterion", "ZStatCriterion", "ZClip", "AutoClip", "ZScoreNormalize"]
 
@@ -137,7 +137,7 @@ def _finish(st, seg, updates, g, scale, saved: dict, **telemetry):
     seg.mul_(updates, scale)
     for name, value in saved.items():
         st.seg_set(seg, name, value)
-    record_clip(st, g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
+    st.record_clip(g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
     return updates
 
 
@@ -193,7 +193,7 @@ class HistClip(Scoped):
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Clip each segment whose norm the criterion flags (a fixed `warmup_max_norm` during the warm-up); the
         statistics move on."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         g = seg.reduce(updates, self.ord).abs()
         dt = g.dtype
         W = self.warmup_steps
@@ -284,7 +284,7 @@ class ZClip(Scoped):
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Clip each segment whose norm's z-score against the running mean and variance is a spike; the statistics
         move on."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         g = seg.reduce(updates, self.ord).abs()
         dt = g.dtype
         W = self.warmup_steps
@@ -393,7 +393,7 @@ class AutoClip(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Record each segment's norm, then clip the segment to the `percentile`-th percentile of its recorded norms."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         g = seg.reduce(updates, self.ord).abs()
         q = self.percentile / 100.0
         go = None if ctx.skip is None else (ctx.proceed if ctx.proceed is not None else ~ctx.skip)  # the step goes ahead
@@ -406,7 +406,7 @@ class AutoClip(Scoped):
         c = torch.stack(thresholds)
         scale = clip_to(g, c, self.eps)
         seg.mul_(updates, scale)
-        record_clip(st, g, scale, threshold=c)
+        st.record_clip(g, scale, threshold=c)
         return updates
 
     def check_loaded(self, values: dict[str, Any], where: str) -> None:
@@ -489,7 +489,7 @@ class ZScoreNormalize(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Each segment becomes `(u - mean) / (std + eps)`."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         mean = seg.reduce(updates, "mean")
         std = seg.reduce(updates, "std")
         eps = self.eps

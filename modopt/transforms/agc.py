@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 
 from pydantic import PositiveFloat, model_validator
 
-from ..core.norms import acc_dtype
+from ..core.reduce import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.select import Select
 from ..core.transform import Transform

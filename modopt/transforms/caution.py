@@ -15,9 +15,9 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..core.norms import common_acc_dtype
+from ..core.reduce import common_acc_dtype
 from ..core.runner import Step, TransformState
-from ..core.scope import Segments, make_segments
+from ..core.reduce import Segments, make_segments
 from ..core.transform import Transform
 from ._util import FiniteNonNegativeFloat
 from .optimizers import _lr_value

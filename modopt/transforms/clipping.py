@@ -7,11 +7,10 @@ from typing import Any, ClassVar
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
-from ..core.norms import Ord
+from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
-from ._util import record_clip
 
 __all__ = ["ClipNorm", "ClipValue", "ClipNormByRMS"]
 
@@ -114,11 +113,11 @@ class ClipNorm(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each segment by `min(1, max_norm / (norm + eps))`."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         norm = seg.reduce(updates, self.ord)
         scale = clip_scale(norm, self.max_norm, self.eps, signed=self.ord == "sum")
         st.scale_(seg, updates, scale)
-        record_clip(st, norm, scale)
+        st.record_clip(norm, scale)
         return updates
 
     def positive_scale(self) -> tuple[str, Any, bool] | None:
@@ -163,12 +162,12 @@ class ClipNormByRMS(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Divide each segment by `max(1, rms / threshold)`."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         norm = seg.reduce(updates, 2.0)
         rms = norm / seg.element_counts(norm).clamp(min=1).sqrt()
         scale = 1 / torch.clamp(rms / self.threshold, min=1.0)
         st.scale_(seg, updates, scale)
-        record_clip(st, rms, scale)
+        st.record_clip(rms, scale)
         return updates
 
     def positive_scale(self) -> tuple[str, Any, bool] | None:

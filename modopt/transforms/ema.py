@@ -20,12 +20,12 @@ from pydantic import Field, PositiveFloat
 
 from ..core import distributed
 from ..core.keys import value_key
-from ..core.norms import Ord
+from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
-from ._util import FiniteNonNegativeFloat, below_one, record_clip
+from ._util import FiniteNonNegativeFloat, below_one
 
 __all__ = ["ClipNormByEMA", "NormalizeByEMA", "ClipValueByEMA"]
 
@@ -48,7 +48,7 @@ class _NormEMA(Scoped, abstract=True):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Update the EMA of the updates, then scale each segment against the EMA's norm."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         signed = self.ord == "sum"  # every other ord is >= 0 already
         nu = seg.reduce(updates, self.ord)
         nu = nu.abs() if signed else nu
@@ -97,7 +97,7 @@ class _NormEMA(Scoped, abstract=True):
         else:
             scale = below_one(floor / nu)
         st.scale_(seg, updates, scale)
-        record_clip(st, nu, scale, ema_norm=nm)
+        st.record_clip(nu, scale, ema_norm=nm)
         return updates
 
     @staticmethod

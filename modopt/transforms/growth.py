@@ -18,12 +18,12 @@ from typing import Any, ClassVar, Optional
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from ..core.norms import Ord, acc_dtype
+from ..core.reduce import Ord, acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped
 from ..core.state import Buffer
 from ..core.transform import Transform
-from ._util import below_one, record_clip
+from ._util import below_one
 
 __all__ = ["ClipNormGrowth", "ClipValueGrowth"]
 
@@ -89,7 +89,7 @@ class ClipNormGrowth(Scoped, _Growth):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each segment down so that its norm grows at most by `add` / a factor `mul` since the last step."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         n = seg.reduce(updates, self.ord).abs()
         r = st.seg_get(seg, "prev_norm", 0.0, dtype=n.dtype).to(n.dtype)
         started = st.seg_get(seg, "started", 0.0, dtype=n.dtype)
@@ -101,7 +101,7 @@ class ClipNormGrowth(Scoped, _Growth):
         st.scale_(seg, updates, scale)
         st.seg_set(seg, "prev_norm", torch.where(ok, new_r, r))
         st.seg_set(seg, "started", torch.where(ok, 1.0, started))
-        record_clip(st, n, scale, allowed=allowed)
+        st.record_clip(n, scale, allowed=allowed)
         return updates
 
     def positive_scale(self) -> tuple[str, Any, bool] | None:

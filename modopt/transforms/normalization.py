@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from ..core.norms import Ord
+from ..core.reduce import Ord
 from ..core.plan import pnorm
 from ..core.runner import Step, TransformState
 from ..core.scope import Dims, Scoped, ScopeName
@@ -62,7 +62,7 @@ class Normalize(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Multiply each segment by `norm_value / (norm + eps)` (a segment whose norm is 0 is left as it is)."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         norm = seg.reduce(updates, self.ord)
         scale = normalize_scale(norm, self.norm_value, self.eps, signed=self.ord == "sum")
         seg.mul_(updates, scale)
@@ -101,7 +101,7 @@ class Centralize(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Subtract each segment's mean."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         seg.sub_(updates, seg.reduce(updates, "mean"))
         return updates
 

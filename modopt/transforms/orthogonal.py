@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 
 from ..core.distributed import any_sharded, like_dtensor, local, owner_apply, owner_split, placed_like
 from ..core.keys import value_key
-from ..core.norms import acc_dtype
+from ..core.reduce import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
@@ -525,7 +525,7 @@ class OrthoGrad(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Remove from each segment its component along the parameter (optionally keeping its norm)."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         params = [p.detach() for p in ctx.params]
 
         def products(xs, ys):  # elementwise products in the accumulation dtype (no half-precision rounding)

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from ..core import distributed
+from ..core import distributed, reduce
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 
@@ -44,7 +44,7 @@ class ClipValueByPercentile(Scoped):
     precision and inputs over 2**24 elements); half precision is ranked in
     float32, which is exact. Sharded tensors (FSDP2, tensor parallel) are
     clamped to the percentile of the full tensors, exactly
-    (`modopt.core.distributed.kth_abs`). Defaults: `scope="tensor"`. Reproduces the
+    (`modopt.core.reduce.kth_abs`). Defaults: `scope="tensor"`. Reproduces the
     percentile clipping of a Lean 4 spec of gradient utilities; functional
     form `modopt.clip_grad_percentile_()`.
 
@@ -70,7 +70,7 @@ class ClipValueByPercentile(Scoped):
         """Clamp each segment to the `pct`-th percentile of its magnitudes."""
         if self.pct == 100:  # the maximum magnitude: clamping changes nothing
             return updates
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         if seg.kind == "slices":
             for u, dims, on in zip(updates, seg.dims, seg.active):
                 if on and u.numel():
@@ -103,7 +103,7 @@ class ClipValueByPercentile(Scoped):
                 ks.append(order_index(self.pct, n) + 1)
         if not chosen:
             return updates
-        bounds = distributed.kth_abs(updates, chosen, ks)
+        bounds = reduce.kth_abs(updates, chosen, ks)
         for (a, b), bound in zip(chosen, bounds.unbind(0)):
             for t in updates[a:b]:
                 c = bound.to(t.dtype)

@@ -19,13 +19,14 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from ..core import nonfinite
+from ..core import runner
 from ..core.hostdata import on_device
 from ..core.moments import Moments
 from ..core.distributed import any_sharded
-from ..core.norms import combine_pnorms, common_acc_dtype
+from ..core.reduce import combine_pnorms, common_acc_dtype
 from ..core.runner import Step, TransformState
-from ..core.scope import Scoped, ScopeName, Segments
+from ..core.reduce import Segments
+from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer, proceed_flag
 from ..core.transform import Transform
 from ._util import FiniteNonNegativeFloat
@@ -285,7 +286,7 @@ class StableSPAM(Scoped):
         """Reset the optimizer's moments when due; AdaClip, then AdaGN, on each segment."""
         if not updates:
             return updates
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         acc = common_acc_dtype(updates)
         count = _counter(st, updates[0])
         t = count + 1
@@ -302,9 +303,9 @@ class StableSPAM(Scoped):
         hat = m_max / (1 - torch.pow(self.gamma3, tf)).to(acc)
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
         counts = []
-        # on a CPU, where reading is free (nonfinite.reads_on_host), a tensor whose segment's
+        # on a CPU, where reading is free (runner.reads_on_host), a tensor whose segment's
         # max |u| is at most hat has nothing to cut: no pass over it (the same bits; NaN compares false)
-        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and nonfinite.reads_on_host(top) else [False] * len(updates))
+        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and runner.reads_on_host(top) else [False] * len(updates))
         for u, on, h, x, q in zip(updates, seg.active, seg.expand(hat), seg.expand(top), quiet):
             if not on or q:
                 counts.append(torch.zeros((), dtype=torch.int64, device=u.device))

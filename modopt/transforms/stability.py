@@ -26,13 +26,13 @@ import torch
 from pydantic import Field
 
 from ..core import distributed
-from ..core.norms import acc_dtype, combine_pnorms, common_acc_dtype
+from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype
 from ..core.runner import check_loss
 from ..core.transform import Transform
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer, proceed_flag
-from ._util import FiniteNonNegativeFloat, FinitePositiveFloat, below_one, record_clip
+from ._util import FiniteNonNegativeFloat, FinitePositiveFloat, below_one
 
 __all__ = ["AdaGC", "SkipStep", "Clippy"]
 
@@ -100,7 +100,7 @@ class AdaGC(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each segment against its own adaptive threshold; the thresholds move on."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         acc = common_acc_dtype(updates)
         parts = seg.tensor_pnorms(updates, 2.0, acc)  # per tensor, for the global warm-up norm
         n = parts if seg.kind == "tensor" else seg.reduce(updates, 2.0)
@@ -126,7 +126,7 @@ class AdaGC(Scoped):
         st.seg_set(seg, "gamma", gamma)
         go = proceed_flag(ctx)  # None: the host decided, the step goes ahead
         st.store["step"] = count + (1 if go is None else go)
-        record_clip(st, n, scale, gamma=gamma, warmup=warm)
+        st.record_clip(n, scale, gamma=gamma, warmup=warm)
         return updates
 
 
@@ -294,7 +294,7 @@ class Clippy(Scoped):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each segment's step so that no element moves by more than its bound."""
-        seg = self.segments(ctx, st)
+        seg = st.segments(self)
         ratios = [self._ratio(u, p, seg, i) for i, (u, p) in enumerate(zip(updates, ctx.params))]
         if seg.kind == "slices":
             least = seg.concat(ratios, updates)

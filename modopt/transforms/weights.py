@@ -10,8 +10,9 @@ import warnings
 import torch
 from pydantic import Field, NonNegativeInt
 
-from ..core.norms import acc_dtype, common_acc_dtype
-from ..core.runner import Step, TransformState, any_pnorms
+from ..core.reduce import acc_dtype, common_acc_dtype
+from ..core.reduce import any_pnorms
+from ..core.runner import Step, TransformState
 from ..core.state import Buffer
 from ..core.transform import Transform
 

@@ -264,7 +264,7 @@ def run_skip(rank: int) -> dict:
                 Syncs.n += 1
             return func(*args, **(kwargs or {}))
 
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     model, opt = _sharded(skip_pipeline())
     skipped = []
@@ -275,7 +275,7 @@ def run_skip(rank: int) -> dict:
         if step == NAN_STEP and rank == 1:
             local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
             local.view(-1)[0] = float("nan")
-        with nonfinite.device_path(), Syncs():  # the device path (a GPU's): on a CPU the host reads the decision
+        with runner.device_path(), Syncs():  # the device path (a GPU's): on a CPU the host reads the decision
             opt.step()
         skipped.append(bool(opt.stats["skipped"]))
     return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,

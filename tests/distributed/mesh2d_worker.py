@@ -288,16 +288,16 @@ DOUBLE_COUNT_CASE = "__double-count-control__"
 def run_double_count(mode: str, mesh) -> dict:
     from modopt.core import distributed
 
-    real = distributed._groups_of
+    real = distributed.groups_of
 
     def every_dim(t, where=""):
         return tuple(t.device_mesh.get_group(d) for d in range(t.device_mesh.ndim)) if distributed.is_sharded(t) else ()
 
-    distributed._groups_of = every_dim  # (the groups partial sums are summed over)
+    distributed.groups_of = every_dim  # (the groups partial sums are summed over)
     try:
         return train(mode, mesh, [mo.ClipNorm(0.05), mo.SGD(lr=0.1)])
     finally:
-        distributed._groups_of = real
+        distributed.groups_of = real
 
 
 def run_all(mode: str, mesh) -> dict:

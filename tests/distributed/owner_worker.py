@@ -122,7 +122,7 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
                 Syncs.n += 1
             return func(*args, **(kwargs or {}))
 
-    from modopt.core import nonfinite
+    from modopt.core import runner
 
     model = make_model()
     shard(model, mesh)
@@ -136,7 +136,7 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
             next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel()).view(-1)[0] = float("nan")
         before = [p.to_local().clone() for p in model.parameters()]
         bufs = [v.to_local().clone() for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")]
-        with nonfinite.device_path(), Syncs():  # the device path of the skip decision (a GPU's)
+        with runner.device_path(), Syncs():  # the device path of the skip decision (a GPU's)
             opt.step()
         skipped.append(bool(opt.stats["skipped"]))
         if step == 2:

@@ -1,36 +1,23 @@
-"""modopt/core/scope.py: the slice rule under `dim` / `inverse_dims`: a tensor left with no slice dim is left alone.
-
-One rule (`modopt.core.scope.slice_dims`, its spec `modopt.spec.scope.slice_dims`, documented in
-docs/concepts.md, "Slices"): a tensor is reduced over the listed dims it has, or with
-`inverse_dims=True` over the dims it has that are not listed (a 0-d tensor counts as 1-D with
-one element); with no such dim it is left unchanged. A bias under `dim=0, inverse_dims=True`
-is the common case: before the rule each of its elements was a slice of its own, which turned
-a norm clip into a value clip.
-
-Checked here: (1) modopt's `ClipNorm`, `Normalize` and `Centralize` equal torchzero's (0.4.4,
-from the registry; the `dev` extra installs it) on a model with biases, a LayerNorm, a conv and
-a scalar, for several `dim` / `inverse_dims` and seeds, and on drawn shapes; (2) runtime ==
-spec on the same tensors for every transform that takes `dim` (the EMA, growth and statistical
-families are stateful: several steps); (3) the runtime and spec rules agree.
-
-Tolerance against torchzero: both sides compute the same float32 ops (a float32 norm or mean over
-the same dims, then one multiply or subtract), so they can differ only by the order of a
-reduction, a few ulp of the statistic: `rtol = atol / max|u| = 4 * 2**-23` (4 float32 ulp), with
-the absolute part relative to the tensor's largest input because a centralized value is a
-difference of nearly equal numbers (its error scales with the input, not the output). In practice
-the two sides agree bit for bit on these tensors (see `test_bit_for_bit_on_the_model`).
-"""
+"""modopt/core/reduce.py: the `ord` vocabulary, the slice rule under `dim` / `inverse_dims` (a tensor
+left with no slice dim is left alone; against torchzero and the spec), and the step's per-tensor norm memo
+(`NormMemo`: never serves a norm written through ``.data``, is kept only across transforms that did not
+write, and is fresh every step)."""
 
 from __future__ import annotations
 
+import json
 import math
+from typing import ClassVar
 
+import pydantic
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from modopt.core.scope import slice_dims
+from modopt.core.reduce import parse_ord, slice_dims
+from modopt.core.registry import available, get_transform
+from modopt.core.transform import Transform
 from modopt.spec import adaptive as spec_adaptive
 from modopt.spec import core as spec_core
 from modopt.spec import ema as spec_ema
@@ -39,6 +26,120 @@ from modopt.spec import percentile as spec_percentile
 from modopt.spec.scope import slice_dims as spec_slice_dims
 from families import close, run_vs_spec
 from harness import Harness
+
+
+#: every registered transform with an `ord` field (found, so that a new one is covered)
+ORD_TRANSFORMS = sorted(n for n in available() if "ord" in get_transform(n).model_fields)
+#: fields a transform needs besides `ord` (the rest are defaults)
+REQUIRED = {"ClipNorm": {"max_norm": 0.5}}
+#: spellings of p = inf that a field accepts (any case of torch's "inf", "infinity", "+inf")
+INF_SPELLINGS = ["inf", float("inf"), "Infinity", "INF", "+inf", "linf"]
+
+
+def make(name: str, ord):
+    return get_transform(name)(**REQUIRED.get(name, {}), ord=ord)
+
+
+def test_every_ord_field_is_covered():
+    assert {"AutoClip", "ClipNorm", "ClipNormByEMA", "ClipNormGrowth", "HistClip", "Normalize", "NormalizeByEMA",
+            "ZClip"} <= set(ORD_TRANSFORMS)
+
+
+@pytest.mark.parametrize("name", ORD_TRANSFORMS)
+@pytest.mark.parametrize("ord", INF_SPELLINGS, ids=repr)
+def test_inf_spellings_build_the_canonical_transform(name, ord):
+    t = make(name, ord)
+    assert t.ord == "linf"
+    assert t == make(name, "linf")
+    assert t.to_dict()["ord"] == "linf"
+    assert type(t).from_dict(t.to_dict()) == t  # a round trip is stable
+    assert "linf" in repr(t)
+
+
+@pytest.mark.parametrize("name", ORD_TRANSFORMS)
+def test_yaml_inf_json_and_toml_configs_give_the_canonical_pipeline(name, tmp_path):
+    canonical = mo.PipelineConfig(transforms=[make(name, "linf"), mo.SGD(lr=0.1)])
+    extra = "".join(f", {k}: {v}" for k, v in REQUIRED.get(name, {}).items())
+    texts = {
+        "a.yaml": f"transforms:\n  - {{type: {name}, ord: .inf{extra}}}\n  - {{type: SGD, lr: 0.1}}\n",
+        "b.yaml": f"transforms:\n  - {{type: {name}, ord: inf{extra}}}\n  - {{type: SGD, lr: 0.1}}\n",  # a YAML string
+        "c.json": json.dumps({"transforms": [{"type": name, "ord": "inf", **REQUIRED.get(name, {})},
+                                             {"type": "SGD", "lr": 0.1}]}),
+        "d.json": json.dumps({"transforms": [{"type": name, "ord": math.inf, **REQUIRED.get(name, {})},
+                                             {"type": "SGD", "lr": 0.1}]}),  # Python's json writes Infinity
+        "e.toml": f'[[transforms]]\ntype = "{name}"\nord = inf\n'
+                  + "".join(f"{k} = {v}\n" for k, v in REQUIRED.get(name, {}).items())
+                  + '[[transforms]]\ntype = "SGD"\nlr = 0.1\n',
+    }
+    for fname, text in texts.items():
+        p = tmp_path / fname
+        p.write_text(text)
+        cfg = mo.load_config(p)
+        assert cfg == canonical, fname
+        assert cfg.transforms[0].ord == "linf", fname
+    # the dump is canonical in every format, and reads back as the same pipeline
+    assert "ord: linf" in canonical.to_yaml()
+    assert json.loads(canonical.to_json())["transforms"][0]["ord"] == "linf"
+    assert 'ord = "linf"' in canonical.to_toml()
+    for fmt in ("yaml", "json", "toml"):
+        saved = canonical.save(tmp_path / f"out.{fmt}")
+        assert mo.load_config(saved) == canonical
+        assert mo.load_config(saved).to_dict() == canonical.to_dict()
+
+
+def _run(t: mo.Transform, steps: int = 4) -> tuple[list[torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = mo.Modular(model.parameters(), t, mo.SGD(lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    for k in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * (5.0 if k == 2 else 1.0)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], {k: v.clone() for k, v in opt.stats.items()}
+
+
+@pytest.mark.parametrize("name", ORD_TRANSFORMS)
+def test_inf_spellings_step_exactly_as_the_canonical_one(name):
+    ref_params, ref_stats = _run(make(name, "linf"))
+    for ord in ("inf", float("inf")):
+        params, stats = _run(make(name, ord))
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q), (name, ord)
+        assert stats.keys() == ref_stats.keys()
+        for k in stats:
+            assert torch.equal(stats[k], ref_stats[k]), (name, ord, k)
+
+
+def test_inf_is_the_max_norm_and_the_functional_layer_takes_it():
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, -4.0])
+    assert parse_ord("inf") == parse_ord("linf") == parse_ord(float("inf")) == math.inf
+    assert float(mo.grad_norm([p], "inf")) == 4.0
+    assert float(mo.clip_grad_norm_([p], 1.0, ord="inf")) == 4.0
+    q = torch.nn.Parameter(torch.zeros(2))
+    q.grad = torch.tensor([3.0, -4.0])
+    mo.normalize_grads_([q], ord="inf")
+    assert torch.equal(q.grad, torch.tensor([0.75, -1.0]))
+
+
+@pytest.mark.parametrize("name", ORD_TRANSFORMS)
+@pytest.mark.parametrize("bad", ["-inf", float("-inf"), "-Infinity", "l7", "nan", float("nan"), -2.0, True, None, [2]],
+                         ids=repr)
+def test_bad_ords_name_the_field(name, bad):
+    with pytest.raises(pydantic.ValidationError, match=rf"{name}\.ord") as e:
+        make(name, bad)
+    if bad in ("-inf", "-Infinity") or (isinstance(bad, float) and bad == -math.inf):
+        assert "no min-norm ord" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["ord: -.inf", "ord: '-inf'", "ord: .nan", "ord: linfinity"])
+def test_bad_ords_in_a_config_name_the_field(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"transforms:\n  - {{type: SGD, lr: 0.1}}\n  - {{type: Normalize, {text}}}\n")
+    with pytest.raises(mo.ConfigError, match=r"transforms\.1\.ord"):
+        mo.load_config(p)
+
 
 F32_ULP = 2.0**-23
 TOL = 4 * F32_ULP
@@ -324,3 +425,71 @@ def test_a_scale_before_a_slicing_normalize_is_kept_on_the_tensors_it_leaves_alo
     for p, g in zip(params, grads):
         if g.dim() < 2:  # left alone by Normalize: the global clip's scale stays
             torch.testing.assert_close(-p.detach(), g * (0.5 / total), rtol=TOL, atol=0.0)
+
+
+class _DataWriter(Transform):
+    """A user transform that doubles the updates through ``.data`` (no version-counter bump)."""
+
+    positional = None
+
+    def apply(self, ctx, st, updates):
+        for u in updates:
+            u.data.mul_(2.0)
+        return updates
+
+
+class _NormSpy(Transform):
+    """Records the per-tensor 2-norms it sees (through the step's memo, like a scoped transform)."""
+
+    positional = None
+    seen: ClassVar[list] = []
+    update_access: ClassVar[str] = "read"
+
+    def apply(self, ctx, st, updates):
+        seg = st.segments(mo.ClipNorm(1.0, scope="tensor"))
+        _NormSpy.seen.append(seg.tensor_pnorms(updates, 2.0, torch.float32).clone())
+        return updates
+
+
+@pytest.mark.parametrize("first", [[], [_NormSpy()], [_NormSpy(), mo.Identity()]])
+def test_norm_memo_never_serves_a_norm_written_through_data(first):
+    """The memo is filled (by the non-finite check's 2-norms, or a transform reading norms); a custom
+    transform writes through .data; a later ClipNorm(scope="tensor") must see the fresh norms."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    q = torch.nn.Parameter(torch.zeros(3))
+    chain = [*first, _DataWriter(), mo.ClipNorm(1.0, scope="tensor", eps=0.0), mo.LR(1.0)]
+    opt = mo.Modular([p, q], *chain)
+    p.grad, q.grad = torch.tensor([0.3, 0.4]), torch.tensor([0.0, 0.0, 0.2])
+    opt.step()
+    norms = opt.stats[f"{len(first) + 1}:ClipNorm.norm"]
+    # after doubling, the norms are 1.0 and 0.4 (the stale ones would be 0.5 and 0.2)
+    assert torch.allclose(norms, torch.tensor([1.0, 0.4])), norms
+    assert torch.allclose(p.detach(), -torch.tensor([0.6, 0.8]))
+    assert torch.allclose(q.detach(), -torch.tensor([0.0, 0.0, 0.4]))
+
+
+def test_norm_memo_is_kept_only_across_transforms_that_did_not_write():
+    _NormSpy.seen.clear()
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], _NormSpy(), mo.Identity(), _NormSpy(), _DataWriter(), _NormSpy(), mo.LR(1.0))
+    p.grad = torch.tensor([3.0, 4.0])
+    opt.step()
+    a, b, c = _NormSpy.seen
+    assert a.item() == 5.0 and b.item() == 5.0 and c.item() == 10.0
+    # the memo belongs to the step; the segments cached across steps still point at the last one,
+    # which the step emptied when it ended (it holds no tensors between steps)
+    layout = next(iter(opt._runtime["__layouts__"].values()))
+    memos = [seg.memo for k, seg in layout.cache.items() if isinstance(k, tuple) and k[0] == "segments"]
+    assert memos and all(m is not None and len(m) == 0 for m in memos)
+
+
+def test_norm_memo_is_fresh_every_step():
+    _NormSpy.seen.clear()
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], _NormSpy(), mo.LR(1.0))
+    g = torch.tensor([3.0, 4.0])
+    p.grad = g
+    opt.step()
+    g.data.mul_(3.0)  # same tensor object, same version counter, new values
+    opt.step()
+    assert [s.item() for s in _NormSpy.seen] == [5.0, 15.0]
