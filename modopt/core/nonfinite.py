@@ -13,7 +13,7 @@ import torch
 
 from . import compile_marks
 from .distributed import any_nonfinite, any_sharded
-from .norms import common_acc_dtype, foreach_pnorm
+from .norms import common_acc_dtype, foreach_pnorm, vector_pnorm
 from .runner import Step, TransformState, collect, run_step
 
 NonFinite = Literal["skip", "raise", "zero", "ignore"]
@@ -50,7 +50,7 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
     NaN compares false). `total_only`: the total itself, for the host to compare.
     """
     acc = common_acc_dtype(grads)
-    total = torch.linalg.vector_norm(ctx.memo.pnorms(grads, 2.0, acc))
+    total = vector_pnorm(ctx.memo.pnorms(grads, 2.0, acc))
     if on_device:
         ctx.memo.put_total(grads, 2.0, acc, total)
     return total if total_only else total < math.inf

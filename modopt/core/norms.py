@@ -27,6 +27,8 @@ from typing import Annotated, Union
 import torch
 from pydantic import AfterValidator, AllowInfNan, BeforeValidator
 
+from . import compile_marks
+
 NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
 NAMED_STATS = ("mad", "std", "var", "sum")
 ORD_NAMES = tuple(NAMED_P) + NAMED_STATS
@@ -115,7 +117,7 @@ def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
     compiling = torch.compiler.is_compiling()
-    if compiling and all(t.numel() for t in tensors):
+    if compiling and all(t.numel() for t in tensors) and not compile_marks.KEEP_EAGER_KERNELS:
         # inductor has no lowering for `_foreach_norm` (an opaque call, one more pass over memory);
         # per-tensor norms are reductions it fuses with the ops that produce or read the tensors
         return [torch.linalg.vector_norm(t, p, dtype=acc_dtype(t.dtype)) for t in tensors]
@@ -143,6 +145,15 @@ def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def vector_pnorm(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """`torch.linalg.vector_norm(x, p)`; traced by `modopt.compile_step`, aten's kernel kept as one op
+    (`_foreach_norm` of the one tensor, the same kernel on the CPU, which inductor does not lower), so
+    the compiled step rounds the total as the eager step does."""
+    if compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling():
+        return torch._foreach_norm([x], p)[0]
+    return torch.linalg.vector_norm(x, p)
+
+
 def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
     """1-D tensor of the p-norm of each tensor, in `acc`."""
     if not tensors:
@@ -161,7 +172,7 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     # the plain combination, as torch.nn.utils.get_total_norm computes it (bit for bit in the
     # common case); where it overflows although every part is finite (e.g. 3e19 ** 3 in float32)
     # a form that cannot overflow is used instead, chosen on device (no host sync)
-    plain = torch.linalg.vector_norm(norms, p)
+    plain = vector_pnorm(norms, p)
     if norms.dtype == torch.float32 and p <= 4:
         # float64 holds sums of 4th powers of any float32 values: the whole guard is 4 small ops,
         # and inf/NaN parts give inf/NaN in both forms
