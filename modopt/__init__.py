@@ -8,6 +8,7 @@ from . import attention
 from .attention import AttentionLogits
 from .config import ConfigError, PipelineConfig, config_schema, load_config
 from .core.attach import attach
+from .core.compiled import compile_step, cuda_graph_step, tensor_hyperparams
 from .core.modular import Modular
 from .core.registry import available, register_optimizer, trust_imports
 from .core.scope import Scoped
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Transform", "Chain", "Modular", "Scoped", "Select", "PipelineConfig", "ConfigError", "load_config", "config_schema",
     "available", "register_optimizer", "trust_imports", "attach",
+    "compile_step", "cuda_graph_step", "tensor_hyperparams",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",
     *_transforms_all,
     "Buffer", "History", "LintWarning", "AttentionLogits",

@@ -17,6 +17,12 @@ from typing import Any
 
 import torch
 
+#: True while `modopt.compile_step`'s function traces or runs (`modopt.core.compiled`): traced code then
+#: keeps the kernels whose rounding the eager step has (torch's fused optimizer kernel, `_foreach_norm`)
+#: as single ops of the graph, so the compiled step gives the eager step's bits. A module global read by
+#: traced code: dynamo guards on it.
+KEEP_EAGER_KERNELS = False
+
 #: name -> (function, how to mark it): filled at import by the modules that own the functions
 _PENDING: dict[str, tuple[Callable[..., Any], Callable[[Callable[..., Any]], Callable[..., Any]]]] = {}
 

@@ -68,7 +68,7 @@ from typing import Annotated, Any, Union
 import torch
 from pydantic import AfterValidator, AllowInfNan, BeforeValidator
 
-from . import distributed
+from . import compile_marks, distributed
 from .distributed import any_sharded
 from .hostdata import on_device
 from .keys import group_key, value_key
@@ -161,7 +161,7 @@ def common_acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
 def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     """Per-tensor p-norms (0-d, accumulated in >= float32), multi-tensor kernels per dtype."""
     compiling = torch.compiler.is_compiling()
-    if compiling and all(t.numel() for t in tensors):
+    if compiling and all(t.numel() for t in tensors) and not compile_marks.KEEP_EAGER_KERNELS:
         # inductor has no lowering for `_foreach_norm` (an opaque call, one more pass over memory);
         # per-tensor norms are reductions it fuses with the ops that produce or read the tensors
         return [torch.linalg.vector_norm(t, p, dtype=acc_dtype(t.dtype)) for t in tensors]
@@ -189,6 +189,15 @@ def foreach_pnorm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def vector_pnorm(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """`torch.linalg.vector_norm(x, p)`; traced by `modopt.compile_step`, aten's kernel kept as one op
+    (`_foreach_norm` of the one tensor, the same kernel on the CPU, which inductor does not lower), so
+    the compiled step rounds the total as the eager step does."""
+    if compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling():
+        return torch._foreach_norm([x], p)[0]
+    return torch.linalg.vector_norm(x, p)
+
+
 def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Tensor:
     """1-D tensor of the p-norm of each tensor, in `acc`."""
     if not tensors:
@@ -207,7 +216,7 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     # the plain combination, as torch.nn.utils.get_total_norm computes it (bit for bit in the
     # common case); where it overflows although every part is finite (e.g. 3e19 ** 3 in float32)
     # a form that cannot overflow is used instead, chosen on device (no host sync)
-    plain = torch.linalg.vector_norm(norms, p)
+    plain = vector_pnorm(norms, p)
     if norms.dtype == torch.float32 and p <= 4:
         # float64 holds sums of 4th powers of any float32 values: the whole guard is 4 small ops,
         # and inf/NaN parts give inf/NaN in both forms

@@ -30,7 +30,7 @@ import torch
 from . import compile_marks
 from .distributed import any_sharded, copy_
 from .keys import transform_key, value_key
-from .reduce import NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments
+from .reduce import NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments, vector_pnorm
 
 
 _grad_of = operator.attrgetter("grad")
@@ -676,7 +676,9 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
     NaN compares false). `total_only`: the total itself, for the host to compare.
     """
     acc = common_acc_dtype(grads)
-    total = torch.linalg.vector_norm(ctx.memo.pnorms(grads, 2.0, acc))
+    parts = ctx.memo.pnorms(grads, 2.0, acc)
+    # (`vector_pnorm` only where `compile_step` traces: the eager step makes no call for it)
+    total = vector_pnorm(parts) if compile_marks.KEEP_EAGER_KERNELS else torch.linalg.vector_norm(parts)
     if on_device:
         ctx.memo.put_total(grads, 2.0, acc, total)
     return total if total_only else total < math.inf

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from pydantic import field_validator, model_validator
-from ..core import distributed, kernels
+from ..core import compiled, distributed, kernels
 from ..core.distributed import is_sharded
 from torch.optim.optimizer import _get_capturable_supported_devices as _capturable_devices
 from ..core.keys import value_key
@@ -550,7 +550,9 @@ class Adam(_FusedOptimizer):
         """Write the parameters with torch's Adam/AdamW kernel (fused where known right): True; False where
         the runner writes `apply`'s update instead (a compiled step, or a skip torch's kernel cannot take)."""
         if torch.compiler.is_compiling():
-            return False  # torch's fused kernels do not functionalize; the foreach math compiles (and fuses)
+            # torch's fused kernels do not functionalize; the foreach math compiles (and fuses), unless the
+            # step was compiled by `modopt.compile_step`, which keeps the fused kernel as one op of the graph
+            return compiled.keeps_fused() and self._apply_final_traced_fused(ctx, st, updates)
         calls = ctx.layout.cache.get(("adam_calls", st.key))
         if calls is not None and ctx.pending is None and not ctx.moment_requests and _run_fused_adam(calls, ctx, updates):
             return True
@@ -606,6 +608,38 @@ class Adam(_FusedOptimizer):
                     calls = None
         if calls is not None:
             ctx.layout.cache[("adam_calls", st.key)] = calls
+        return True
+
+    def _apply_final_traced_fused(self, ctx, st, updates):
+        """`apply_final` traced by `modopt.compile_step`: torch's fused kernel as one op of the graph
+        (`compiled.fused_adam_op`), with the arguments the eager step gives it, so the same bits: the
+        step counts advanced by `~skip`, the skip as `found_inf`, the learning rate a float64 0-d tensor
+        (the CPU kernel reads it as a double, as the float). False (the traced formulas run instead)
+        wherever the eager step would not call the fused kernel plainly: a non-fused plan, a kernel of
+        torch's own, a pending folded scale or a learning-rate factor asked by a transform before."""
+        if self.torch_kernel() or ctx.pending is not None or ctx.moment_requests:
+            return False
+        plans = [(g, a, b, _plan(ctx, a, b, self.kernel, self.fused is True)) for g, a, b in ctx.per_group()]
+        if not all(len(pl) == 1 and pl[0][1] for _, _, _, pl in plans):
+            return False
+        op = compiled.FUSED_ADAM
+        if op is None:
+            return False
+        skip = ctx.skip
+        found_inf = None if skip is None else skip.to(torch.float32)
+        by = None if skip is None else (ctx.proceed if ctx.proceed is not None else ~skip).to(torch.float32)
+        for g, a, b, _ in plans:
+            amsgrad = g["amsgrad"]
+            steps, m, v, vmax = self._state(st, a, b, amsgrad)
+            params = ctx.params[a:b]
+            _count_steps(steps, by)
+            lr = g["lr"]
+            lr = (lr.to(device=params[0].device, dtype=torch.float64) if isinstance(lr, torch.Tensor)
+                  else torch.ones((), dtype=torch.float64, device=params[0].device) * lr)
+            beta1, beta2 = g["betas"]
+            op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
+               float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
+               found_inf)
         return True
 
     def _torch_step(self, ctx, st, updates):

@@ -1,0 +1,168 @@
+"""A whole `Modular` step compiled once, with torch's fused optimizer kernel kept as one op
+(`compile_step`), and a CUDA-graph capture of it (`cuda_graph_step`).
+
+`torch.compile(opt.step)` traces the step with the optimizer transforms' multi-tensor formulas
+(torch's fused kernels do not functionalize), so inductor computes Adam with its own loops: rounded
+differently from eager, and on a CPU slower than aten's fused kernel. `compile_step` traces the
+same step with the final `Adam`/`AdamW` calling torch's fused kernel through a custom op
+(`modopt::fused_adam_`, declared as mutating its state), which inductor keeps as one call and
+writes in place; what runs before it (the clip's scale, the skip's select) fuses around it.
+
+This module is imported only when used (`modopt.compile_step`): declaring the custom op imports
+`torch._library`, which `import modopt` does not pay for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import compile_marks, kernels
+
+__all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
+
+def keeps_fused() -> bool:
+    """Whether a traced optimizer transform calls torch's fused kernel through `fused_adam_op`
+    (inside `compile_step`'s compiled function) instead of its traced multi-tensor formulas."""
+    return compile_marks.KEEP_EAGER_KERNELS
+
+
+@contextlib.contextmanager
+def _keeping_fused(on: bool) -> Iterator[None]:
+    was, compile_marks.KEEP_EAGER_KERNELS = compile_marks.KEEP_EAGER_KERNELS, on
+    try:
+        yield
+    finally:
+        compile_marks.KEEP_EAGER_KERNELS = was
+
+
+#: the custom op, once `fused_adam_op()` declared it (before any trace: dynamo cannot trace the declaration)
+FUSED_ADAM: Callable[..., None] | None = None
+
+
+def fused_adam_op() -> Callable[..., None]:
+    """`torch._fused_adam_` / `torch._fused_adamw_` as a custom op that inductor keeps as one call
+    (declared to mutate the parameters and moments, so it is written in place; the step counts are
+    only read). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
+    global FUSED_ADAM
+    if FUSED_ADAM is not None:
+        return FUSED_ADAM
+    from torch.library import custom_op
+
+    @custom_op("modopt::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+    def _op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+            exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
+            lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
+            maximize: bool, decoupled: bool, found_inf: torch.Tensor | None) -> None:
+        # (the step counts are read, not written: the caller increments them before, as torch.optim does)
+        kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
+                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+                            grad_scale=None, found_inf=found_inf, maximize=maximize)
+
+    FUSED_ADAM = _op
+    return _op
+
+
+def tensor_hyperparams(opt: Any, keys: tuple[str, ...] = ("lr",), device: torch.device | str | None = None,
+                       dtype: torch.dtype = torch.float64) -> None:
+    """Make the group values `keys` (default the learning rate) 0-d tensors on `device` (default each
+    group's first parameter's), in place in `opt.param_groups`, as torch.optim takes `lr=torch.tensor(...)`.
+    torch's schedulers then write them in place (`fill_`), so a compiled or captured step reads the new
+    value from memory: no recompile, no new capture. Float64 by default on the CPU (the fused CPU kernel
+    reads a tensor lr as a double: the same bits as the float); on CUDA float32 suffices (the kernel's
+    arithmetic is float32). A group value already a tensor is left as it is."""
+    for g in opt.param_groups:
+        dev = device if device is not None else (g["params"][0].device if g["params"] else "cpu")
+        dt = dtype if torch.device(dev).type == "cpu" else torch.float32
+        for k in keys:
+            v = g.get(k)
+            if v is not None and not isinstance(v, torch.Tensor):
+                g[k] = torch.tensor(float(v), dtype=dt, device=dev)
+
+
+class CompiledStep:
+    """`compile_step(opt)`'s result: call it as `opt.step` (`step()`, `step(loss=...)`).
+
+    The first `warmup` calls run `opt.step()` eagerly (they create the state, so the graph sees
+    it as it will stay); later calls run the compiled step. `opt.stats` and `state_dict()` are the
+    optimizer's as usual."""
+
+    def __init__(self, opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> None:
+        if guards not in ("full", "tensors"):
+            raise ValueError(f"compile_step: guards must be 'full' or 'tensors', got {guards!r}")
+        fused_adam_op()  # (declared now: a trace cannot)
+        self.opt = opt
+        self.warmup = int(warmup)
+        self.calls = 0
+        options = dict(compile_kwargs.pop("options", None) or {})
+        if guards == "tensors":
+            options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
+        compile_kwargs.setdefault("fullgraph", True)
+        self._compiled = torch.compile(_own_step(opt), options=options or None, **compile_kwargs)
+
+    def __call__(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self.opt.step(closure, loss=loss)
+        if closure is not None:  # (the closure's backward runs outside the graph)
+            with torch.enable_grad():
+                loss = closure()
+        with _keeping_fused(True):
+            return self._compiled(loss)
+
+
+def _step(loss: Any = None, opt: Any = None) -> Any:
+    return type(opt).step(opt, loss=loss)  # (the class's: a scheduler wraps the instance's, untraceably)
+
+
+def _own_step(opt: Any) -> Callable[..., Any]:
+    """`opt.step(loss=...)` as a function with a code object of its own (the optimizer a default
+    argument). Dynamo keeps its compiled graphs on the code object: with `torch.compile(opt.step)`
+    every `Modular` of the process shares `Modular.step`'s, so each call walks the guards of the
+    other optimizers' graphs first, and with fewer guards one optimizer's graph could run for another.
+    Here each `CompiledStep` has its own."""
+    return types.FunctionType(_step.__code__.replace(), _step.__globals__, "modopt_step", (None, opt))
+
+
+def compile_step(opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> CompiledStep:
+    """`opt.step` compiled as one graph (`torch.compile(..., fullgraph=True)` unless told otherwise),
+    with the final `Adam`/`AdamW` running torch's fused kernel as one op of the graph: on the CPU the
+    same bits as the eager step (see docs/howto/compile.md). `guards="tensors"` keeps only dynamo's
+    tensor guards (`torch.compiler.keep_tensor_guards_unsafe`): cheaper calls, but a changed group value
+    of another type or a new state entry is not seen; use it only for a fixed pipeline and layout."""
+    return CompiledStep(opt, warmup=warmup, guards=guards, **compile_kwargs)
+
+
+def cuda_graph_step(opt: Any, *, warmup: int = 3, stream: Any = None) -> Callable[[], None]:
+    """Capture `opt.step()` in a CUDA graph and return the function that replays it.
+
+    The step must read everything that changes from device memory: the gradients stay the same
+    tensors (zero them with `opt.zero_grad(set_to_none=False)`, and let backward accumulate into
+    them), the learning rate is a device tensor (`tensor_hyperparams(opt)` is called here), and the
+    pipeline decides the skip on the device (the default). `warmup` eager steps run first on a side
+    stream (they create the state, as torch's capture recipe asks). A CUDA device is required."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or params[0].device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("cuda_graph_step: the parameters must be on a CUDA device (a CUDA graph captures "
+                           "CUDA kernels); on the CPU use compile_step(opt)")
+    if any(p.grad is None for p in params):
+        raise RuntimeError("cuda_graph_step: every parameter needs a gradient before the capture (the graph "
+                           "reads the .grad tensors it saw): run one backward first")
+    if not opt.plan.skips_on_device(opt.param_groups) and opt.plan.nonfinite not in ("ignore", "zero"):
+        raise RuntimeError("cuda_graph_step: this pipeline decides the non-finite skip on the host (a sync), which "
+                           "a CUDA graph cannot hold; use transforms that skip on the device or nonfinite='ignore'")
+    tensor_hyperparams(opt)
+    side = stream if stream is not None else torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph.replay
