@@ -160,6 +160,16 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
+def sum_over_(t: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+    """`t` (a plain local tensor) summed in place over each of the process `groups` (the mesh dims that split
+    the dims a statistic sums over); `t` itself."""
+    import torch.distributed as dist
+
+    for group in groups:
+        dist.all_reduce(t, group=group)
+    return t
+
+
 def world_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean of the 0-d `x` over every rank of the default process group (`x` itself without one).
 
@@ -183,39 +193,97 @@ def _chunk_sizes(n: int, world: int) -> list[int]:
 
 
 class _OwnerItem:
-    """One tensor of an owner plan: its split mesh dim, tensor dim, the shard sizes of every rank, its owner."""
+    """One tensor of an owner plan: its gather stages `(mesh_dim, tensor_dim)` (innermost split first), at each
+    stage the chunk sizes of the group's ranks and the shape the stage reassembles, its owner coordinates."""
 
-    __slots__ = ("index", "mesh_dim", "dim", "sizes", "shape", "owner", "numels")
+    __slots__ = ("index", "stages", "sizes", "shapes", "local_shape", "owner", "numel")
 
-    def __init__(self, index: int, mesh_dim: int, dim: int, sizes: list[int], shape: tuple[int, ...]):
-        self.index, self.mesh_dim, self.dim, self.sizes, self.shape = index, mesh_dim, dim, sizes, shape
-        rest = math.prod(shape[:dim] + shape[dim + 1 :])
-        self.numels = [s * rest for s in sizes]
-        self.owner = 0
+    def __init__(self, index: int, stages: tuple, sizes: list, shapes: list, local_shape: tuple):
+        self.index, self.stages, self.sizes, self.shapes, self.local_shape = index, stages, sizes, shapes, local_shape
+        self.numel = math.prod(shapes[-1]) if shapes else 0  # the full tensor's elements (the outermost stage's shape)
+        self.owner: list[int] = [0] * len(stages)
 
-    def local_shape(self, r: int) -> tuple[int, ...]:
-        return self.shape[: self.dim] + (self.sizes[r],) + self.shape[self.dim + 1 :]
+    def piece_numel(self, s: int, r: int) -> int:
+        """Elements of group rank `r`'s piece at stage `s`."""
+        shape = self.shapes[s]
+        td = self.stages[s][1]
+        return self.sizes[s][r] * math.prod(shape[:td] + shape[td + 1 :])
+
+    def piece_shape(self, s: int, r: int) -> tuple[int, ...]:
+        shape, td = self.shapes[s], self.stages[s][1]
+        return shape[:td] + (self.sizes[s][r],) + shape[td + 1 :]
 
 
-def owner_split(t: torch.Tensor) -> tuple[int, int] | None:
-    """`(mesh_dim, tensor_dim)` when the DTensor `t` is split over exactly one mesh dim by a plain `Shard` (every
-    other mesh dim `Replicate`) and its local shard is the `torch.chunk` piece that rank holds: the layouts
-    `owner_apply` reassembles (FSDP2 on a 1-D mesh; FSDP2 or TP on one dim of a 2-D mesh, replicated over the
-    other). None otherwise (`_StridedShard`, two splitting dims, `Partial`, a plain tensor)."""
-    if not is_sharded(t):
+def owner_split(t: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+    """How `owner_apply` reassembles the DTensor `t`: its gather stages, `(mesh_dim, tensor_dim)` for each mesh dim
+    that splits it, the innermost split first; None for a layout it does not take (a plain tensor, `Partial`,
+    three splits of one tensor dim, a `_StridedShard` that is not FSDP2's over tensor parallelism, a local shard
+    that is not the nested `torch.chunk` piece the placements describe).
+
+    Taken: `Shard` over one mesh dim, replicated over the others (FSDP2, HSDP); `Shard`s of different tensor dims
+    over two mesh dims (a row-parallel weight under FSDP2: `(Shard(0), Shard(1))`); two splits of one tensor dim,
+    `(Shard(d), Shard(d))` (mesh dim 0 outermost) or FSDP2's `(_StridedShard(d, sf=W_tp), Shard(d))` over tensor
+    parallelism (tp split first, each tp piece then chunked over dp: dp is the inner split). Each rank's shard is
+    then one block of the full tensor, and the full tensor is the blocks concatenated, inner splits first."""
+    if not is_sharded(t) or t.dim() == 0:
         return None
     from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # (not a subclass of Shard in torch 2.13)
 
-    split = [(d, pl) for d, pl in enumerate(t.placements) if not pl.is_replicate()]
-    if len(split) != 1 or type(split[0][1]) is not Shard:
-        return None
-    mesh_dim, pl = split[0]
-    dim = pl.dim % t.dim()
     mesh = t.device_mesh
-    sizes = _chunk_sizes(t.shape[dim], mesh.size(mesh_dim))
-    if t.to_local().shape[dim] != sizes[mesh.get_local_rank(mesh_dim)]:
+    by_dim: dict[int, list[int]] = {}
+    for md, pl in enumerate(t.placements):
+        if pl.is_replicate():
+            continue
+        if pl.is_partial() or not isinstance(pl, (Shard, _StridedShard)):
+            return None
+        by_dim.setdefault(pl.dim % t.dim(), []).append(md)
+    if not by_dim:
         return None
-    return mesh_dim, dim
+    before: list[tuple[int, int]] = []  # (inner, outer): the inner split's stage comes first
+    for mds in by_dim.values():
+        if len(mds) > 2:
+            return None
+        if len(mds) == 2:
+            a, b = mds
+            pa, pb = t.placements[a], t.placements[b]
+            if type(pb) is not Shard:
+                return None
+            if type(pa) is Shard:
+                before.append((b, a))  # plain: mesh dim a splits first (outer), b each of its pieces
+            elif getattr(pa, "split_factor", None) == mesh.size(b):
+                before.append((a, b))  # FSDP2 over TP: b (tp) split first, a (dp) chunks each tp piece
+            else:
+                return None
+        elif type(t.placements[mds[0]]) is not Shard:
+            return None
+    dims = {md: td for td, mds in by_dim.items() for md in mds}
+    order: list[int] = []
+    todo = sorted(dims)
+    while todo:  # inner splits before their outer ones, else by mesh dim
+        md = next(m for m in todo if not any(o == m and i in todo for i, o in before))
+        order.append(md)
+        todo.remove(md)
+    stages = tuple((md, dims[md]) for md in order)
+    shape = list(t.shape)
+    for md, td in reversed(stages):  # the placements applied, outermost first: this rank's block
+        shape[td] = _chunk_sizes(shape[td], mesh.size(md))[mesh.get_local_rank(md)]
+    if tuple(t.to_local().shape) != tuple(shape):
+        return None
+    return stages
+
+
+def _plan_item(index: int, t: torch.Tensor, stages: tuple) -> _OwnerItem:
+    mesh = t.device_mesh
+    shape = tuple(t.shape)
+    sizes: list = [None] * len(stages)
+    shapes: list = [None] * len(stages)
+    for s in range(len(stages) - 1, -1, -1):  # outermost first: each stage's shape is its group's common one
+        md, td = stages[s]
+        shapes[s] = shape
+        sizes[s] = _chunk_sizes(shape[td], mesh.size(md))
+        shape = shape[:td] + (sizes[s][mesh.get_local_rank(md)],) + shape[td + 1 :]
+    return _OwnerItem(index, stages, sizes, shapes, shape)
 
 
 def owner_apply(tensors: list[torch.Tensor], fn, wire_in: list[torch.dtype], wire_out: list[torch.dtype]) -> list[torch.Tensor]:
@@ -224,14 +292,19 @@ def owner_apply(tensors: list[torch.Tensor], fn, wire_in: list[torch.dtype], wir
     `fn(full_i)` (the shard of the same placement as `tensors[i]`'s), in `wire_out[i]`.
 
     `fn` takes a list of full tensors (the owner's, in `wire_in[i]`) and returns one result of the same shape
-    per tensor; it may batch them (same-shape tensors arrive together, in order). Per process group of a
-    split mesh dim and per pair of wire dtypes: the tensors are given owners round-robin (largest first, so
-    the work is spread), one `all_to_all_single` brings every shard of a tensor to its owner, `fn` runs
-    there, and a second `all_to_all_single` sends each rank its shard of the result. Each rank sends and
-    receives `(W - 1) / W` of each tensor's elements once in each direction, in total: `2 (W - 1) / W * N`
-    elements over the group per step (N the elements of the tensors), where the products of DTensor's
-    sharded path move their operands every iteration. Replicas over a `Replicate` mesh dim each run their own
-    exchange, with the same values (the work is duplicated over that dim, not the data of the split one).
+    per tensor; it may batch them (same-shape tensors arrive together, in order). The tensors are bucketed by
+    their gather stages (the mesh dims that split them, innermost first) and pair of wire dtypes; in a bucket
+    they get owners round-robin over the ranks of those mesh dims (largest first, so the work is spread). Each
+    stage is one `all_to_all_single` over the group of its mesh dim: every rank that holds a piece of a tensor
+    at that stage sends it to the stage's owner, which concatenates the pieces (in rank order, along the split
+    tensor dim); after the last stage the owner holds the full tensor and runs `fn`; the stages then run in
+    reverse, each owner sending every rank of the group its piece. A split over one mesh dim of W ranks moves
+    `(W - 1) / W * N` elements each way in all (N the tensors' elements). Over two, W1 (inner) then W2:
+    `(1 - 1/W1) N` in the first stage (every group of the inner dim) and `(1 - 1/W2) N` in the second (the
+    owner's group only), each way: `N` on a 2x2 mesh, where one exchange over all four ranks would move `0.75 N`
+    but needs a process group of both mesh dims, and the products of DTensor's sharded path move their
+    operands every iteration. Replicas over a `Replicate` mesh dim each run their own exchange, with the same
+    values (the work is duplicated over that dim, not the data of the split ones).
 
     The shards are copied into the wire buffers as they are (a cast to `wire_in` is elementwise, as the one
     `fn` would make first), so the owner's full tensor is the single-process tensor bit for bit. No value is
@@ -242,39 +315,66 @@ def owner_apply(tensors: list[torch.Tensor], fn, wire_in: list[torch.dtype], wir
     out: list[torch.Tensor | None] = [None] * len(tensors)
     buckets: dict[tuple, list[_OwnerItem]] = {}
     for i, t in enumerate(tensors):
-        md, dim = owner_split(t)
-        world = t.device_mesh.size(md)
-        item = _OwnerItem(i, md, dim, _chunk_sizes(t.shape[dim], world), tuple(t.shape))
-        buckets.setdefault((t.device_mesh.get_group(md), world, t.device_mesh.get_local_rank(md),
-                            wire_in[i], wire_out[i]), []).append(item)
-    for (group, world, me, w_in, w_out), items in buckets.items():
-        # owners: largest first, round robin (the same order on every rank: the tensors' order and shapes)
-        for k, item in enumerate(sorted(items, key=lambda it: (-math.prod(it.shape), it.index))):
-            item.owner = k % world
-        owned = [[it for it in items if it.owner == r] for r in range(world)]
+        stages = owner_split(t)
+        mesh = t.device_mesh
+        key = tuple((mesh.get_group(md), mesh.size(md), mesh.get_local_rank(md)) for md, _ in stages)
+        buckets.setdefault((key, wire_in[i], wire_out[i]), []).append(_plan_item(i, t, stages))
+    for (groups, w_in, w_out), items in buckets.items():
+        worlds = [w for _, w, _ in groups]
+        mine = [me for _, _, me in groups]
+        # owners: largest first, round robin over the ranks of the split dims (the same order on every rank)
+        for k, item in enumerate(sorted(items, key=lambda it: (-it.numel, it.index))):
+            lin = k % math.prod(worlds)
+            for s, w in enumerate(worlds):
+                item.owner[s], lin = lin % w, lin // w
         dev = tensors[items[0].index].to_local().device
-        # 1. every shard to its owner
-        send = [_local(tensors[it.index]).reshape(-1).to(w_in) for r in range(world) for it in owned[r]]
-        in_splits = [sum(it.numels[me] for it in owned[r]) for r in range(world)]
-        out_splits = [sum(it.numels[r] for it in owned[me]) for r in range(world)]
-        recv = torch.empty(sum(out_splits), dtype=w_in, device=dev)
-        src = torch.cat(send) if send else torch.empty(0, dtype=w_in, device=dev)
-        dist.all_to_all_single(recv, src, out_splits, in_splits, group=group)
-        # 2. the owner's work: each full tensor reassembled from the ranks' pieces, in rank order
-        pieces = iter(recv.split([it.numels[r] for r in range(world) for it in owned[me]]))
-        by_rank = [[next(pieces).view(it.local_shape(r)) for it in owned[me]] for r in range(world)]
-        fulls = [torch.cat([by_rank[r][j] for r in range(world)], dim=it.dim) for j, it in enumerate(owned[me])]
-        results = fn(fulls) if fulls else []
-        # 3. each rank its shard of each result
-        back = [res.to(w_out).split(it.sizes, dim=it.dim)[r].reshape(-1)
-                for r in range(world) for res, it in zip(results, owned[me])]
-        recv2 = torch.empty(sum(in_splits), dtype=w_out, device=dev)
-        src2 = torch.cat(back) if back else torch.empty(0, dtype=w_out, device=dev)
-        dist.all_to_all_single(recv2, src2, in_splits, out_splits, group=group)
-        mine = iter(recv2.split([it.numels[me] for r in range(world) for it in owned[r]]))
-        for r in range(world):
-            for it in owned[r]:
-                out[it.index] = next(mine).view(it.local_shape(me))
+        cur: dict[int, torch.Tensor] = {it.index: _local(tensors[it.index]).to(w_in) for it in items}
+
+        def exchange(parts: list[torch.Tensor], in_splits, out_splits, dtype, group) -> torch.Tensor:
+            recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+            src = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev)
+            dist.all_to_all_single(recv, src, out_splits, in_splits, group=group)
+            return recv
+
+        def taking(s: int) -> list[_OwnerItem]:
+            """The items whose pieces this rank's group of stage `s` gathers: those whose owners at the earlier
+            (inner) stages are this rank's coordinates (every rank of the group shares them)."""
+            return [it for it in items if all(it.owner[q] == mine[q] for q in range(s))]
+
+        # 1. gather, innermost split first: each stage's owner concatenates its group's pieces
+        for s, (group, world, me) in enumerate(groups):
+            part = taking(s)
+            owned = [[it for it in part if it.owner[s] == r] for r in range(world)]
+            send = [cur[it.index].reshape(-1) for r in range(world) for it in owned[r]]
+            in_splits = [sum(it.piece_numel(s, me) for it in owned[r]) for r in range(world)]
+            out_splits = [sum(it.piece_numel(s, r) for it in owned[me]) for r in range(world)]
+            recv = exchange(send, in_splits, out_splits, w_in, group)
+            pieces = iter(recv.split([it.piece_numel(s, r) for r in range(world) for it in owned[me]]))
+            by_rank = [[next(pieces).view(it.piece_shape(s, r)) for it in owned[me]] for r in range(world)]
+            for it in part:
+                del cur[it.index]
+            for j, it in enumerate(owned[me]):
+                cur[it.index] = torch.cat([by_rank[r][j] for r in range(world)], dim=it.stages[s][1])
+        # 2. the owner's work, on the full tensors it holds
+        done = [it for it in items if it.index in cur]
+        results = fn([cur[it.index] for it in done]) if done else []
+        res: dict[int, torch.Tensor] = {it.index: r.to(w_out) for it, r in zip(done, results)}
+        # 3. scatter, outermost split first: each stage's owner sends every rank of its group its piece
+        for s in range(len(groups) - 1, -1, -1):
+            group, world, me = groups[s]
+            part = taking(s)
+            owned = [[it for it in part if it.owner[s] == r] for r in range(world)]
+            back = [res[it.index].split(it.sizes[s], dim=it.stages[s][1])[r].reshape(-1)
+                    for r in range(world) for it in owned[me]]
+            out_splits = [sum(it.piece_numel(s, me) for it in owned[r]) for r in range(world)]
+            in_splits = [sum(it.piece_numel(s, r) for it in owned[me]) for r in range(world)]
+            recv = exchange(back, in_splits, out_splits, w_out, group)
+            pieces = iter(recv.split([it.piece_numel(s, me) for r in range(world) for it in owned[r]]))
+            for r in range(world):
+                for it in owned[r]:
+                    res[it.index] = next(pieces).view(it.piece_shape(s, me))
+        for it in items:
+            out[it.index] = res[it.index].view(it.local_shape)
     return out  # type: ignore[return-value]
 
 
@@ -288,4 +388,4 @@ def like_dtensor(local_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "local", "any_sharded", "check_slices", "copy_",
-           "is_sharded", "groups_of", "all_groups_of", "all_reduce"]
+           "is_sharded", "groups_of", "all_groups_of", "all_reduce", "sum_over_"]

@@ -20,9 +20,10 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import Field, model_validator
 
-from ..core.distributed import any_sharded, like_dtensor, local, owner_apply, owner_split, placed_like
+from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, owner_apply, owner_split, placed_like,
+                                sum_over_)
 from ..core.keys import value_key
-from ..core.reduce import acc_dtype
+from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
@@ -774,6 +775,8 @@ class NorMuon(Transform):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Normalize each matrix-shaped update per row (or column) by its second moment, keeping its norm."""
+        if any_sharded(updates):
+            return self._apply_sharded(ctx, st, updates)
         out = list(updates)
         key = value_key(st.key, "second_moment")
         states = ctx.param_states()
@@ -801,7 +804,65 @@ class NorMuon(Transform):
         return out
 
 
-class AdaMuon(_NewtonSchulz):
+    def _apply_sharded(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`apply` for DTensor updates (FSDP2, tensor parallel): the same rule on each rank's block. The second
+        moment is a DTensor split as the update's rows (per row) or columns (per column) are and replicated over
+        the other mesh dims; each row's (column's) sum of squares is all-reduced over the mesh dims that split its
+        columns (rows), and the two Frobenius norms are those of the full matrices (`tensor_pnorms`)."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        out = list(updates)
+        key = value_key(st.key, "second_moment")
+        states = ctx.param_states()
+        idx = [i for i, u in enumerate(updates) if as_matrix(u) is not None]
+        if not idx:
+            return out
+        acc = torch.float64 if any(acc_dtype(updates[i].dtype) == torch.float64 for i in idx) else torch.float32
+        norms = tensor_pnorms([updates[i] for i in idx], 2.0, acc)
+        ys: list[torch.Tensor] = []
+        for i in idx:
+            u = updates[i]
+            x = local(u).to(acc_dtype(u.dtype)).reshape(local(u).shape[0], math.prod(local(u).shape[1:]))
+            rows, cols = as_matrix(u).shape if not is_sharded(u) else (u.shape[0], u.numel() // max(u.shape[0], 1))
+            row = self.per_row(rows, cols)
+            across: list = []  # the groups of the mesh dims that split the dims this statistic sums over
+            v = states[i].get(key)
+            if is_sharded(u):
+                mesh = u.device_mesh
+                keep = []
+                for md, pl in enumerate(u.placements):
+                    splits_rows = not pl.is_replicate() and pl.dim % u.dim() == 0
+                    if not pl.is_replicate() and splits_rows != row:
+                        across.append(mesh.get_group(md))
+                    keep.append(pl if not pl.is_replicate() and splits_rows == row else Replicate())
+                if v is None:
+                    shape = self.segment_shape(u)
+                    lshape = ((x.shape[0],) + (1,) * (u.dim() - 1) if row else (1,) + tuple(local(u).shape[1:]))
+                    v = states[i][key] = DTensor.from_local(
+                        torch.zeros(lshape, dtype=x.dtype, device=x.device), mesh, keep, run_check=False,
+                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+            elif v is None:
+                v = states[i][key] = torch.zeros(self.segment_shape(u), dtype=x.dtype, device=u.device)
+            vm = local(v).view(-1, 1) if row else local(v).view(1, -1)
+            sq = x.square().sum(dim=1 if row else 0, keepdim=True)
+            sum_over_(sq, across)
+            mean_sq = sq / (cols if row else rows)
+            if ctx.skip is None:
+                vm.lerp_(mean_sq, 1 - self.beta2)
+            else:
+                torch.where(ctx.skip, vm, torch.lerp(vm, mean_sq, 1 - self.beta2), out=vm)
+            y = (x / (vm.sqrt() + self.eps)).view(local(u).shape)
+            ys.append(like_dtensor(y, u) if is_sharded(u) else y)
+        ynorms = tensor_pnorms(ys, 2.0, acc)
+        for j, (i, y) in enumerate(zip(idx, ys)):
+            u = updates[i]
+            scale = (norms[j] / (ynorms[j] + self.eps)).to(local(y).dtype)
+            res = (local(y) * scale).to(u.dtype)
+            out[i] = like_dtensor(res, u) if is_sharded(u) else res
+        return out
+
+
+class AdaMuon(_OwnerRank):
     r"""AdaMuon (Si et al. 2025, arXiv 2507.11005): Muon with an elementwise second moment of the orthogonalized step.
 
     Per parameter, with $g$ the update entering it (the gradient), $t$ its step
@@ -893,9 +954,9 @@ class AdaMuon(_NewtonSchulz):
         vs_all = st.buffers("exp_avg_sq", _zeros_like_update(updates))
         go = proceed_flag(ctx)
         out = []
+        per_group = []
         for g, a, b in ctx.per_group():
-            lr, wd = g["lr"], g["weight_decay"]
-            beta1, beta2 = g["betas"]
+            beta1 = g["betas"][0]
             steps = list(steps_all[a:b])
             if torch.compiler.is_compiling():
                 new = [s + (1.0 if go is None else go.to(torch.float32)) for s in steps]
@@ -904,17 +965,28 @@ class AdaMuon(_NewtonSchulz):
                 steps = new
             elif steps:
                 torch._foreach_add_(steps, 1 if go is None else [go.to(torch.float32)] * len(steps))
-            for p, u, m, v, t in zip(ctx.params[a:b], updates[a:b], ms_all[a:b], vs_all[a:b], steps):
+            for u, m in zip(updates[a:b], ms_all[a:b]):
                 if skip is None:
                     m.lerp_(u, 1 - beta1)
                 else:
                     torch.where(skip, m, torch.lerp(m, u, 1 - beta1), out=m)
+            per_group.append((g, a, b, steps))
+        # FSDP2 / tensor parallel with sharded="owner" (eager): each sharded momentum orthogonalized once, on its
+        # owner rank, the shards of the result back in ns_dtype; the rest of the rule is elementwise on the shards
+        # but for the norm of the full O (all-reduced)
+        owned = self._owner_orthogonalized(list(ms_all), [None] * len(ms_all))
+        for g, a, b, steps in per_group:
+            lr, wd = g["lr"], g["weight_decay"]
+            beta2 = g["betas"][1]
+            for i, p, m, v, t in zip(range(a, b), ctx.params[a:b], ms_all[a:b], vs_all[a:b], steps):
                 mat = as_matrix(m)
                 if mat is None:
                     out.append((p, m, lr, 1.0, wd))
                     continue
-                # row-major, as the reference's flattened copy: the norm below adds up in its order
-                o = self.orthogonalized(mat).reshape(-1).view(p.shape)
+                if i in owned:
+                    o, v = owned[i], local(v)
+                else:  # row-major, as the reference's flattened copy: the norm below adds up in its order
+                    o = self.orthogonalized(mat).reshape(-1).view(p.shape)
                 new_v = v * beta2 if skip is not None else v.mul_(beta2)
                 new_v.addcmul_(o, o, value=1 - beta2)
                 if skip is not None:
@@ -927,7 +999,11 @@ class AdaMuon(_NewtonSchulz):
                 o.div_(scaled.sqrt_().add_(self.eps))
                 rows = mat.shape[0]
                 scale = math.sqrt(min(rows, mat.numel() // rows))
-                o.mul_(scale / o.norm().add_(self.eps))
+                if i in owned:  # the norm of the full O, rounded to its dtype as `o.norm()` is
+                    o.mul_(scale / tensor_pnorms([like_dtensor(o, p)], 2.0, torch.float32)[0].to(o.dtype).add_(self.eps))
+                    out.append((p, like_dtensor(o, p), lr, adjust_ratio(mat.shape[0], mat.shape[1], self.adjust_lr_fn), wd))
+                    continue
+                o.mul_(scale / (o.norm() + self.eps))  # (not in place: a DTensor's norm is a pending reduction)
                 r = adjust_ratio(mat.shape[0], mat.shape[1], self.adjust_lr_fn)
                 out.append((p, placed_like(o, p), lr, r, wd))
         return out

@@ -2,7 +2,9 @@
 
 MODE is ``fsdp`` (2 gloo ranks, FSDP2 on a 1-D mesh: every parameter ``Shard(0)``), ``hsdp`` (4 ranks on a
 2x2 mesh, FSDP2 over "shard" and replicated over "replicate": ``(Replicate(), Shard(0))``, a matrix split over
-one mesh dim and copied over the other) or ``single`` (no process group). Rank 0 saves the results to OUT.
+one mesh dim and copied over the other), ``tp2d`` (4 ranks on a 2x2 mesh ("dp", "tp"): tensor parallel over "tp",
+then FSDP2 over "dp", torchtitan's layout: matrices split over both mesh dims, `tensor_parallel`) or ``single``
+(no process group). Rank 0 saves the results to OUT.
 
 Two kinds of run per case:
 
@@ -52,10 +54,17 @@ def cases() -> dict[str, object]:
                                                      ns_dtype="float32", sharded=s)],
         "Momentum-Orthogonalize-SGD": lambda s: [mo.Momentum(0.9), mo.Orthogonalize(ns_dtype="float32", sharded=s),
                                                  mo.SGD(lr=0.05)],
-        # a statistic of the orthogonalized DTensors after it (all-reduced norms; NorMuon's plain second
-        # moments do not take DTensor updates yet, on either path)
+        # a statistic of the orthogonalized DTensors after it (all-reduced norms)
         "Orthogonalize-bf16-ClipNorm-SGD": lambda s: [mo.Momentum(0.9), mo.Orthogonalize(adjust_lr="original", sharded=s),
                                                  mo.ClipNorm(0.5), mo.SGD(lr=0.05)],
+        # NorMuon after the owner-rank orthogonalization: per-row (and, per="larger", per-column) second moments as
+        # DTensors, row sums all-reduced over the mesh dims that split the columns
+        "Orthogonalize-NorMuon-SGD": lambda s: [mo.Momentum(0.95), mo.Orthogonalize(adjust_lr="original",
+                                                ns_dtype="float32", sharded=s), mo.NorMuon(), mo.SGD(lr=0.05)],
+        "Orthogonalize-NorMuon-larger-SGD": lambda s: [mo.Momentum(0.95), mo.Orthogonalize(ns_dtype="float32", sharded=s),
+                                                       mo.NorMuon(per="larger"), mo.SGD(lr=0.05)],
+        # AdaMuon: its Newton-Schulz on the owner rank, the elementwise moment on the shards, the norm all-reduced
+        "AdaMuon-float32": lambda s: [mo.AdaMuon(0.05, ns_dtype="float32", sharded=s)],
         # the update path of Muon (not the last transform)
         "Muon-then-ClipNorm": lambda s: [mo.Muon(0.05, ns_dtype="float32", sharded=s), mo.ClipNorm(0.5)],
     }
@@ -72,12 +81,51 @@ def batch(step: int, n: int = 8):
 
 
 def shard(model, mesh) -> None:
+    """FSDP2 over the mesh (HSDP over a 2-D one); on a ("dp", "tp") mesh tensor parallel over "tp" first."""
     from torch.distributed.fsdp import fully_shard
 
+    if mesh.mesh_dim_names == ("dp", "tp"):
+        tensor_parallel(model, mesh["tp"])
+        mesh = mesh["dp"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def tensor_parallel(model, tp) -> None:
+    """Column- and row-parallel Linears alternately (Megatron's MLP pairs) on the 8-wide layers: column-parallel
+    weights and biases end `(_StridedShard(0), Shard(0))` after FSDP2, row-parallel weights `(Shard(0), Shard(1))`,
+    their biases `(Shard(0), Replicate())`. The 5x8 and 1x5 layers are replicated over tp (`distribute_module`,
+    then `(Shard(0), Replicate())`: uneven and empty shards over dp): DTensor's tensor parallel takes no
+    activation split unevenly over tp."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp, {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(),
+                                   "6": RowwiseParallel()})
+    for i in ("8", "10"):
+        distribute_module(model.get_submodule(i), tp,
+                          input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()])
+                                                                   for x in inputs),
+                          output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def local_grad(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`g` (a full gradient) as a DTensor laid out as `p`. FSDP2's `(_StridedShard(d), Shard(d))` over tensor
+    parallelism, which `distribute_tensor` refuses in torch 2.13, is cut as FSDP2 cuts it: the tp rank's
+    `torch.chunk` of `g`, then the dp rank's chunk of that."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not any(type(pl).__name__ == "_StridedShard" for pl in p.placements):
+        return distribute_tensor(g, p.device_mesh, p.placements)
+    mesh, d = p.device_mesh, p.placements[1].dim
+    piece = g.chunk(mesh.size(1), dim=d)[mesh.get_local_rank(1)]
+    chunks = piece.chunk(mesh.size(0), dim=d)
+    r = mesh.get_local_rank(0)
+    local = chunks[r] if r < len(chunks) else piece.narrow(d, 0, 0)
+    assert local.shape == p.to_local().shape, (local.shape, p.to_local().shape)
+    return DTensor.from_local(local.contiguous(), mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -96,7 +144,7 @@ def run_case(mode: str, mesh, kind: str, pipeline: list, dp_rank: int, dp_size: 
 
             for i, p in enumerate(model.parameters()):
                 g = given_grad(step, i, p.shape)
-                p.grad = g if mode == "single" else distribute_tensor(g, p.device_mesh, p.placements)
+                p.grad = g if mode == "single" else local_grad(g, p)
         else:
             x, y = batch(step)
             if mode != "single":
@@ -131,7 +179,7 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
     for step in range(4):
         opt.zero_grad()
         for i, p in enumerate(model.parameters()):
-            p.grad = distribute_tensor(given_grad(step, i, p.shape), p.device_mesh, p.placements)
+            p.grad = local_grad(given_grad(step, i, p.shape), p)
         if step == 2 and rank == 1:
             next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel()).view(-1)[0] = float("nan")
         before = [p.to_local().clone() for p in model.parameters()]
@@ -158,7 +206,7 @@ def run_dcp(mesh, rank: int, ckpt_dir: str) -> dict:
         for step in rng:
             opt.zero_grad()
             for i, p in enumerate(model.parameters()):
-                p.grad = distribute_tensor(given_grad(step, i, p.shape), p.device_mesh, p.placements)
+                p.grad = local_grad(given_grad(step, i, p.shape), p)
             opt.step()
 
     def fresh():
@@ -198,6 +246,12 @@ def run_all(mode: str, mesh=None, rank: int = 0, dp_rank: int = 0, dp_size: int 
                 except Exception:
                     results[key] = {"params": None, "error": traceback.format_exc()}
     if mode != "single":
+        from modopt.core.distributed import owner_split
+
+        model = make_model()
+        shard(model, mesh)
+        results["__layouts__"] = {n: (tuple(str(pl) for pl in p.placements), owner_split(p))
+                                  for n, p in model.named_parameters() if p.dim() >= 2}
         for key, fn in (("__skip__/owner", lambda: run_skip(mode, mesh, rank, "owner")),
                         ("__skip__/dtensor", lambda: run_skip(mode, mesh, rank, "dtensor")),
                         ("__dcp__", lambda: run_dcp(mesh, rank, ckpt))):
@@ -214,6 +268,9 @@ def _rank_main(rank: int, mode: str, world: int, out: str) -> None:
     if mode == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         dp_rank, dp_size = rank, 4  # every rank its own quarter of the batch (HSDP averages over all four)
+    elif mode == "tp2d":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp_rank, dp_size = mesh.get_local_rank("dp"), 2  # the tp ranks of a dp rank: the same half
     else:
         mesh = init_device_mesh("cpu", (world,))
         dp_rank, dp_size = rank, world
@@ -230,7 +287,7 @@ def main(argv: list[str]) -> None:
         return
     from launch import spawn_ranks
 
-    world = 4 if mode == "hsdp" else 2
+    world = 4 if mode in ("hsdp", "tp2d") else 2
     spawn_ranks(world, port, _rank_main, mode, world, out)
 
 
