@@ -906,6 +906,11 @@ class AdaMuon(_OwnerRank):
     leaves the parameters, $m$, $v$ and the step counts bit for bit as they were
     (no host sync; the new values are made aside and a `where` keeps the old ones).
 
+    Under FSDP2 and tensor parallelism, `sharded="owner"` (default) orthogonalizes
+    each full momentum matrix once, on one owner rank, and the rest runs on the
+    local shards with the full matrix's norm all-reduced; `sharded="dtensor"`
+    runs the Newton-Schulz products on the DTensors (docs/howto/distributed.md).
+
     ```pycon
     >>> import torch, modopt as mo
     >>> p = torch.nn.Parameter(torch.zeros(2, 2)); p.grad = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
