@@ -160,7 +160,7 @@ def test_a_transform_no_page_documents_gets_its_section_from_its_class(monkeypat
     """What a newcomer's transform gets without a hand-written section (Sign, pretended undocumented): a
     `## Sign` section on its family page made from the class, which the built page shows."""
     hook = _hook("transforms")
-    assert "Sign" in hook.stated_by_hand() and hook.generated("normalization.md") == []
+    assert "Sign" in hook.stated_by_hand() and "Sign" not in hook.generated("normalization.md")
     monkeypatch.setattr(hook, "stated_by_hand", lambda: set())
     assert "Sign" in hook.generated("normalization.md") and "ClipNorm" not in hook.generated("normalization.md")
     text = hook.section("Sign")

@@ -218,7 +218,11 @@ def _reference(name: str, level: int) -> list[str]:
     h = "#" * level
     rest = (inspect.getdoc(cls) or "").partition("\n\n")[2]
     out = ["```python", signature(name), "```", "", positional(name), ""]
-    out += [f"{h} Fields", "", "| field | type and range | default |", "|---|---|---|"]
+    out += [f"{h} Fields", ""]
+    if not cls.model_fields:
+        out += ["It has none.", ""]
+    else:
+        out += ["| field | type and range | default |", "|---|---|---|"]
     for key, f in cls.model_fields.items():
         if f.is_required():
             default = "required"
