@@ -1,13 +1,13 @@
 """The table of every registered transform on docs/modules/index.md, made from the registry.
 
-    python docs/transforms_table.py          # rewrite the table in docs/modules/index.md
-    python docs/transforms_table.py --check  # exit 1 if the page's table is not the registry's
+    PYTHONPATH=. python docs/transforms_table.py   # print the table the site shows
 
-Each row: the name (linked to its API page, transforms/<Name>.md, which docs/hooks/transforms.py
-makes from the class when the site is built), its family (linked to the section of the family page
-with its math, defaults, example and source), how it is called positionally, and the first sentence
-of its docstring. tests/test_transforms_table.py runs the check, so a new transform without its row
-fails the suite with this command as the fix.
+The site's build (docs/hooks/transforms.py) puts the table between the page's markers, so the page's
+file holds no copy that could fall behind, and a new transform needs no edit here. Each row: the name
+(linked to its API page, transforms/<Name>.md, made from the class), its family (linked to the family
+page, which documents it by hand or has the section the build writes), how it is called positionally,
+and the first sentence of its docstring. tests/test_transforms_table.py checks the rows,
+tests/test_docs_site.py the built page.
 """
 
 from __future__ import annotations
@@ -94,15 +94,7 @@ def render(text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = PAGE.read_text(encoding="utf-8")
-    new = render(text)
-    if "--check" in argv:
-        if new != text:
-            print(f"{PAGE}: the transforms table is not the registry's; run: python docs/transforms_table.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(new, encoding="utf-8")
+    sys.stdout.write(table())
     return 0
 
 

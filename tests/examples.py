@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "Centralize": mo.Centralize(scope="tensor", dim=(0,), inverse_dims=True, min_size=3),
     "GradientCentralization": mo.GradientCentralization(dim=1, inverse_dims=False, scope="tensor", min_size=1),
     "Sign": mo.Sign(),  # it has no fields
+    "ScaledSign": mo.ScaledSign(),  # it has no fields
     "Chain": mo.Chain(mo.ClipNorm(2.0), mo.Chain(mo.Normalize(), mo.Identity())),
     "LR": mo.LR(0.05),
     "SGD": [
@@ -182,6 +183,7 @@ SPECS = {
     "Centralize": Spec(spec_core.centralize, cancels=True),
     "GradientCentralization": Spec(spec_core.centralize, cancels=True),  # Centralize with other defaults
     "Sign": Spec(spec_core.sign),
+    "ScaledSign": Spec(spec_core.scaled_sign),
     "ZScoreNormalize": Spec(spec_adaptive.z_score_normalize),
     "ClipValueByPercentile": Spec(spec_percentile.clip_value_by_percentile),
     "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards.py

@@ -141,3 +141,37 @@ def test_every_api_page_example_runs():
         assert math.isfinite(loss), (name, out.getvalue())
         ran += 1
     assert ran >= len(hook.names()) - 1
+
+
+def test_every_transform_has_its_section_on_its_family_page(site):
+    """The link from a transform's API page to its family page lands on its section: a hand-written one,
+    or the one the build writes (docs/hooks/transforms.py's ``section``)."""
+    hook = _hook("transforms")
+    for name in hook.names():
+        _, target = hook.family(name)
+        path, _, anchor = target.partition("#")
+        html = (site / path.removesuffix(".md") / "index.html").read_text(encoding="utf-8")
+        assert re.search(rf"\b{name}\b", html), f"{name} is not on {path}"
+        if anchor:
+            assert f'id="{anchor}"' in html, f"{path} has no #{anchor} for {name}"
+
+
+def test_a_transform_no_page_documents_gets_its_section_from_its_class(monkeypatch):
+    """What a newcomer's transform gets without a hand-written section (Sign, pretended undocumented): a
+    `## Sign` section on its family page made from the class, which the built page shows."""
+    hook = _hook("transforms")
+    assert "Sign" in hook.stated_by_hand() and "Sign" not in hook.generated("normalization.md")
+    monkeypatch.setattr(hook, "stated_by_hand", lambda: set())
+    assert "Sign" in hook.generated("normalization.md") and "ClipNorm" not in hook.generated("normalization.md")
+    text = hook.section("Sign")
+    assert text.startswith("## Sign\n\nReplace every element of the update by its sign")
+    assert "Positional argument: `mo.Sign()` takes no positional argument." in text
+    assert "### Fields" in text and "Bernstein" in text  # the fields table, the docstring's source
+    assert hook.family("Sign")[1] == "modules/normalization.md#sign"
+
+    class Page:  # what mkdocs hands on_page_markdown
+        class file:
+            src_uri = "modules/normalization.md"
+
+    out = hook.on_page_markdown("# Normalization\n", Page, None, None)
+    assert out.startswith("# Normalization\n\n## ") and text in out

@@ -5,6 +5,7 @@ the trust boundary of `TorchOptimizer` built in code, and `help()`'s field text.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -21,11 +22,18 @@ _NONE = re.compile(r"`mo\.(\w+)\(\)` takes no positional argument")
 
 
 def _doc_statements():
-    """``{name: [(call, keyword_call, field)]}`` and the names documented as taking none."""
+    """``{name: [(call, keyword_call, field)]}`` and the names documented as taking none: the hand-written
+    pages, and the sections the site's build writes for the transforms no page documents by hand
+    (docs/hooks/transforms.py's ``section``)."""
     stated: dict[str, list] = {}
     none: set[str] = set()
-    for path in [*sorted((DOCS / "modules").glob("*.md")), DOCS / "concepts.md"]:
-        for line in path.read_text().split("\n\n"):
+    spec = importlib.util.spec_from_file_location("modopt_docs_hook_transforms", DOCS / "hooks" / "transforms.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    pages = [path.read_text() for path in [*sorted((DOCS / "modules").glob("*.md")), DOCS / "concepts.md"]]
+    pages += [hook.section(n) for path in sorted((DOCS / "modules").glob("*.md")) for n in hook.generated(path.name)]
+    for text in pages:
+        for line in text.split("\n\n"):
             line = " ".join(line.split())
             if "Positional argument" not in line and "positionally" not in line:
                 continue

@@ -4,8 +4,15 @@ Each page (``transforms/<Name>.md``, listed under "API reference" in the navigat
 signature, every field with its type, range and default (``modopt.core.fieldtext``, as
 ``modopt modules`` and ``help()`` say them), the class docstring (the math, the source it
 reproduces, a doctest), a runnable training loop and a link to the section of the family page.
-Nothing is written by hand, so a page cannot drift from its class. The index of every
-transform is the table of docs/modules/index.md (docs/transforms_table.py), whose rows link here.
+Nothing is written by hand, so a page cannot drift from its class.
+
+Two more things are made when the site is built, so that adding a transform touches no page:
+
+- the table of every transform on docs/modules/index.md (``table().table()``, between its markers);
+- on a family page (docs/modules/<family>.md), a section for each transform of the family that the
+  page does not document by hand (a page documents a transform by hand when it states its
+  positional argument, as tests/test_transform.py requires of every hand-written section):
+  ``section(name)``, the API page's content under a ``## Name`` heading.
 
 ``example(name)`` is the loop a page shows; tests/test_docs_site.py runs every one of them.
 """
@@ -68,6 +75,29 @@ def _cls(name: str) -> type:
     return get_transform(name)
 
 
+#: a hand-written positional sentence (tests/test_transform.py reads the same ones)
+STATED = re.compile(r"`mo\.(\w+)\([^`]*\)` (?:is `mo\.\w+\(\w+=|takes no positional argument)")
+
+
+def stated_by_hand() -> set[str]:
+    """The transforms whose positional sentence a page's own Markdown states (docs/modules/*.md and
+    docs/concepts.md, the pages tests/test_transform.py reads): they are documented by hand."""
+    found: set[str] = set()
+    for path in [*sorted((DOCS / "modules").glob("*.md")), DOCS / "concepts.md"]:
+        for para in path.read_text(encoding="utf-8").split("\n\n"):
+            para = " ".join(para.split())
+            if "Positional argument" in para or "positionally" in para:
+                found.update(STATED.findall(para))
+    return found
+
+
+def generated(rel: str) -> list[str]:
+    """The transforms whose section the site writes on docs/modules/<rel>: those of its family that no
+    page documents by hand."""
+    tt, by_hand = table(), stated_by_hand()
+    return [n for n in names() if n not in by_hand and tt.family_page(_cls(n)) == rel]
+
+
 def family(name: str) -> tuple[str, str]:
     """(the family page's title, its path relative to docs/ with the transform's anchor when it has one)."""
     tt = table()
@@ -75,6 +105,8 @@ def family(name: str) -> tuple[str, str]:
     path = (DOCS / "modules" / rel).resolve()
     text = path.read_text(encoding="utf-8")
     title = tt.family_title(text)
+    if name in generated(rel):  # the section the site writes (section(name))
+        return title, path.relative_to(DOCS).as_posix() + "#" + _slug(name)
     anchor = ""
     for heading in re.findall(r"^#{2,4} (.+)$", text, flags=re.M):
         if re.search(rf"(?<![\w.]){name}(?!\w)", heading):
@@ -160,28 +192,37 @@ def signature(name: str) -> str:
     return f"mo.{name}(\n" + "".join(f"    {line.rstrip()}\n" for line in lines) + ")"
 
 
-def page(name: str) -> str:
-    """The Markdown of a transform's page."""
+def positional(name: str) -> str:
+    """The positional sentence, with the value tests/examples.py gives the field (tests/test_transform.py
+    evaluates both sides of it)."""
+    cls = _cls(name)
+    pos = cls._positional_field()
+    if not pos:
+        return f"Positional argument: `mo.{name}()` takes no positional argument."
+    given = _examples().instances(name)[0]
+    more = "".join(f", {k}={_code(getattr(given, k))}" for k, f in cls.model_fields.items()
+                   if f.is_required() and k != pos)  # (the other fields it needs, as keywords on both sides)
+    value = getattr(given, pos)
+    if typing.get_origin(cls.model_fields[pos].annotation) is list:
+        items = ", ".join(_code(v) for v in value)
+        return f"Positional arguments: `mo.{name}({items}{more})` is `mo.{name}({pos}=[{items}]{more})`."
+    return f"Positional argument: `mo.{name}({_code(value)}{more})` is `mo.{name}({pos}={_code(value)}{more})`."
+
+
+def _reference(name: str, level: int) -> list[str]:
+    """The signature, the positional sentence, the fields and the description, under headings of `level`."""
     from modopt.core.fieldtext import field_text
     from pydantic_core import PydanticUndefined
 
     cls = _cls(name)
-    title, fam = family(name)
-    up = "../"  # from transforms/<Name>.md to docs/
-    doc = inspect.getdoc(cls) or ""
-    first, _, rest = doc.partition("\n\n")
-    what = "an optimizer transform (it carries the learning rate)" if getattr(cls, "is_optimizer", False) else (
-        "a weight-stage transform (after the optimizer's write)" if getattr(cls, "stage", "") == "weights"
-        else "a transform of the updates")
-    out = [f"# {name}", "", " ".join(first.split()), "",
-           f"`modopt.{name}` (`{cls.__module__}`): {what}. Family: [{title}]({up}{fam}).", "",
-           "```python", signature(name), "```", ""]
-    pos = cls._positional_field()
-    if pos and typing.get_origin(cls.model_fields[pos].annotation) is list:
-        out += [f"Positional arguments: `mo.{name}(a, b)` is `mo.{name}({pos}=[a, b])`.", ""]
-    elif pos:
-        out += [f"Positional argument: `mo.{name}(v)` is `mo.{name}({pos}=v)`.", ""]
-    out += ["## Fields", "", "| field | type and range | default |", "|---|---|---|"]
+    h = "#" * level
+    rest = (inspect.getdoc(cls) or "").partition("\n\n")[2]
+    out = ["```python", signature(name), "```", "", positional(name), ""]
+    out += [f"{h} Fields", ""]
+    if not cls.model_fields:
+        out += ["It has none.", ""]
+    else:
+        out += ["| field | type and range | default |", "|---|---|---|"]
     for key, f in cls.model_fields.items():
         if f.is_required():
             default = "required"
@@ -189,7 +230,33 @@ def page(name: str) -> str:
             value = f.default_factory() if f.default is PydanticUndefined and f.default_factory else f.default
             default = f"`{_cell(_code(value))}`"
         out.append(f"| `{key}` | {_cell(field_text(f))} | {default} |")
-    out += ["", "## Description", "", rest.strip() or "(no more than the line above)", ""]
+    out += ["", f"{h} Description", "", rest.strip() or "(no more than the line above)", ""]
+    return out
+
+
+def _first(name: str) -> str:
+    return " ".join((inspect.getdoc(_cls(name)) or "").partition("\n\n")[0].split())
+
+
+def section(name: str) -> str:
+    """The section the site writes on a family page for a transform the page does not document by hand."""
+    out = [f"## {name}", "", _first(name), ""]
+    out += _reference(name, 3)
+    out += [f"Its [API page](../{FOLDER}/{name}.md) has a training loop that runs it.", ""]
+    return "\n".join(out)
+
+
+def page(name: str) -> str:
+    """The Markdown of a transform's page."""
+    cls = _cls(name)
+    title, fam = family(name)
+    up = "../"  # from transforms/<Name>.md to docs/
+    what = "an optimizer transform (it carries the learning rate)" if getattr(cls, "is_optimizer", False) else (
+        "a weight-stage transform (after the optimizer's write)" if getattr(cls, "stage", "") == "weights"
+        else "a transform of the updates")
+    out = [f"# {name}", "", _first(name), "",
+           f"`modopt.{name}` (`{cls.__module__}`): {what}. Family: [{title}]({up}{fam}).", ""]
+    out += _reference(name, 2)
     loop = example(name)
     out += ["## Example", ""]
     if loop is None:
@@ -208,6 +275,18 @@ def on_files(files, config):
     for name in names():
         files.append(File.generated(config, f"{FOLDER}/{name}.md", content=page(name)))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """The index's table of transforms; a family page's sections for the transforms it leaves to the site."""
+    src = page.file.src_uri
+    if src == "modules/index.md":
+        return table().render(markdown)
+    if src.startswith("modules/"):
+        made = [section(n) for n in generated(src[len("modules/"):])]
+        if made:
+            return markdown.rstrip("\n") + "\n\n" + "\n".join(made)
+    return markdown
 
 
 def on_nav(nav, config, files):

@@ -73,3 +73,13 @@ def lr(updates: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
 def sign(updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`Sign`: every (finite) element replaced by -1, 0 or 1 (signSGD's direction; the sign of 0 is 0)."""
     return [torch.where(u > 0, 1.0, torch.where(u < 0, -1.0, 0.0)).to(torch.float64) for u in updates]
+
+
+def scaled_sign(updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`ScaledSign`: each update's sign times its mean absolute value, ||u||_1 / d (Karimireddy et al. 2019)."""
+    out = []
+    for u in updates:
+        x = u.to(torch.float64)
+        mean_abs = x.abs().sum() / max(x.numel(), 1)
+        out.append(mean_abs * torch.where(x > 0, 1.0, torch.where(x < 0, -1.0, 0.0)).to(torch.float64))
+    return out

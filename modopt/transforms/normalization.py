@@ -13,7 +13,7 @@ from ..core.runner import Step, TransformState
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
-__all__ = ["Normalize", "Centralize", "GradientCentralization", "Sign"]
+__all__ = ["Normalize", "Centralize", "GradientCentralization", "Sign", "ScaledSign"]
 
 
 def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: bool = True) -> torch.Tensor:
@@ -153,4 +153,41 @@ class Sign(Transform):
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The sign of every element, in place."""
         torch._foreach_sign_(updates)
+        return updates
+
+
+class ScaledSign(Transform):
+    r"""The sign of every element times the tensor's mean absolute value: EF-signSGD's scaled sign.
+
+    For each parameter's update $u$ of $d$ elements,
+
+    $$
+    u \leftarrow \frac{\lVert u \rVert_1}{d} \operatorname{sign}(u)
+    $$
+
+    with $\operatorname{sign}(0) = 0$. The direction is `Sign`'s, the size the
+    update's own: the step keeps the update's $\ell_1$ norm, so the learning
+    rate of plain SGD still fits (`Sign` needs a much smaller one). This is the
+    scaled sign compressor of Karimireddy, Rebjock, Stich and Jaggi 2019, "Error
+    Feedback Fixes SignSGD and other Gradient Compression Schemes" (ICML,
+    arXiv 1901.09847), applied to each tensor, without their error feedback
+    (which keeps the compression error as state). It has no fields and no state.
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(4)); p.grad = torch.tensor([2.0, -1.0, 0.0, 1.0])
+    >>> opt = mo.Modular([p], mo.ScaledSign(), mo.LR(0.1)); opt.step(); p.data
+    tensor([-0.1000,  0.1000,  0.0000, -0.1000])
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = None
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each update's mean absolute value times its sign, in place."""
+        scales = torch._foreach_norm(updates, 1)
+        torch._foreach_div_(scales, [max(u.numel(), 1) for u in updates])
+        torch._foreach_sign_(updates)
+        torch._foreach_mul_(updates, scales)
         return updates
