@@ -170,6 +170,15 @@ def sum_over_(t: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
     return t
 
 
+def gather_0d(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """1-D: the 0-d `x` of every rank of the process `group`, in rank order (one all-gather)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
+
+
 def world_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean of the 0-d `x` over every rank of the default process group (`x` itself without one).
 
@@ -388,4 +397,4 @@ def like_dtensor(local_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "local", "any_sharded", "check_slices", "copy_",
-           "is_sharded", "groups_of", "all_groups_of", "all_reduce", "sum_over_"]
+           "is_sharded", "groups_of", "all_groups_of", "all_reduce", "sum_over_", "gather_0d"]

@@ -49,7 +49,7 @@ class _LastStep:
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
-    `Modular(params, *transforms, nonfinite=None, config=None, lint=True, **group_defaults)`
+    `Modular(params, *transforms, nonfinite=None, config=None, lint=True, stage_group=None, **group_defaults)`
 
     * `params`: tensors, param-group dicts, or `named_parameters()` pairs.
     * `transforms`: run in order on the gradient; the update after the last one
@@ -63,6 +63,11 @@ class Modular(torch.optim.Optimizer):
       elements become 0) or `"ignore"` (no check, no host sync).
     * `lint`: warn (`mo.LintWarning`, once, when built) about transforms that
       provably have no effect (`cfg.lint()`); `False` builds silently.
+    * `stage_group`: under pipeline parallelism, the process group of the stages (one
+      optimizer per stage, each over its stage's parameters): global statistics (a
+      global `ClipNorm`'s norm, a global mean) and the non-finite decision then span
+      every stage's parameters, the same on every stage (docs/howto/distributed.md).
+      Every stage must call `step()` each time (each all-gathers its totals).
     * `group_defaults`: defaults for the exposed group keys (`lr=0.1`).
 
     For frameworks that build the optimizer from keywords (HF Trainer's
@@ -80,6 +85,7 @@ class Modular(torch.optim.Optimizer):
         nonfinite: str | None = None,
         config: Any = None,
         lint: bool = True,
+        stage_group: Any = None,
         **group_defaults: Any,
     ):
         transforms, nonfinite, group_defaults = _pipeline_arguments(
@@ -92,7 +98,7 @@ class Modular(torch.optim.Optimizer):
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
         # anything is built); the step reads it
-        self.plan = make_plan(self.transforms, self._pipeline.nonfinite)
+        self.plan = make_plan(self.transforms, self._pipeline.nonfinite, stage_group=stage_group)
         self._keys = list(self.plan.keys)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}

@@ -67,6 +67,9 @@ class Plan:
     swaps: tuple[tuple[str, Transform], ...] = ()
     #: whether a step on the CPU reads the device's skip decision back and runs the plain chain
     host_on_cpu: bool = False
+    #: the process group of the pipeline-parallel stages whose parameters the global statistics and the
+    #: non-finite decision span (`Modular(..., stage_group=)`), or None: the optimizer's parameters are all
+    stage_group: Any = None
 
     def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
         """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
@@ -75,7 +78,8 @@ class Plan:
         return all(t.skips_on_device(groups) for t in self.transforms)
 
 
-def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict[str, Any]] | None = None) -> Plan:
+def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict[str, Any]] | None = None,
+              stage_group: Any = None) -> Plan:
     """The plan of `transforms` under `nonfinite`; raises `ValueError` naming the transform for a pipeline
     that cannot run (see the module docs). `groups`: the param groups when known (for the device-skip
     answer of transforms that read them; re-planned by the host when groups are added)."""
@@ -95,6 +99,7 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
         routes=find_routes(transforms), device_skip=device_skip, updates=transforms[:n_updates],
         weights=tuple((f"{i}:{type(t).__name__}", t) for i, t in enumerate(transforms) if i >= n_updates),
         swaps=swaps, host_on_cpu=not any(t.decides_skip for _, t in walk(transforms)),
+        stage_group=stage_group,
     )
 
 

@@ -229,6 +229,13 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     return torch.where(torch.isfinite(plain) | ~torch.isfinite(top), plain, scaled)
 
 
+def stage_total(local_total: torch.Tensor, p: float, stages: Any) -> torch.Tensor:
+    """The p-norm over the parameters of every pipeline stage of the process group `stages`, from each
+    stage's own total (gathered, then combined as a single process combines per-tensor norms): the same
+    value on every stage."""
+    return combine_pnorms(distributed.gather_0d(local_total, stages), p)
+
+
 def slice_stat(t: torch.Tensor, stat: float | str, dims: tuple[int, ...]) -> torch.Tensor:
     """Statistic of `t` over `dims` (keepdim). `dims == ()` means every element is its own slice."""
     acc = acc_dtype(t.dtype)
@@ -284,11 +291,14 @@ class NormMemo:
     tensors' version counters, a second guard against in-place writes.
     """
 
-    __slots__ = ("_entries", "_open")
+    __slots__ = ("_entries", "_open", "stages")
 
-    def __init__(self, opened: bool = False) -> None:
+    def __init__(self, opened: bool = False, stages: Any = None) -> None:
         self._entries: dict[Any, Any] = {}
         self._open = opened
+        #: the process group of the pipeline stages whose parameters a global statistic spans (`Modular`'s
+        #: `stage_group`), or None: the step's parameters are the whole model
+        self.stages = stages
 
     def open(self) -> None:
         """Start a step: forget every norm and keep the ones computed from now on (until `close`)."""
@@ -319,12 +329,15 @@ class NormMemo:
         hit = self._get(("total", p, acc), tensors) if self._open and tensors else None
         if hit is None:
             hit = combine_pnorms(self.pnorms(tensors, p, acc), p)
+            if self.stages is not None:  # of every stage's parameters
+                hit = stage_total(hit, p, self.stages)
             if self._open and tensors:
                 self._put(("total", p, acc), tensors, hit)
         return hit
 
     def put_total(self, tensors: list[torch.Tensor], p: float, acc: torch.dtype, value: torch.Tensor) -> None:
-        """Remember `value` as `total(tensors, p, acc)` (the non-finite check's plain combination)."""
+        """Remember `value` as `total(tensors, p, acc)` (the non-finite check's plain combination; over every
+        stage's parameters when `stages` is set)."""
         if self._open and tensors:
             self._put(("total", p, acc), tensors, value)
 
@@ -456,28 +469,36 @@ class Segments:
             return self.concat([slice_stat(t, stat, d) for t, d in zip(tensors, self.dims)], tensors)
         acc = common_acc_dtype(tensors)
         counts = self.count_tensor(acc, _device(tensors))
+        # a global statistic over pipeline stages: the sums (and counts) of every stage's parameters
+        stages = [self.memo.stages] if self.kind == "global" and self.memo is not None and self.memo.stages is not None else []
+        if stages:
+            counts = distributed.sum_over_(counts.clone(), stages)
         if stat == "mad":
             parts = torch.stack(foreach_pnorm(tensors, 1.0)).to(acc)
-            return self.segment_sums(parts) / counts.clamp(min=1)
-        sums = self.segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors]))
+            return distributed.sum_over_(self.segment_sums(parts), stages) / counts.clamp(min=1)
+        sums = distributed.sum_over_(self.segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors])), stages)
         if stat == "sum":
             return sums
         mean = sums / counts.clamp(min=1)
         if stat == "mean":
             return mean
         means = self.expand(mean)
-        sq = torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])
-        var = torch.where(counts >= 2, self.segment_sums(sq) / (counts - 1).clamp(min=1), 0.0)
+        sq = distributed.sum_over_(self.segment_sums(torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])), stages)
+        var = torch.where(counts >= 2, sq / (counts - 1).clamp(min=1), 0.0)
         return var if stat == "var" else var.sqrt()
 
     def element_counts(self, like: torch.Tensor) -> torch.Tensor:
         """The number of elements of each segment (slices: of each slice), a 1-D tensor in `like`'s dtype
         and device, made once per layout (e.g. to turn a 2-norm into a root mean square)."""
-        key = (like.dtype, like.device)
+        stages = self.memo.stages if self.kind == "global" and self.memo is not None else None
+        key = (like.dtype, like.device, stages)
         out = self._count_vectors.get(key)
         if out is None:
             counts = self.counts if self.kind != "slices" else [c for c, k in zip(self.counts, self.sizes) for _ in range(k)]
-            out = self._count_vectors[key] = on_device(counts, torch.float64, like.device).to(like.dtype)
+            out = on_device(counts, torch.float64, like.device)
+            if stages is not None:  # every pipeline stage's elements
+                out = distributed.sum_over_(out, [stages])
+            out = self._count_vectors[key] = out.to(like.dtype)
         return out
 
     def count_tensor(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -27,10 +27,11 @@ from typing import Any, Literal
 
 import torch
 
-from . import compile_marks
+from . import compile_marks, distributed
 from .distributed import any_sharded, copy_
 from .keys import transform_key, value_key
-from .reduce import NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments, vector_pnorm
+from .reduce import (NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments, stage_total,
+                     vector_pnorm)
 
 
 _grad_of = operator.attrgetter("grad")
@@ -123,9 +124,12 @@ class Step:
     def __init__(self, layout: Layout, host: Any, stats: dict[str, torch.Tensor], skip: torch.Tensor | None = None,
                  memo: NormMemo | None = None) -> None:
         self.layout, self.host, self.stats = layout, host, stats
+        plan = host.plan  # (None for a host with no pipeline: a functional call, a test)
         #: the step's norm memo: a new one, open, for a step (its sub-steps share it). It lives on the
-        #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards)
-        self.memo = NormMemo(opened=True) if memo is None else memo
+        #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards).
+        #: Its global statistics span the pipeline stages of the plan's `stage_group`
+        self.memo = (NormMemo(opened=True, stages=plan.stage_group if plan is not None else None)
+                     if memo is None else memo)
         #: a 0-d bool tensor when the device decides whether this step is skipped (`nonfinite="skip"`):
         #: true means the parameters and every state must stay as they are; None: no such decision
         self.skip = skip
@@ -139,7 +143,6 @@ class Step:
         self.moment_requests = {}
         #: keys of the transforms whose multiply a later normalization cancels (`TransformState.scale_`):
         #: the host's plan's (`modopt.core.plan.cancelled_scales` of its pipeline)
-        plan = host.plan  # (None for a host with no pipeline: a functional call, a test)
         self.cancelled = plan.cancelled if plan is not None else frozenset()
         #: the key of the transform whose global scale the final optimizer's fused kernel takes as its
         #: `grad_scale` (the host's plan's, `modopt.core.plan.folded_scale`; `Adam(fold_clip=True)`)
@@ -645,7 +648,7 @@ def _where(layout: Layout, p: torch.Tensor) -> str:
 NonFinite = Literal["skip", "raise", "zero", "ignore"]
 
 
-def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
+def nonfinite_mask(grads: list[torch.Tensor], stages: Any = None) -> torch.Tensor:
     """0-d bool tensor: does any gradient hold inf or NaN (exact; no host sync).
 
     Uses the largest magnitude of each tensor, which is finite exactly when
@@ -653,9 +656,13 @@ def nonfinite_mask(grads: list[torch.Tensor]) -> torch.Tensor:
     18x a 2-norm), so the step runs it only when the cheap check fails.
     """
     if any_sharded(grads):  # FSDP2: every rank must reach the same decision
-        return any_nonfinite(grads)
-    maxabs = foreach_pnorm(grads, math.inf)  # empty tensors count as 0; float64 kept (1e300 is finite)
-    return ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
+        bad = any_nonfinite(grads)
+    else:
+        maxabs = foreach_pnorm(grads, math.inf)  # empty tensors count as 0; float64 kept (1e300 is finite)
+        bad = ~torch.stack([torch.isfinite(n) for n in maxabs]).all()
+    if stages is not None:  # pipeline stages (`stages`, their process group): every stage decides alike
+        bad = distributed.gather_0d(bad.to(torch.float32), stages).any()
+    return bad
 
 
 def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
@@ -679,6 +686,8 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
     parts = ctx.memo.pnorms(grads, 2.0, acc)
     # (`vector_pnorm` only where `compile_step` traces: the eager step makes no call for it)
     total = vector_pnorm(parts) if compile_marks.KEEP_EAGER_KERNELS else torch.linalg.vector_norm(parts)
+    if ctx.memo.stages is not None:  # pipeline stages: the total of every stage's gradients, decided alike
+        total = stage_total(total, 2.0, ctx.memo.stages)
     if on_device:
         ctx.memo.put_total(grads, 2.0, acc, total)
     return total if total_only else total < math.inf
@@ -768,11 +777,11 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.proceed, ctx.skip = proceed, bad
         return True
     if any_sharded(grads):  # FSDP2: one exact, all-reduced decision
-        bad, exact = nonfinite_mask(grads), True
+        bad, exact = nonfinite_mask(grads, ctx.memo.stages), True
     else:  # cheap check first; true only for a non-finite (or overflowing) norm
         bad, exact = ~maybe_finite(ctx, grads), False
     settle = compile_marks.settle if torch.compiler.is_compiling() else _settle
-    is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names)
+    is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names, ctx.memo.stages)
     ctx.stats["nonfinite"] = bad
     if not is_bad:
         return True
@@ -782,7 +791,8 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     return False
 
 
-def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tensor], names: list) -> tuple:
+def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tensor], names: list,
+            stages: Any = None) -> tuple:
     """The host's decision: `(is_bad, bad, which)`.
 
     One sync (`bool(bad)`) when the gradients are finite; when the cheap check
@@ -791,7 +801,7 @@ def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tenso
     """
     is_bad = bool(bad)
     if is_bad and not exact:  # rare: settle it exactly
-        bad = nonfinite_mask(grads)
+        bad = nonfinite_mask(grads, stages)
         is_bad = bool(bad)
     which = []
     if is_bad and policy == "raise":

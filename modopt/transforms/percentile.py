@@ -76,6 +76,9 @@ class ClipValueByPercentile(Scoped):
                 if on and u.numel():
                     self._clip_slices(u, dims)
             return updates
+        if seg.kind == "global" and ctx.memo.stages is not None:
+            raise ValueError(f"{st.key}: a global percentile over pipeline stages (Modular(stage_group=...)) is not "
+                             "supported; use scope='tensor' or 'group' (each stage's own elements)")
         if distributed.any_sharded(updates):  # FSDP2 / tensor parallel: the k-th value of the full tensors
             return self._clip_sharded(st, updates, seg)
         thresholds = []
