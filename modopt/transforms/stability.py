@@ -26,8 +26,9 @@ import torch
 from pydantic import Field
 
 from ..core import distributed
-from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype
-from ..core.runner import check_loss
+from ..core.distributed import any_sharded
+from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype, foreach_pnorm
+from ..core.runner import check_loss, reads_on_host
 from ..core.transform import Transform
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -44,6 +45,33 @@ def _global_norm(parts: torch.Tensor) -> torch.Tensor:
     every part is finite, `combine_pnorms` (which cannot overflow) stands in, chosen on the device."""
     plain = parts.square().sum().sqrt()
     return torch.where(plain < math.inf, plain, combine_pnorms(parts, 2.0))
+
+
+def _scaled_norms(seg, updates: list[torch.Tensor], n: torch.Tensor, scale: torch.Tensor,
+                  acc: torch.dtype) -> torch.Tensor:
+    """`seg.mul_(updates, scale)`, then each segment's 2-norm measured again (1-D, in `acc`).
+
+    On a CPU, where reading a value is free (`reads_on_host`), per tensor (the default
+    scope): a tensor whose scale is exactly 1 is neither multiplied nor measured (`u * 1` is `u`
+    bit for bit, so its norm is `n`'s, taken from the same values by the same kernel), and the
+    others are multiplied and measured one after the other, the norm reading what the multiply
+    has just written while it is still in cache (a per-tensor norm is the multi-tensor kernel's
+    on a CPU: the same bits). Elsewhere (a GPU: no host read) both run over every tensor."""
+    if seg.kind == "tensor" and reads_on_host(scale) and not any_sharded(updates):
+        values = scale.tolist()
+        if all(s == 1.0 for s in values):
+            return n
+        out = []
+        for u, on, s, c, own in zip(updates, seg.active, values, scale.unbind(0), n.unbind(0)):
+            if s == 1.0:
+                out.append(own)
+                continue
+            if on:
+                u.mul_(c)
+            out.append(foreach_pnorm([u], 2.0)[0])
+        return torch.stack(out).to(acc)
+    seg.mul_(updates, scale)
+    return seg.reduce(updates, 2.0)
 
 
 class AdaGC(Scoped):
@@ -116,10 +144,9 @@ class AdaGC(Scoped):
         h_rel = below_one(self.lambda_rel * gamma.clamp(min=eps) / n.clamp(min=eps))
         scale = torch.where(warm, h_abs, h_rel)
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
-        seg.mul_(updates, scale)
         # the clipped norm is measured again, not taken as `scale * n`: the reference measures it, and the
         # two differ in the last bit (one more read of the updates, the price of the thresholds' exactness)
-        clipped = seg.reduce(updates, 2.0)
+        clipped = _scaled_norms(seg, updates, n, scale, acc)
         new = torch.where(warm, torch.minimum(gamma, clipped), torch.lerp(gamma, clipped, 1.0 - self.beta))
         ok = torch.where(warm, total < math.inf, n < math.inf)  # (a norm is >= 0; NaN compares false)
         gamma = torch.where(ok, new, gamma)
