@@ -14,7 +14,7 @@ batches:
 * **torch**: the same algorithm as a careful user writes it with torch: `torch.optim`'s fused
   optimizer, `torch.nn.utils` clipping or `torch._foreach_*` code, and the finite check that makes
   a non-finite step a no-op (`if norm.isfinite(): opt.step()`);
-* **torchzero** (only when importable): the same pipeline written with its modules and defaults.
+* **torchzero** (only when importable; not in the sweep): the same pipeline written with its modules and defaults.
 
 Rows marked `nonfinite="ignore"` time modopt without the check against torch without it.
 
@@ -738,7 +738,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
             "modopt": modopt_side(pipe.modopt, nonfinite, pipe.groups),
             "torch": lambda m: pipe.torch(m, check),
         }
-        if pipe.torchzero is not None and torchzero() is not None and check:
+        if pipe.torchzero is not None and torchzero() is not None and check and not model_name.startswith("tensors-"):
             builders["torchzero"] = torchzero_side(pipe.torchzero)
         sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
         g = torch.Generator().manual_seed(1000 + rep)
@@ -859,6 +859,22 @@ def docs_table(rows: list[Row], kind: str) -> str:
     return "\n".join(lines)
 
 
+def counts_table(chosen: list[int], models: list[str], ignore_rows: bool, quick: bool = False) -> str:
+    """The deterministic columns alone (`--counts`: no timing), as docs/performance.md publishes them."""
+    head = ["pipeline", "model", "nonfinite", *DOCS_COUNTS, "bytes limit"]
+    lines = [DOCS_MARKER.format(kind="counts", versions=versions()), "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for index in chosen:
+        pipe = PIPELINES[index]
+        for nf in [None] + (["ignore"] if ignore_rows and pipe.name in IGNORE_ROWS else []):
+            for model in models:
+                got = count_row(pipe, model, nf, quick)
+                lines.append("| " + " | ".join([short_name(pipe.name), model_label(model), nf or "skip (default)",
+                                                _counts(got["modopt"]), _counts(got["torch"]),
+                                                "-" if pipe.limit is None else f"{pipe.limit:g}P"]) + " |")
+    return "\n".join(lines)
+
+
 def parse_docs_tables(text: str) -> dict[str, tuple[str, list[dict[str, str]]]]:
     """The tables `docs_table` wrote into a page: kind -> (versions, rows as {column: cell})."""
     out = {}
@@ -884,7 +900,9 @@ def row_key(kind: str, cells: dict[str, str]) -> tuple[Pipeline, str, str | None
     pipe = next(p for p in PIPELINES if p.name == LABELS.get(name, name))
     model = cells.get("model")
     model = f"tensors-{cells[f'tensors x {SWEEP_SIZE}']}" if model is None else {"MLP": "mlp"}.get(model, model)
-    return pipe, model, "ignore" if kind == "ignore" else None
+    model = re.sub(r"^(\d+)$", r"tensors-\1", model)
+    ignore = kind == "ignore" or cells.get("nonfinite") == "ignore"
+    return pipe, model, "ignore" if ignore else None
 
 
 def run_here(index: int, model: str, nonfinite: str | None, args) -> Row:
@@ -927,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"the sweep's tensor counts (default {' '.join(map(str, SWEEP_TENSORS))})")
     ap.add_argument("--docs", action="store_true", help="also print the tables as docs/performance.md publishes "
                     "them (tests/test_bench.py checks their count columns against what the step counts now)")
+    ap.add_argument("--counts", action="store_true", help="instead: only the count columns (ops, syncs, bytes, "
+                    "Python calls per step, each side), untimed, as the table docs/performance.md publishes")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
@@ -949,15 +969,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     global DEVICE
     try:
-        DEVICE = torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError as e:
         ap.error(f"--device {args.device!r}: {e}")
-    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device!r}: torch {torch.__version__} sees no CUDA device here")
+    DEVICE = device  # (only a device that is there: a refused one leaves the module as it was)
     if args.row:  # one row, in a process of its own: print it as JSON
         index, model, nonfinite = args.row
         row = run_one(PIPELINES[int(index)], model, None if nonfinite == "default" else nonfinite, args)
         print(json.dumps(asdict(row)))
+        return 0
+    if args.counts:
+        print(counts_table(chosen, args.models, not args.no_ignore_rows, args.quick))
         return 0
     isolate = not (args.in_process or args.quick)
     tz = torchzero()
