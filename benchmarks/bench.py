@@ -14,7 +14,7 @@ batches:
 * **torch**: the same algorithm as a careful user writes it with torch: `torch.optim`'s fused
   optimizer, `torch.nn.utils` clipping or `torch._foreach_*` code, and the finite check that makes
   a non-finite step a no-op (`if norm.isfinite(): opt.step()`);
-* **torchzero** (only when importable): the same pipeline written with its modules and defaults.
+* **torchzero** (only when importable; not in the sweep): the same pipeline written with its modules and defaults.
 
 Rows marked `nonfinite="ignore"` time modopt without the check against torch without it.
 
@@ -52,6 +52,7 @@ import copy
 import gc
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -69,6 +70,9 @@ from torch.utils._pytree import tree_leaves
 import modopt as mo
 from modopt.core import runner
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from call_counts import count as python_calls  # noqa: E402  (the Python-call counter of call_counts.py)
+
 # --------------------------------------------------------------------------- models
 
 
@@ -85,6 +89,26 @@ class TinyTransformer(nn.Module):
 
     def forward(self, x):
         return self.head(self.norm(self.enc(self.emb(x))))
+
+
+#: elements per tensor of the sweep's models (`tensors-N`)
+SWEEP_SIZE = 256
+#: the sweep's tensor counts and pipelines (`--sweep`)
+SWEEP_TENSORS = (8, 64, 512, 2048, 4096)
+SWEEP_PIPELINES = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()",
+                   "Accumulate(4), ClipNorm(1.0), Adam()")
+
+
+class ManyTensors(nn.Module):
+    """`n` parameter vectors of `size` elements; the output is each one times its input row, so a
+    backward gives every tensor a gradient of its own (the model of the tensor-count sweep)."""
+
+    def __init__(self, n: int, size: int):
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(size) / size**0.5) for _ in range(n))
+
+    def forward(self, x):
+        return torch.stack(list(self.ps)) * x
 
 
 def build_model(name: str, quick: bool) -> tuple[nn.Module, Callable[[torch.Generator], tuple]]:
@@ -108,6 +132,15 @@ def build_model(name: str, quick: bool) -> tuple[nn.Module, Callable[[torch.Gene
 
         def make(g):
             return torch.randint(0, vocab, shape, generator=g), torch.randint(0, classes, shape, generator=g)
+
+        return model, make
+    m = re.fullmatch(r"tensors-(\d+)", name)
+    if m:  # the sweep: N tensors of 256 elements (per-tensor overhead alone)
+        n = int(m.group(1))
+        model = ManyTensors(n, SWEEP_SIZE)
+
+        def make(g):
+            return torch.randn(n, SWEEP_SIZE, generator=g), torch.randn(n, SWEEP_SIZE, generator=g)
 
         return model, make
     raise ValueError(f"unknown model {name!r}")  # pragma: no cover - argparse restricts the names
@@ -539,6 +572,8 @@ class Row:
     counts: dict[str, list[float]] = field(default_factory=dict)
     #: the pipeline's bytes limit per step in P (`Pipeline.limit`), None where none is stated
     limit: float | None = None
+    #: torch and Python versions the counts were made with (the Python calls depend on both)
+    versions: str = ""
 
 
 def _backward(side: Side, batch: tuple) -> None:
@@ -647,12 +682,54 @@ def _counted(side: Side, batch: tuple) -> StepCounter:
     return counter
 
 
+#: untimed cycles before the counted ones (`count_row`); ZClip's careful loop branches on a Python counter
+#: through its 25-step warm-up, so its rows count the steady state after it
+COUNT_AFTER = 3
+COUNT_AFTER_OVERRIDE = {"ZClip(), AdamW()": 25}
+
+
+def versions() -> str:
+    return f"torch {torch.__version__}, Python {sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def count_row(pipe: Pipeline, model_name: str, nonfinite: str | None, quick: bool = False) -> dict[str, list[float]]:
+    """The deterministic columns of a row, per side: `[ops, syncs, bytes in P, Python calls]` of one cycle
+    (the `pipe.calls` steps of it summed). Fresh sides from seed 0 take `COUNT_AFTER` untimed cycles on shared
+    batches; then one cycle runs under `StepCounter` (aten ops, host syncs and bytes of the device path,
+    what a GPU runs) and the next under `call_counts.count` (Python calls in the library's own files:
+    modopt's for modopt, torch's for torch; the default path, the one timed on this machine). They do not
+    depend on the machine, only on the torch and Python versions (`versions()`)."""
+    check = nonfinite != "ignore"
+    torch.manual_seed(0)
+    base, make_batch = build_model(model_name, quick)
+    base.to(DEVICE)
+    builders: dict[str, Callable[[nn.Module], Side]] = {
+        "modopt": modopt_side(pipe.modopt, nonfinite, pipe.groups), "torch": lambda m: pipe.torch(m, check)}
+    sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
+    roots = {"modopt": os.path.dirname(mo.__file__), "torch": os.path.dirname(torch.__file__)}
+    g = torch.Generator().manual_seed(1000)
+    after = COUNT_AFTER_OVERRIDE.get(pipe.name, COUNT_AFTER)
+    batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((after + 2) * pipe.calls)]
+    pbytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    out: dict[str, list[float]] = {}
+    for n, side in sides.items():
+        for b in batches[:after * pipe.calls]:
+            _backward(side, b)
+            side.step()
+        got = [_counted(side, b) for b in batches[after * pipe.calls:(after + 1) * pipe.calls]]
+        calls = 0
+        for b in batches[(after + 1) * pipe.calls:]:
+            _backward(side, b)
+            calls += python_calls(side.step, roots[n]).calls
+        out[n] = [sum(c.ops for c in got), sum(c.syncs for c in got), sum(c.bytes for c in got) / pbytes, calls]
+    return out
+
+
 def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row:
     check = nonfinite != "ignore"
     ratios, speedups, t_mo, t_to, t_tz, diffs = [], [], [], [], [], []
     mem: dict[str, float] = {}
     state: dict[str, float] = {}
-    counts: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         base, make_batch = build_model(model_name, args.quick)
@@ -661,7 +738,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
             "modopt": modopt_side(pipe.modopt, nonfinite, pipe.groups),
             "torch": lambda m: pipe.torch(m, check),
         }
-        if pipe.torchzero is not None and torchzero() is not None and check:
+        if pipe.torchzero is not None and torchzero() is not None and check and not model_name.startswith("tensors-"):
             builders["torchzero"] = torchzero_side(pipe.torchzero)
         sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
         g = torch.Generator().manual_seed(1000 + rep)
@@ -682,8 +759,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
                 peak = max(_extra_peak(sides[n], batches[c]) for c in range(pipe.calls))
                 mem[n] = 100.0 * peak / pbytes
                 state[n] = 100.0 * sides[n].state_bytes() / pbytes
-                got = [_counted(sides[n], batches[c]) for c in range(pipe.calls)]
-                counts[n] = [sum(c.ops for c in got), sum(c.syncs for c in got), sum(c.bytes for c in got) / pbytes]
+    counts = count_row(pipe, model_name, nonfinite, args.quick)
     params = list(base.parameters())
     return Row(
         model=model_name, pipeline=pipe.name, nonfinite=nonfinite or "skip (default)",
@@ -694,6 +770,7 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
         torchzero_ms=1e3 * statistics.median(t_tz) if t_tz else None,
         torchzero_speedup=statistics.median(speedups) if speedups else None, torchzero_speedups=speedups,
         params=sum(p.numel() for p in params), tensors=len(params), counts=counts, limit=pipe.limit,
+        versions=versions(),
     )
 
 
@@ -702,7 +779,7 @@ def format_table(rows: list[Row]) -> str:
     head = ["model", "pipeline", "nonfinite", "modopt ms", "torch ms", "modopt/torch", "repeats"]
     if has_tz:
         head += ["torchzero ms", "torchzero/modopt"]
-    head += ["ops/syncs/bytes modopt", "ops/syncs/bytes torch", "bytes limit"]
+    head += ["ops/syncs/bytes/calls modopt", "ops/syncs/bytes/calls torch", "bytes limit"]
     head += ["extra mem modopt", "extra mem torch", "state modopt", "state torch", "diff"]
     lines = [head]
     for r in rows:
@@ -730,7 +807,102 @@ def format_table(rows: list[Row]) -> str:
 
 
 def _counts(c: list[float] | None) -> str:
-    return "-" if not c else f"{int(c[0])} / {int(c[1])} / {c[2]:.1f}P"
+    """`ops / syncs / bytes / Python calls` of one side's counted cycle (`count_row`)."""
+    return "-" if not c else f"{int(c[0])} / {int(c[1])} / {c[2]:.1f}P / {int(c[3])}"
+
+
+#: pipelines that are settings, not defaults (the docs tables mark them)
+SETTINGS = ("ClipNorm(1.0), AdamW(fused=False)", "ClipNorm(1.0), Adam(fold_clip=True)")
+#: the docs tables (`--docs`): each is preceded by a marker line naming it and the versions the counts were
+#: made with; tests/test_bench.py finds the tables by it and checks every count column against `count_row`
+DOCS_MARKER = "<!-- bench.py --docs: table {kind}; counts made with {versions} -->"
+DOCS_COUNTS = ("ops / syncs / bytes / Python calls a step, modopt", "the same, torch")
+
+
+def short_name(pipeline: str) -> str:
+    short = {name: label for label, name in LABELS.items()}.get(pipeline, pipeline)
+    return short + (" (setting)" if pipeline in SETTINGS else "")
+
+
+def model_label(model: str) -> str:
+    m = re.fullmatch(r"tensors-(\d+)", model)
+    return m.group(1) if m else {"mlp": "MLP"}.get(model, model)
+
+
+def docs_table(rows: list[Row], kind: str) -> str:
+    """The table docs/performance.md publishes, from the rows: `main` (the default rows of the bench
+    models), `ignore` (their `nonfinite="ignore"` rows) or `sweep` (the `tensors-N` models)."""
+    def is_sweep(r: Row) -> bool:
+        return r.model.startswith("tensors-")
+
+    ignore = [r for r in rows if r.nonfinite == "ignore"]  # (the sweep has none: --sweep leaves them out)
+    chosen = {"sweep": [r for r in rows if is_sweep(r) and r not in ignore],
+              "main": [r for r in rows if not is_sweep(r) and r not in ignore],
+              "ignore": [r for r in ignore if not is_sweep(r)]}[kind]
+    if not chosen:
+        return ""
+    tz = kind == "main" and any(r.torchzero_speedup is not None for r in chosen)
+    head = ["pipeline", f"tensors x {SWEEP_SIZE}" if kind == "sweep" else "model", "modopt / torch ms",
+            "modopt/torch (repeats)"] + (["torchzero/modopt"] if tz else []) + list(DOCS_COUNTS)
+    head += ["bytes limit"] if kind != "ignore" else []
+    lines = [DOCS_MARKER.format(kind=kind, versions=chosen[0].versions or versions()),
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in chosen:
+        cells = [short_name(r.pipeline), model_label(r.model), f"{r.modopt_ms:.2f} / {r.torch_ms:.2f}",
+                 f"{r.ratio:.3f}x ({', '.join(f'{x:.3f}' for x in r.ratios)})"]
+        if tz:
+            cells.append("-" if r.torchzero_speedup is None else f"{r.torchzero_speedup:.2f}x")
+        cells += [_counts(r.counts.get("modopt")), _counts(r.counts.get("torch"))]
+        if kind != "ignore":
+            cells.append("-" if r.limit is None else f"{r.limit:g}P")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def counts_table(chosen: list[int], models: list[str], ignore_rows: bool, quick: bool = False) -> str:
+    """The deterministic columns alone (`--counts`: no timing), as docs/performance.md publishes them."""
+    head = ["pipeline", "model", "nonfinite", *DOCS_COUNTS, "bytes limit"]
+    lines = [DOCS_MARKER.format(kind="counts", versions=versions()), "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for index in chosen:
+        pipe = PIPELINES[index]
+        for nf in [None] + (["ignore"] if ignore_rows and pipe.name in IGNORE_ROWS else []):
+            for model in models:
+                got = count_row(pipe, model, nf, quick)
+                lines.append("| " + " | ".join([short_name(pipe.name), model_label(model), nf or "skip (default)",
+                                                _counts(got["modopt"]), _counts(got["torch"]),
+                                                "-" if pipe.limit is None else f"{pipe.limit:g}P"]) + " |")
+    return "\n".join(lines)
+
+
+def parse_docs_tables(text: str) -> dict[str, tuple[str, list[dict[str, str]]]]:
+    """The tables `docs_table` wrote into a page: kind -> (versions, rows as {column: cell})."""
+    out = {}
+    marker = re.compile(re.escape(DOCS_MARKER).replace(r"\{kind\}", r"(\w+)").replace(r"\{versions\}", r"(.+?)"))
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = marker.fullmatch(line.strip())
+        if not m:
+            continue
+        head = [c.strip() for c in lines[i + 1].strip().strip("|").split("|")]
+        rows = []
+        for row in lines[i + 3:]:
+            if not row.startswith("|"):
+                break
+            rows.append(dict(zip(head, (c.strip() for c in row.strip().strip("|").split("|")))))
+        out[m.group(1)] = (m.group(2), rows)
+    return out
+
+
+def row_key(kind: str, cells: dict[str, str]) -> tuple[Pipeline, str, str | None]:
+    """The (pipeline, model, nonfinite) a published row was made from."""
+    name = re.sub(r" \(setting\)$", "", cells["pipeline"])
+    pipe = next(p for p in PIPELINES if p.name == LABELS.get(name, name))
+    model = cells.get("model")
+    model = f"tensors-{cells[f'tensors x {SWEEP_SIZE}']}" if model is None else {"MLP": "mlp"}.get(model, model)
+    model = re.sub(r"^(\d+)$", r"tensors-\1", model)
+    ignore = kind == "ignore" or cells.get("nonfinite") == "ignore"
+    return pipe, model, "ignore" if ignore else None
 
 
 def run_here(index: int, model: str, nonfinite: str | None, args) -> Row:
@@ -767,6 +939,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--device", default="cpu", help="where the models, batches and optimizers live (default cpu; "
                     "e.g. cuda: each timed step is then bracketed by torch.cuda.synchronize)")
+    ap.add_argument("--sweep", action="store_true", help="instead: the tensor-count sweep, N tensors of "
+                    f"{SWEEP_SIZE} elements for each N of --tensors, the pipelines {', '.join(SWEEP_PIPELINES)}")
+    ap.add_argument("--tensors", type=int, nargs="+", default=list(SWEEP_TENSORS),
+                    help=f"the sweep's tensor counts (default {' '.join(map(str, SWEEP_TENSORS))})")
+    ap.add_argument("--docs", action="store_true", help="also print the tables as docs/performance.md publishes "
+                    "them (tests/test_bench.py checks their count columns against what the step counts now)")
+    ap.add_argument("--counts", action="store_true", help="instead: only the count columns (ops, syncs, bytes, "
+                    "Python calls per step, each side), untimed, as the table docs/performance.md publishes")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
@@ -776,6 +956,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = select_pipelines(args.only)
     except ValueError as e:
         ap.error(str(e))
+    if args.sweep:
+        chosen = [i for i in chosen if PIPELINES[i].name in SWEEP_PIPELINES]
+        if not chosen:
+            ap.error(f"--sweep runs {'; '.join(SWEEP_PIPELINES)}: --only {args.only!r} names none of them")
+        args.models = [f"tensors-{n}" for n in args.tensors]
+        args.no_ignore_rows = True
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -783,15 +969,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     global DEVICE
     try:
-        DEVICE = torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError as e:
         ap.error(f"--device {args.device!r}: {e}")
-    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device!r}: torch {torch.__version__} sees no CUDA device here")
+    DEVICE = device  # (only a device that is there: a refused one leaves the module as it was)
     if args.row:  # one row, in a process of its own: print it as JSON
         index, model, nonfinite = args.row
         row = run_one(PIPELINES[int(index)], model, None if nonfinite == "default" else nonfinite, args)
         print(json.dumps(asdict(row)))
+        return 0
+    if args.counts:
+        print(counts_table(chosen, args.models, not args.no_ignore_rows, args.quick))
         return 0
     isolate = not (args.in_process or args.quick)
     tz = torchzero()
@@ -815,6 +1005,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {model:11s} {pipe.name} [{r.nonfinite}]: modopt/torch {r.ratio:.3f}x{tz_part}",
                       file=sys.stderr, flush=True)
     print(format_table(rows))
+    if args.docs:
+        for kind in ("main", "ignore", "sweep"):
+            table = docs_table(rows, kind)
+            if table:
+                print("\n" + table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

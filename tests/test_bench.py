@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -141,3 +142,105 @@ def test_the_published_python_call_counts_are_the_step_s(tmp_path):
         assert now == (calls, functions, files, hops), f"the step now makes {now}; the page says {rows[-1]}"
     else:
         assert got.calls <= calls and len(got.files) <= files
+
+
+# --------------------------------------------------------------------------- the published counts
+
+#: rows whose counts are quick to make (the MLP and up to 512 small tensors); the transformer's and the
+#: 2048- and 4096-tensor rows are checked by the slow test
+QUICK_MODELS = ("mlp", "tensors-8", "tensors-64", "tensors-512")
+
+
+def _published(bench):
+    tables = bench.parse_docs_tables((Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text())
+    assert {"counts", "sweep"} <= set(tables), f"a generated table is missing from the page: {set(tables)}"
+    return tables
+
+
+def _check_published_counts(bench, quick: bool):
+    """Every count column (ops / syncs / bytes / Python calls, each side) of the tables `bench.py --docs`
+    wrote into docs/performance.md is what `bench.count_row` counts now: a change that adds an aten op, a
+    sync, a byte or a Python call to a published step fails here, and so does a saving the page does not
+    show yet (regenerate the tables). The counts depend on the torch version (and the Python calls on
+    Python's: 3.12 inlines comprehensions), so they are checked where the table was made."""
+    wrong, checked = [], 0
+    for kind, (made_with, rows) in _published(bench).items():
+        torch_made = re.match(r"torch (\S+), Python (\S+)", made_with)
+        assert torch_made, made_with
+        if torch_made.group(1).split("+")[0] != torch.__version__.split("+")[0]:
+            pytest.skip(f"the {kind} table's counts were made with torch {torch_made.group(1)}; this is torch "
+                        f"{torch.__version__}, whose kernels and Python may count differently")
+        same_python = torch_made.group(2) == f"{sys.version_info[0]}.{sys.version_info[1]}"
+        for cells in rows:
+            pipe, model, nonfinite = bench.row_key(kind, cells)
+            if (model in QUICK_MODELS) != quick:
+                continue
+            got = bench.count_row(pipe, model, nonfinite)
+            checked += 1
+            for side, column in zip(("modopt", "torch"), bench.DOCS_COUNTS):
+                now, page = bench._counts(got[side]), cells[column]
+                if same_python:
+                    ok = now == page
+                else:  # other Pythons make no more calls than 3.11 (they inline comprehensions)
+                    ok = now.rsplit(" / ", 1)[0] == page.rsplit(" / ", 1)[0] and got[side][3] <= int(page.rsplit(" / ", 1)[1])
+                if not ok:
+                    wrong.append(f"{kind}: {cells['pipeline']} on {model}, {side}: the page says {page}, the step now {now}")
+    assert checked, "no published row was checked"
+    assert not wrong, "the published counts drifted (rerun `python benchmarks/bench.py --docs` and update " \
+                      "docs/performance.md):\n" + "\n".join(wrong)
+
+
+def test_the_published_counts_are_the_steps_quick_rows(bench):
+    _check_published_counts(bench, quick=True)
+
+
+@pytest.mark.slow
+def test_the_published_counts_are_the_steps_large_rows(bench):
+    _check_published_counts(bench, quick=False)
+
+
+def test_the_docs_tables_read_back_as_written(bench):
+    """`docs_table` and `parse_docs_tables` agree: every row keeps its pipeline, model and counts."""
+    rows = [bench.Row(model=m, pipeline=p.name, nonfinite=nf, modopt_ms=1.0, torch_ms=2.0, ratio=0.5, ratios=[0.5],
+                      torch_label="", diff=0.0, extra_modopt=0.0, extra_torch=0.0, state_modopt=0.0,
+                      state_torch=0.0, counts={"modopt": [17, 0, 10.04, 44], "torch": [12, 1, 9.96, 123]},
+                      versions=bench.versions())
+            for p in bench.PIPELINES for m in ("mlp", "transformer", "tensors-64")
+            for nf in ("skip (default)", "ignore") if not (m.startswith("tensors-") and nf == "ignore")]
+    text = "\n\n".join(bench.docs_table(rows, kind) for kind in ("main", "ignore", "sweep"))
+    tables = bench.parse_docs_tables(text)
+    assert set(tables) == {"main", "ignore", "sweep"}
+    seen = set()
+    for kind, (made_with, cells) in tables.items():
+        assert made_with == bench.versions()
+        for c in cells:
+            pipe, model, nf = bench.row_key(kind, c)
+            seen.add((pipe.name, model, nf or "skip (default)"))
+            assert c[bench.DOCS_COUNTS[0]] == "17 / 0 / 10.0P / 44" and c[bench.DOCS_COUNTS[1]] == "12 / 1 / 10.0P / 123"
+    assert seen == {(r.pipeline, r.model, r.nonfinite) for r in rows}
+
+
+def test_the_earlier_commit_runs_beside_this_one(capsys):
+    """benchmarks/against_commit.py imports an earlier modopt under another name next to this one and times
+    both; without the git history it says so and exits 0."""
+    import modopt
+    from modopt.core import runner
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "against_commit.py"
+    spec = importlib.util.spec_from_file_location("modopt_against_commit_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # an absolute import in the copy is renamed; relative ones and other names are left alone
+    src = "from modopt.core import x\nimport modopt\n  from modopt import y\nfrom .core import z\nimport modopt_extra\n"
+    renamed = module._ABSOLUTE.sub(lambda m: f"{m.group(1)}{m.group(2)} modopt_old", src)
+    assert renamed == "from modopt_old.core import x\nimport modopt_old\n  from modopt_old import y\nfrom .core import z\nimport modopt_extra\n"
+    assert module.main(["--tensors", "3", "--steps", "4", "--warmup", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    if out.startswith("skipped:"):
+        pytest.skip(out.strip())
+    rows = [r for r in out.splitlines() if r.startswith("| `")]
+    assert len(rows) == 1 and "imported as modopt_a73d81a" in out
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[2:5])
+    assert "modopt_a73d81a" in sys.modules and sys.modules["modopt"] is modopt  # both, side by side
+    assert runner.HOST_ON_CPU is True
