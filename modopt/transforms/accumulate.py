@@ -87,7 +87,7 @@ class Accumulate(Transform):
             count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
             if torch.compiler.is_compiling():  # a where fuses into the sum
                 updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
-        same = all(u.dtype == s.dtype for u, s in zip(updates, sums))
+        same = [u.dtype for u in updates] == [s.dtype for s in sums]  # (two comprehensions: no call per tensor)
         adding = updates if same else [u.to(s.dtype) for u, s in zip(updates, sums)]
         if ctx.skip is None or torch.compiler.is_compiling():
             torch._foreach_add_(sums, adding)  # (half-precision updates accumulate in float32)
