@@ -182,3 +182,10 @@ def test_deepcopy_and_pickle_roundtrip():
     assert len(opt2.state) == len(opt.state)
     opt3 = pickle.loads(pickle.dumps(opt))
     assert opt3.config == opt.config
+
+
+@pytest.mark.parametrize("bad", ["pp", 0, [0, 1]])
+def test_stage_group_must_be_a_process_group(bad):
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match="stage_group must be the torch.distributed process group"):
+        mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(), stage_group=bad)

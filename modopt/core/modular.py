@@ -94,6 +94,12 @@ class Modular(torch.optim.Optimizer):
         for i, t in enumerate(transforms):
             if not isinstance(t, Transform):
                 raise TypeError(f"Modular: transform #{i} is {type(t).__name__}, not a modopt Transform")
+        if stage_group is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(stage_group, dist.ProcessGroup)):
+                raise TypeError("Modular: stage_group must be the torch.distributed process group of the pipeline "
+                                f"stages (a ProcessGroup) or None, got {type(stage_group).__name__}")
         self._pipeline = PipelineConfig(transforms=list(transforms), nonfinite=nonfinite, defaults=group_defaults)
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
