@@ -18,6 +18,7 @@ import torch
 import modopt as mo
 from modopt.spec import adaptive as spec_adaptive
 from modopt.spec import core as spec_core
+from modopt.spec import ema as spec_ema
 from modopt.spec import guards as spec_guards
 from modopt.spec import orthogonal as spec_orthogonal
 from modopt.spec import percentile as spec_percentile
@@ -171,8 +172,18 @@ class Spec:
     cancels: bool = False
 
 
+@dataclass(frozen=True)
+class Steps:
+    """A stateful transform checked step by step against its float64 spec class by the generic test of
+    ``tests/test_spec_coverage.py``: ``cls(group_of, **fields)`` (or ``cls(**fields)`` when it takes no
+    ``group_of``), whose ``step(updates)`` returns each step's updates, every field passed by name."""
+
+    cls: type
+
+
 # name -> how the transform is checked against its float64 spec (modopt/spec/): a ``Spec`` for the
-# generic one-step test, or the test (``"tests/<file>.py::<test>"``) that checks a stateful one step by step
+# generic one-step test, ``Steps`` for the generic step-by-step test of a stateful one, or the test
+# (``"tests/<file>.py::<test>"``) that checks it its own way
 SPECS = {
     "Identity": Spec(spec_core.identity),
     "LR": Spec(spec_core.lr),
@@ -187,7 +198,7 @@ SPECS = {
     "ZScoreNormalize": Spec(spec_adaptive.z_score_normalize),
     "ClipValueByPercentile": Spec(spec_percentile.clip_value_by_percentile),
     "ZeroNonFinite": Spec(spec_guards.zero_nonfinite),  # non-finite inputs: tests/test_guards.py
-    "ClipNormByEMA": "tests/test_ema.py::test_clip_norm_by_ema_matches_spec",
+    "ClipNormByEMA": Steps(spec_ema.ClipNormByEMA),
     "NormalizeByEMA": "tests/test_ema.py::test_normalize_by_ema_matches_spec",
     "ClipValueByEMA": "tests/test_ema.py::test_clip_value_by_ema_matches_spec",
     "ClipNormGrowth": "tests/test_growth.py::test_clip_norm_growth_matches_spec",

@@ -21,11 +21,12 @@ from pathlib import Path
 import pydantic
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import modopt as mo
 import modopt.transforms
-from examples import NO_SPEC, NON_DEFAULT, SPECS, Spec, instances
+from examples import NO_SPEC, NON_DEFAULT, SPECS, Spec, Steps, instances
+from families import layouts, run_vs_spec
 from modopt.core.registry import get_transform
 from modopt.spec import core as spec_core
 from test_production_path import check, step_updates
@@ -60,8 +61,8 @@ def test_every_shipped_transform_is_paired_with_its_spec_or_says_why_not():
     stale = sorted((set(SPECS) | set(NO_SPEC)) - names)
     assert not stale, f"{stale} in SPECS / NO_SPEC of tests/examples.py are not registered transforms: remove them"
     for name, how in SPECS.items():
-        assert isinstance(how, Spec) or (isinstance(how, str) and TEST_ID.fullmatch(how)), (
-            f'SPECS["{name}"] must be a Spec(...) or "tests/<file>.py::<test>", got {how!r}'
+        assert isinstance(how, (Spec, Steps)) or (isinstance(how, str) and TEST_ID.fullmatch(how)), (
+            f'SPECS["{name}"] must be a Spec(...), a Steps(...) or "tests/<file>.py::<test>", got {how!r}'
         )
         if isinstance(how, Spec):
             assert how.fn.__module__.startswith("modopt.spec."), f"{name}'s spec must live in modopt/spec/"
@@ -144,6 +145,30 @@ def test_one_step_through_modular_matches_the_spec(name, data):
         assert_close_to_inputs(out, ref, ts)
     else:
         check(out, ref, ts[0].dtype)
+
+
+# --- the generic step-by-step test of a stateful transform -------------------------------------------
+STEPWISE = sorted(name for name, how in SPECS.items() if isinstance(how, Steps))
+
+
+def test_every_transform_with_a_stepwise_spec_is_run_below():
+    assert {"ClipNormByEMA"} <= set(STEPWISE)
+
+
+@pytest.mark.parametrize("name", STEPWISE)
+@settings(max_examples=20)
+@given(lay=layouts(), data=st.data())
+def test_steps_through_modular_match_the_spec(name, lay, data):
+    """Several steps (`families.sequence`: spikes, zeros, a flat stretch) of the transform, each one's
+    updates equal to its spec class's, with the state carried between steps on both sides."""
+    shp, group_of, dtype, seed = lay
+    t = data.draw(st.sampled_from(instances(name) + [default_instance(instances(name)[0])]))
+    if isinstance(t, mo.Scoped) and data.draw(st.booleans()):
+        t = other_scope(data.draw, t)
+    fields = {f: getattr(t, f) for f in type(t).model_fields}
+    cls = SPECS[name].cls
+    spec = cls(group_of, **fields) if "group_of" in inspect.signature(cls).parameters else cls(**fields)
+    run_vs_spec(t, spec, shp, group_of, dtype, seed)
 
 
 # --- exports ---------------------------------------------------------------------------------------
