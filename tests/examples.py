@@ -126,7 +126,7 @@ NON_DEFAULT = {
     "AdaMuon": [
         mo.AdaMuon(lr=0.01, betas=(0.8, 0.99), weight_decay=0.01, eps=1e-8, ns_eps=1e-6, adjust_lr_fn="original",
                    ns_coefficients="quintic", ns_steps=4, ns_safety=1.01, ns_dtype="float32"),
-        mo.AdaMuon(ns_dtype="float64"),
+        mo.AdaMuon(ns_dtype="float64", sharded="dtensor"),
     ],
     # the stability family (issue 20); warm-up 3 and 2, so the 5-step checks cross its end
     "AdaGC": [

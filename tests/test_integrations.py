@@ -222,6 +222,7 @@ def test_compile_page_runs(tmp_path, monkeypatch):
         "['0:ClipNorm.clipped', '0:ClipNorm.norm', '0:ClipNorm.scale', 'nonfinite', 'skipped', 'skipped_steps', 'zeroed']",
         "finite: True",
         "skipped: True unchanged: True",
+        "torch.float64 0",  # compile_step with mo.tensor_hyperparams: the lr a float64 tensor, no step skipped
     ]
     opt, skip_opt = ns["opt"], ns["skip_opt"]
     assert int(opt.stats["skipped_steps"]) == 0 and int(skip_opt.stats["skipped_steps"]) == 1

@@ -292,6 +292,7 @@ class NormMemo:
     """
 
     __slots__ = ("_entries", "_open", "stages")
+    stages: Any
 
     def __init__(self, opened: bool = False, stages: Any = None) -> None:
         self._entries: dict[Any, Any] = {}
