@@ -471,20 +471,26 @@ class Segments:
         acc = common_acc_dtype(tensors)
         counts = self.count_tensor(acc, _device(tensors))
         # a global statistic over pipeline stages: the sums (and counts) of every stage's parameters
-        stages = [self.memo.stages] if self.kind == "global" and self.memo is not None and self.memo.stages is not None else []
+        memo = self.memo
+        stages = [memo.stages] if self.kind == "global" and memo is not None and memo.stages is not None else []
         if stages:
             counts = distributed.sum_over_(counts.clone(), stages)
         if stat == "mad":
             parts = torch.stack(foreach_pnorm(tensors, 1.0)).to(acc)
-            return distributed.sum_over_(self.segment_sums(parts), stages) / counts.clamp(min=1)
-        sums = distributed.sum_over_(self.segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors])), stages)
+            sums = self.segment_sums(parts)
+            return (distributed.sum_over_(sums, stages) if stages else sums) / counts.clamp(min=1)
+        sums = self.segment_sums(torch.stack([t.sum(dtype=acc) for t in tensors]))
+        if stages:
+            distributed.sum_over_(sums, stages)
         if stat == "sum":
             return sums
         mean = sums / counts.clamp(min=1)
         if stat == "mean":
             return mean
         means = self.expand(mean)
-        sq = distributed.sum_over_(self.segment_sums(torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)])), stages)
+        sq = self.segment_sums(torch.stack([(t.to(acc) - m).square().sum() for t, m in zip(tensors, means)]))
+        if stages:
+            distributed.sum_over_(sq, stages)
         var = torch.where(counts >= 2, sq / (counts - 1).clamp(min=1), 0.0)
         return var if stat == "var" else var.sqrt()
 
