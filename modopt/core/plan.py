@@ -84,6 +84,12 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
     that cannot run (see the module docs). `groups`: the param groups when known (for the device-skip
     answer of transforms that read them; re-planned by the host when groups are added)."""
     transforms = tuple(transforms)
+    if stage_group is not None:  # every statistic must be able to span the pipeline stages
+        for key, t in walk(transforms):
+            try:
+                t.check_stages()
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
     n_updates = _check_stages(transforms)
     _check_last(transforms[:n_updates])
     _check_skip_first(transforms)

@@ -524,6 +524,11 @@ class Transform(BaseModel):
         """Sub-transforms run by this one (for keys, group keys and checks)."""
         return ()
 
+    def check_stages(self) -> None:
+        """Raise `ValueError` (why, and what to use instead) when this transform cannot take its statistics
+        over pipeline stages (`Modular(..., stage_group=)`); checked when the optimizer is built. Default:
+        it can (its statistics go through `modopt.core.reduce`, which spans the stages)."""
+
     def hyperparams(self) -> dict[str, Any]:
         """Default param-group values this transform exposes."""
         return {k: getattr(self, k) for k in self.group_keys}

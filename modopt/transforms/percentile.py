@@ -66,6 +66,12 @@ class ClipValueByPercentile(Scoped):
     pct: int = Field(ge=0, le=100)
     scope: ScopeName = "tensor"
 
+    def check_stages(self) -> None:
+        """A global percentile cannot span pipeline stages (its bisection would need an all-reduce per round)."""
+        if self.scope == "global":
+            raise ValueError("a global percentile over pipeline stages (Modular(stage_group=...)) is not supported; "
+                             "use scope='tensor' or 'group' (each stage's own elements)")
+
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Clamp each segment to the `pct`-th percentile of its magnitudes."""
         if self.pct == 100:  # the maximum magnitude: clamping changes nothing
@@ -76,9 +82,6 @@ class ClipValueByPercentile(Scoped):
                 if on and u.numel():
                     self._clip_slices(u, dims)
             return updates
-        if seg.kind == "global" and ctx.memo.stages is not None:
-            raise ValueError(f"{st.key}: a global percentile over pipeline stages (Modular(stage_group=...)) is not "
-                             "supported; use scope='tensor' or 'group' (each stage's own elements)")
         if distributed.any_sharded(updates):  # FSDP2 / tensor parallel: the k-th value of the full tensors
             return self._clip_sharded(st, updates, seg)
         thresholds = []

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import modopt as mo
+
 from launch import run_job
 import stage_worker as w
 
@@ -50,3 +52,14 @@ def test_without_the_stage_group_a_stage_clips_by_its_own_norm():
     every = w.params()
     ref, _ = w.train(every, [0, 1, 2, 3], "ClipNorm+Adam", None)
     assert max((g - r).abs().max().item() for g, r in zip(got, ref[:2])) > 100 * ATOL
+
+
+def test_a_global_percentile_over_stages_is_refused_when_built():
+    """Refused with the transform's key before anything is built (a step would have half run); a
+    per-tensor percentile is fine (each stage's own elements)."""
+    pg = dist.ProcessGroup(dist.HashStore(), 0, 1)  # (a group object: nothing is communicated here)
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="0:ClipValueByPercentile: a global percentile over pipeline stages"):
+        mo.Modular([p], mo.ClipValueByPercentile(90, scope="global"), mo.SGD(lr=0.1), stage_group=pg)
+    assert p.grad is None and torch.equal(p.detach(), torch.zeros(3))
+    mo.Modular([p], mo.ClipValueByPercentile(90, scope="tensor"), mo.SGD(lr=0.1), stage_group=pg)
