@@ -22,6 +22,7 @@ so a kernel torch has fixed is used again on the versions with the fix:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Union
@@ -34,7 +35,24 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from . import distributed
 
-__all__ = ["KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_sgd_started_",
+_CONSTS: dict[tuple, torch.Tensor] = {}
+
+
+def const(value: float, like: torch.Tensor) -> Union[torch.Tensor, float]:
+    """`value` as a cached 0-d tensor of `like`'s dtype and device, for a `torch.where` or `torch.fmin`
+    that would otherwise make its scalar into a new tensor each call (a `scalar_tensor`: on a GPU, a
+    fill kernel launched every step). The same values as the Python number (the dtype is `like`'s, as
+    the number's would be). Traced by `torch.compile`, the number itself: the graph folds it in.
+    Never written to; not for NaN."""
+    if torch.compiler.is_compiling():
+        return value
+    key = (value, math.copysign(1.0, value), like.dtype, like.device)  # (-0.0 == 0.0 as a dict key)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.full((), value, dtype=like.dtype, device=like.device)
+    return t
+
+__all__ = ["const", "KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_sgd_started_",
            "fused_sgd_started_", "foreach_adam_",
            "torch_default_foreach", "torch_adam_", "torch_sgd_"]
 

@@ -101,7 +101,7 @@ class Step:
     """
 
     __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
-                 "memo", "cancelled", "folded", "pending", "loss", "moment_requests", "_states")
+                 "memo", "cancelled", "folded", "pending", "loss", "moment_requests", "checked", "_states")
     layout: Layout
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -114,6 +114,7 @@ class Step:
     stats: dict[str, torch.Tensor]
     skip: torch.Tensor | None
     proceed: torch.Tensor | None
+    checked: torch.Tensor | None
     memo: NormMemo
     cancelled: frozenset[str]
     folded: str | None
@@ -135,6 +136,8 @@ class Step:
         self.skip = skip
         #: `~skip`, when the decision made it first (one op less for a kernel that counts steps taken)
         self.proceed = None
+        #: the total norm whose `< inf` made `proceed` (the non-finite check's), while that still holds
+        self.checked = None
         #: the step's loss as the caller gave it (the closure's return value or `opt.step(loss=...)`),
         #: unchecked: None when not given; `check_loss` says what a transform that reads it accepts
         self.loss = None
@@ -246,6 +249,18 @@ class Step:
         refused after a transform that keeps state: `modopt.core.modular`)."""
         self.skip = self.skip | cond
         self.proceed = ~self.skip
+        self.checked = None
+
+    def finite(self, norm: torch.Tensor) -> torch.Tensor:
+        """`norm < inf` (a norm is >= 0 and NaN compares false), and, where the device decides, the step
+        goes ahead: a bool tensor like `norm`. The non-finite check's own total gives `proceed` itself
+        (the same values: no op)."""
+        if norm is self.checked:
+            return self.proceed  # type: ignore[return-value]
+        ok = norm < math.inf
+        if self.skip is not None:
+            ok = ok & (self.proceed if self.proceed is not None else ~self.skip)
+        return ok
 
     def sub(self, idx: list[int], cache_key: Any) -> "Step":
         """The step over `params[i] for i in idx` (a `Masked` selection), its layout cached under `cache_key`."""
@@ -263,7 +278,7 @@ class Step:
                             [self.names[i] for i in idx])
             self.layout.cache[cache_key] = layout
         sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
-        sub.proceed, sub.cancelled = self.proceed, frozenset()  # (the linter does not look inside Masked)
+        sub.proceed, sub.checked, sub.cancelled = self.proceed, self.checked, frozenset()  # (the linter does not look inside Masked)
         sub.folded, sub.loss = None, self.loss
         sub.moment_requests = self.moment_requests
         return sub
@@ -690,6 +705,7 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
         total = stage_total(total, 2.0, ctx.memo.stages)
     if on_device:
         ctx.memo.put_total(grads, 2.0, acc, total)
+        ctx.checked = total
     return total if total_only else total < math.inf
 
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 from pydantic import Field
-from typing import Annotated
+
+from ..core.kernels import const
 
 
 def below_one(ratio: torch.Tensor) -> torch.Tensor:
     """`ratio` where it is < 1, else 1. A NaN ratio (0/0) gives 1: never scales up, never NaN.
 
-    `min(ratio, 1)` then NaN -> 1: the same values as `where(ratio < 1, ratio, 1)` (signed zeros and
-    -inf included) in two ops where the `where` takes three (its scalar becomes a tensor first)."""
-    return torch.clamp(ratio, max=1.0).nan_to_num_(nan=1.0, posinf=math.inf, neginf=-math.inf)
+    `fmin(ratio, 1)` (fmin takes the number over a NaN): the same values as `where(ratio < 1, ratio, 1)`
+    (signed zeros and -inf included) in one op; traced, `min(ratio, 1)` then NaN -> 1 (inductor fuses both)."""
+    if torch.compiler.is_compiling():
+        return torch.clamp(ratio, max=1.0).nan_to_num_(nan=1.0, posinf=math.inf, neginf=-math.inf)
+    return torch.fmin(ratio, const(1.0, ratio))
 
 
 def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torch.Tensor:

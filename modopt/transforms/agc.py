@@ -7,6 +7,7 @@ from typing import ClassVar, Optional
 
 from pydantic import PositiveFloat, model_validator
 
+from ..core.kernels import const
 from ..core.reduce import acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.select import Select
@@ -110,7 +111,7 @@ class AGC(Transform):
             nw = torch.linalg.vector_norm(p.detach(), 2, dim=dims, keepdim=True, dtype=acc_dtype(p.dtype)).to(acc)
             allowed = nw.clamp(min=self.eps) * self.clipping
             over = nu > allowed
-            scale = torch.where(over, allowed / nu.clamp(min=1e-6), 1.0)
+            scale = torch.where(over, allowed / nu.clamp(min=1e-6), const(1.0, nu))
             factor = scale.to(u.dtype) if u.dtype != acc else scale
             if traced:  # out of place (an in-place write into the gradient here tripped inductor, torch 2.13)
                 updates[i] = u * factor

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..core.kernels import const
 from ..core.reduce import common_acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.reduce import Segments, make_segments
@@ -101,7 +102,7 @@ class Cautious(Transform):
         traced = torch.compiler.is_compiling()
         if self.scale == "none":
             if traced:  # out of place: inductor fuses it (an in-place write into a gradient tripped it, 2.13)
-                return [torch.where(k, u, 0.0) for u, k in zip(updates, keep)]
+                return [torch.where(k, u, const(0.0, u)) for u, k in zip(updates, keep)]
             for u, k in zip(updates, keep):
                 u.masked_fill_(~k, 0.0)
             return updates
@@ -116,7 +117,7 @@ class Cautious(Transform):
         else:
             s = n / kept.clamp(min=1)
         if traced:
-            return [torch.where(k, u * si, 0.0) for u, k, si in zip(updates, keep, s.unbind(0))]
+            return [torch.where(k, u * si, const(0.0, u)) for u, k, si in zip(updates, keep, s.unbind(0))]
         for u, k in zip(updates, keep):
             u.masked_fill_(~k, 0.0)
         seg.mul_(updates, s)

@@ -19,6 +19,7 @@ import torch
 from pydantic import Field, PositiveFloat
 
 from ..core import distributed
+from ..core.kernels import const
 from ..core.keys import value_key
 from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
@@ -56,9 +57,7 @@ class _NormEMA(Scoped, abstract=True):
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
         # `nu < inf` is "finite" for a norm (NaN compares false)
-        ok = nu < math.inf
-        if ctx.skip is not None:
-            ok = ok & (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
+        ok = ctx.finite(nu)
         ok_t = seg.expand(ok)
         flags = None
         if self.ema_init == "zeros":
@@ -68,7 +67,7 @@ class _NormEMA(Scoped, abstract=True):
         # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
-        per_dtype = {dt: seg.expand(ok.to(dt) * w) for dt in {mi.dtype for mi in m}}
+        per_dtype = {mi.dtype: seg.expand(_weight(ok, w, mi)) for mi in {mi.dtype: mi for mi in m}.values()}
         weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
         if flags is not None and any(f is not None for f in flags):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
@@ -86,14 +85,14 @@ class _NormEMA(Scoped, abstract=True):
         if self.max_ema_growth is not None:
             prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype).to(nm.dtype)
             # the limit binds where a previous norm exists and the segment is ok; elsewhere it is inf
-            limit = torch.where((prev > 0) & ok, prev * self.max_ema_growth, math.inf)
+            limit = torch.where((prev > 0) & ok, prev * self.max_ema_growth, const(math.inf, prev))
             factor = below_one(limit / nm)
             seg.mul_(m, factor)
             nm = nm * factor
             st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev), kept=True)
         floor = torch.clamp(nm, min=self.eps)
         if self.normalize:
-            scale = torch.where(nu > 0, floor / nu, 1.0)
+            scale = torch.where(nu > 0, floor / nu, const(1.0, nu))
         else:
             scale = below_one(floor / nu)
         st.scale_(seg, updates, scale)
@@ -119,6 +118,14 @@ class _NormEMA(Scoped, abstract=True):
         """`(scope, dim, inverse_dims)` with `eps > 0` (the factor stays > 0), else None."""
         # eps > 0 keeps the EMA's norm, and so the factor, away from 0
         return (self.scope, self.dim, self.inverse_dims) if self.eps > 0 else None
+
+
+def _weight(ok: torch.Tensor, w: float, like: torch.Tensor) -> torch.Tensor:
+    """`ok.to(dtype) * w` in `like`'s dtype: one op in float32/64 (`w` a cached tensor; 1 * w and 0 * w
+    are exact); two otherwise and when traced."""
+    if like.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
+        return ok * const(w, like)
+    return ok.to(like.dtype) * w
 
 
 def _ema_from_update(ctx, st, updates, first) -> tuple[list[torch.Tensor], list, bool]:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
+from ..core.kernels import const
 from ..core.reduce import Ord, acc_dtype
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped
@@ -95,12 +96,12 @@ class ClipNormGrowth(Scoped, _Growth):
         started = st.seg_get(seg, "started", 0.0, dtype=n.dtype)
         on = started > 0
         allowed = self._allowed(r)
-        scale = torch.where(on, below_one(allowed / n), 1.0)
+        scale = torch.where(on, below_one(allowed / n), const(1.0, n))
         new_r = torch.where(on, self._remember(n * scale, r), n.clamp(min=self.min_value))
         ok = n < math.inf  # (a norm: >= 0, and NaN compares false)
         st.scale_(seg, updates, scale)
         st.seg_set(seg, "prev_norm", torch.where(ok, new_r, r))
-        st.seg_set(seg, "started", torch.where(ok, 1.0, started))
+        st.seg_set(seg, "started", torch.where(ok, const(1.0, started), started))
         st.record_clip(n, scale, allowed=allowed)
         return updates
 

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
+from ..core.kernels import const
 from ..core.reduce import Ord
 from ..core.plan import pnorm
 from ..core.runner import Step, TransformState
@@ -25,7 +26,7 @@ def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: b
     n = norm.abs() if signed else norm
     d = n + eps if eps != 0 else n
     inv = d.reciprocal() if norm_value == 1 else norm_value / d
-    return torch.where(n > 0, inv, 1.0)
+    return torch.where(n > 0, inv, const(1.0, inv))
 
 
 class Normalize(Scoped):

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from ..core import runner
+from ..core.kernels import const
 from ..core.hostdata import on_device
 from ..core.moments import Moments
 from ..core.distributed import any_sharded
@@ -200,7 +201,7 @@ class SPAM(Transform):
             theta = st.runtime.get(key)
             if theta is None:
                 theta = st.runtime[key] = on_device(self.theta, torch.float64, t.device)
-            gated = torch.where(clipping, theta, math.inf)
+            gated = torch.where(clipping, theta, const(math.inf, theta))
             flat = [i for i, (u, v) in enumerate(zip(updates, vs)) if u.dtype == v.dtype and _in_place(v, gated)]
             limits = dict(zip(flat, torch._foreach_mul([vs[i] for i in flat], gated))) if flat else {}
             for i, (u, v) in enumerate(zip(updates, vs)):
@@ -337,7 +338,7 @@ class StableSPAM(Scoped):
         # (g / n) * c, the reference's rounding, in place (where that would round in a wider dtype than u's, the
         # plain expression); a zero or NaN norm leaves the segment as it is: there it is divided and multiplied by
         # 1, which is exact for every value (no full-size select)
-        by, times = seg.expand(torch.where(rescale, n, 1.0)), seg.expand(torch.where(rescale, c, 1.0))
+        by, times = seg.expand(torch.where(rescale, n, const(1.0, n))), seg.expand(torch.where(rescale, c, const(1.0, c)))
         fast = [on and _in_place(u, k, cc) for u, on, k, cc in zip(updates, seg.active, by, times)]
         idx = [i for i, f in enumerate(fast) if f]
         if idx:
@@ -348,6 +349,6 @@ class StableSPAM(Scoped):
             if on and not f:
                 u.copy_(u / k * cc)
         st.record("norm", n)
-        st.record("scale", torch.where(rescale, c / n, 1.0))
+        st.record("scale", torch.where(rescale, c / n, const(1.0, n)))
         _advance(ctx, st, count)
         return updates

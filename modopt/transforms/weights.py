@@ -10,6 +10,7 @@ import warnings
 import torch
 from pydantic import Field, NonNegativeInt
 
+from ..core.kernels import const
 from ..core.reduce import acc_dtype, common_acc_dtype
 from ..core.reduce import any_pnorms
 from ..core.runner import Step, TransformState
@@ -95,9 +96,9 @@ class ProjectNorm(Transform):
             radii = torch.stack([all_r[i] for i in idx]).to(acc)
         else:
             radii = torch.full_like(norms, self.radius)
-        factors = torch.where(norms > 0, radii / (norms + self.eps), 1.0)
+        factors = torch.where(norms > 0, radii / (norms + self.eps), const(1.0, norms))
         if ctx.skip is not None:  # x * 1 is x, every bit
-            factors = torch.where(ctx.skip, 1.0, factors)
+            factors = torch.where(ctx.skip, const(1.0, factors), factors)
         for p, f in zip(params, factors.unbind(0)):
             p.mul_(f.to(p.dtype))
 
@@ -172,9 +173,9 @@ class QKClip(Transform):
         acc = common_acc_dtype([ctx.params[i] for _, q, k in targets for i, _, _ in q + k])
         s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
         eta = (self.tau / s.clamp_min(self.eps)).clamp_max(1.0)
-        eta = torch.where(torch.isnan(s), 1.0, eta)
+        eta = torch.where(torch.isnan(s), const(1.0, eta), eta)
         if ctx.skip is not None:  # x * 1 is x, every bit
-            eta = torch.where(ctx.skip, 1.0, eta)
+            eta = torch.where(ctx.skip, const(1.0, eta), eta)
         st.record("max_logit", s)
         st.record("clipped", (eta < 1.0).sum())
         fq, fk = eta.pow(self.alpha), eta.pow(1.0 - self.alpha)
