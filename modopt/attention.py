@@ -218,7 +218,8 @@ def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: t
     """`[heads]`: each head's max of `q·k / sqrt(d)` over the batch and the positions the masks keep
     (a position a bool mask marks True, or a float mask sets to -inf, is left out; finite float mask values
     are not added: the clip bounds `q·k`). `bias_k` and `add_zero_attn` keys are left out. `dtype`: compute
-    the projections and products in it (default: the inputs' and weights' own, the scores then in float32)."""
+    the projections and the scores in it (default: the projections in the inputs' and weights' dtype, the
+    scores then cast to float32, as the hook records them)."""
     e, h = mod.embed_dim, mod.num_heads
     d = e // h
     if mod._qkv_same_embed_dim:
@@ -240,7 +241,8 @@ def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: t
     b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
     q = torch.nn.functional.linear(query, wq, bq).view(b, lq, h, d).transpose(1, 2)
     k = torch.nn.functional.linear(key, wk, bk).view(b, lk, h, d).transpose(1, 2)
-    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(d)  # (b, h, lq, lk)
+    s = q @ k.transpose(-1, -2)
+    s = (s.float() if dtype is None else s) / math.sqrt(d)  # (b, h, lq, lk)
     m = _masked(attn_mask)
     if m is not None:
         s = s.masked_fill(m.view(b, h, lq, lk) if m.dim() == 3 else m, -math.inf)

@@ -167,8 +167,8 @@ class QKClip(Transform):
         if self.logits == "rewritten":
             for layer, _, _ in self._targets(ctx):
                 if not layer.keep:
-                    how = ("attach it with mo.AttentionLogits.attach(model, keep_inputs=True)" if layer.logits_fn
-                           is not None else "watch it with logits_fn=... on a provider made with keep_inputs=True, "
+                    how = ("make its provider with keep_inputs=True (for nn.MultiheadAttention: "
+                           "mo.AttentionLogits.attach(model, keep_inputs=True))" if layer.logits_fn is not None else "watch it with logits_fn=... on a provider made with keep_inputs=True, "
                            "and record(..., inputs=...)")
                     raise ValueError(f"QKClip(logits='rewritten'): the attention layer {layer.name!r} keeps no inputs "
                                      f"to measure its logits at the written weights; {how} (docs/modules/weights.md)")
