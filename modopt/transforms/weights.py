@@ -116,14 +116,21 @@ class QKClip(Transform):
     user's attention records its own). The floor $\epsilon$ keeps $S_h \le 0$ from making a NaN or a
     negative factor; a NaN $S_h$ leaves the head alone. So the next forward's logit $\eta_h S_h \le \tau$
     for the same inputs. Defaults: `tau=100`, `alpha=0.5` (Megatron's `qk_clip_threshold`,
-    `qk_clip_alpha`), `eps=1e-6`.
+    `qk_clip_alpha`), `eps=1e-6`, `logits="recorded"`.
+
+    `logits="recorded"` (the default) is Kimi K2's rule: $S_h$ as the forwards recorded it, at the weights
+    before the write, so the write itself can still raise the logits. `logits="rewritten"` (modopt's
+    variant, not Kimi's) measures $S'_h$ after the write, on the inputs of the forwards since the last step
+    (kept by a provider made with `keep_inputs=True`), and clips by it: on those inputs every head's max
+    logit is then $\min(S'_h, \tau)$. Cost: the kept inputs stay in memory until the step, and the step
+    computes each kept forward's $QK^\top$ once more.
 
     The transform holds no model: it finds the watched layers through the parameters its optimizer steps
     (the provider registers them; see `modopt.attention`), so its config is just its numbers. Only the
     rows of parameters stepped this step are scaled; the recorded maxima are reset after the clip. A step
     the non-finite policy skips, or `Accumulate` stops, changes nothing (the maxima keep running). No
-    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip) and `clipped` (how
-    many heads were scaled).
+    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip: $S_h$, or $S'_h$)
+    and `clipped` (how many heads were scaled).
 
     ```pycon
     >>> import torch, modopt as mo
@@ -168,8 +175,9 @@ class QKClip(Transform):
             for layer, _, _ in self._targets(ctx):
                 if not layer.keep:
                     how = ("make its provider with keep_inputs=True (for nn.MultiheadAttention: "
-                           "mo.AttentionLogits.attach(model, keep_inputs=True))" if layer.logits_fn is not None else "watch it with logits_fn=... on a provider made with keep_inputs=True, "
-                           "and record(..., inputs=...)")
+                           "mo.AttentionLogits.attach(model, keep_inputs=True))" if layer.logits_fn is not None
+                           else "watch it with logits_fn=... on a provider made with keep_inputs=True, and "
+                           "record(..., inputs=...)")
                     raise ValueError(f"QKClip(logits='rewritten'): the attention layer {layer.name!r} keeps no inputs "
                                      f"to measure its logits at the written weights; {how} (docs/modules/weights.md)")
 
