@@ -4,6 +4,8 @@
 `q·k / sqrt(d)` over the forwards since the last optimizer step that consumed it, and says which rows of
 which parameters are each head's query and key rows. `AttentionLogits.attach(model)` hooks every
 `torch.nn.MultiheadAttention` of a model; a user's own attention calls `record(name, max_logits)` itself.
+With `keep_inputs=True` the provider also keeps each recorded forward's inputs until a step consumes them,
+so that `QKClip(logits="rewritten")` can measure the logits again at the weights the optimizer wrote.
 
 Why a provider outside the transform: a `Transform` is a frozen pydantic model that serialises to a config,
 so it cannot hold a model, hooks or tensors. The provider registers each watched layer under its query and
@@ -14,8 +16,9 @@ and the same config works for any model whose attention is watched.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,14 +33,21 @@ Rows = tuple[torch.Tensor, int, int]
 
 
 class _Layer:
-    """One watched attention layer: its heads, its query and key rows, and the running max per head."""
+    """One watched attention layer: its heads, its query and key rows, the running max per head, and (with
+    `keep_inputs`) the inputs of the forwards since the last step that consumed them."""
 
-    __slots__ = ("name", "heads", "query", "key", "max_logits", "__weakref__")
-
-    def __init__(self, name: str, heads: int, query: list[Rows], key: list[Rows], device: torch.device) -> None:
+    def __init__(self, name: str, heads: int, query: list[Rows], key: list[Rows], device: torch.device,
+                 logits_fn: Callable[..., torch.Tensor] | None = None, keep: bool = False) -> None:
         self.name, self.heads, self.query, self.key = name, heads, query, key
         #: `[heads]` float32: the max logit of each head over the forwards since the last clip; -inf: none seen
         self.max_logits = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
+        #: `logits_fn(*inputs)`: `[heads]` max logits of one forward's `inputs` at the layer's current weights
+        self.logits_fn, self.keep = logits_fn, keep
+        #: the inputs of the forwards since the last step (tuples, as `record(..., inputs=)` got them)
+        self.kept: list[tuple[Any, ...]] = []
+        #: `[heads]` float32: the max logits of forwards whose step the device skipped, measured at the
+        #: weights of that step (unchanged by it); -inf when the last step went ahead
+        self.carry = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
 
 
 def _rows(spec: Any, heads: int, what: str) -> Rows:
@@ -62,44 +72,69 @@ class AttentionLogits:
     `stats.record(name, max_logits)` in each forward with a `[heads]` tensor. Only forwards under
     grad mode (training forwards) are recorded by the hooks; the maximum runs over every recorded forward
     (the micro-batches of a step) until `QKClip` reads it after the optimizer's write and resets it.
+
+    `keep_inputs=True` (for `QKClip(logits="rewritten")`): each recorded forward's inputs are kept too
+    (references to its query and key inputs and masks, detached; no copy) until a step consumes them, and a
+    user's layer gives `logits_fn` to `watch` and its inputs to `record`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_inputs: bool = False) -> None:
         self.layers: dict[str, _Layer] = {}
         self._handles: list[Any] = []
+        self.keep_inputs = bool(keep_inputs)
 
     # --- a user's own attention ---------------------------------------------------------------------
-    def watch(self, name: str, heads: int, query: Sequence[Any] | Any, key: Sequence[Any] | Any) -> None:
+    def watch(self, name: str, heads: int, query: Sequence[Any] | Any, key: Sequence[Any] | Any,
+              logits_fn: Callable[..., torch.Tensor] | None = None) -> None:
         """Watch the layer `name` with `heads` heads. `query` and `key`: the parameters (or
         `(param, start, stop)` row ranges, a list of several: a weight and its bias) holding the query
-        and key rows; each range splits into `heads` equal blocks, head h the h-th (as `view(heads, d, ...)`)."""
+        and key rows; each range splits into `heads` equal blocks, head h the h-th (as `view(heads, d, ...)`).
+
+        `logits_fn(*inputs)` (for `QKClip(logits="rewritten")`): the `[heads]` max logits, at the layer's
+        weights as they are when it is called, of one forward whose `inputs` were given to `record`."""
+        if logits_fn is not None and not callable(logits_fn):
+            raise TypeError(f"AttentionLogits: logits_fn of {name!r} must be callable (got {logits_fn!r})")
         if name in self.layers:
             raise ValueError(f"AttentionLogits: {name!r} is watched already")
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
             raise ValueError(f"AttentionLogits: heads must be a positive int (got {heads!r})")
         q = [_rows(s, heads, "query") for s in (query if _is_list(query) else [query])]
         k = [_rows(s, heads, "key") for s in (key if _is_list(key) else [key])]
-        layer = _Layer(name, heads, q, k, q[0][0].device)
+        layer = _Layer(name, heads, q, k, q[0][0].device, logits_fn, self.keep_inputs and logits_fn is not None)
         self.layers[name] = layer
         for t, _, _ in q + k:
             entries = t.__dict__.setdefault(_ATTR, [])
             if all(e is not layer for e in entries):
                 entries.append(layer)
 
-    def record(self, name: str, max_logits: torch.Tensor) -> None:
-        """Fold a forward's `[heads]` max logits into layer `name`'s running maximum (on the device)."""
+    def record(self, name: str, max_logits: torch.Tensor, inputs: tuple[Any, ...] | None = None) -> None:
+        """Fold a forward's `[heads]` max logits into layer `name`'s running maximum (on the device). With
+        `keep_inputs` and a layer watched with `logits_fn`, `inputs` (a tuple, `logits_fn`'s arguments) is
+        kept until a step consumes it; its tensors are kept detached, by reference: do not write into them
+        before the step."""
         layer = self.layers[name]
+        if layer.keep:
+            if not isinstance(inputs, tuple):
+                raise TypeError(f"AttentionLogits.record({name!r}): the provider keeps inputs (keep_inputs=True) "
+                                f"for QKClip(logits='rewritten'): pass inputs=(...), the arguments of its logits_fn")
+            layer.kept.append(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in inputs))
         m = max_logits.detach().to(device=layer.max_logits.device, dtype=torch.float32).reshape(layer.heads)
         torch.maximum(layer.max_logits, m, out=layer.max_logits)
+
+    def kept_inputs(self) -> dict[str, int]:
+        """How many forwards' inputs each layer keeps for the next step (0 without `keep_inputs`)."""
+        return {n: len(layer.kept) for n, layer in self.layers.items()}
 
     def max_logits(self) -> dict[str, torch.Tensor]:
         """Each layer's running max logit per head (a copy), by name."""
         return {n: layer.max_logits.clone() for n, layer in self.layers.items()}
 
     def reset(self) -> None:
-        """Forget the recorded maxima (-inf: nothing seen)."""
+        """Forget the recorded maxima (-inf: nothing seen) and the kept inputs."""
         for layer in self.layers.values():
             layer.max_logits.fill_(-math.inf)
+            layer.carry.fill_(-math.inf)
+            layer.kept.clear()
 
     def detach(self) -> None:
         """Remove the hooks and stop watching (the parameters are left as they are)."""
@@ -114,10 +149,14 @@ class AttentionLogits:
 
     # --- torch.nn.MultiheadAttention -------------------------------------------------------------------
     @classmethod
-    def attach(cls, model: torch.nn.Module, stats: AttentionLogits | None = None) -> AttentionLogits:
+    def attach(cls, model: torch.nn.Module, stats: AttentionLogits | None = None, *,
+               keep_inputs: bool | None = None) -> AttentionLogits:
         """Watch every `torch.nn.MultiheadAttention` in `model` (by its module name) with a forward hook
-        that recomputes its logits; returns the provider (`stats`, or a new one)."""
-        self = stats if stats is not None else cls()
+        that recomputes its logits; returns the provider (`stats`, or a new one). `keep_inputs=True`: the
+        hook also keeps each forward's query and key inputs and masks for `QKClip(logits="rewritten")`."""
+        if stats is not None and keep_inputs is not None and bool(keep_inputs) != stats.keep_inputs:
+            raise ValueError("AttentionLogits.attach: keep_inputs differs from the given provider's")
+        self = stats if stats is not None else cls(keep_inputs=bool(keep_inputs))
         found = False
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.MultiheadAttention):
@@ -140,7 +179,7 @@ class AttentionLogits:
         if mod.in_proj_bias is not None:
             query.append((mod.in_proj_bias, 0, e))
             key.append((mod.in_proj_bias, e, 2 * e))
-        self.watch(name, h, query=query, key=key)
+        self.watch(name, h, query=query, key=key, logits_fn=functools.partial(_mha_logits_fn, mod))
         self._handles.append(mod.register_forward_hook(_mha_hook(self, name), with_kwargs=True))
 
 
@@ -159,9 +198,9 @@ def _mha_hook(stats: AttentionLogits, name: str):
             return
         bound = dict(zip(_MHA_ARGS, args))
         bound.update({k: v for k, v in kwargs.items() if k in _MHA_ARGS})
+        inputs = (bound["query"], bound["key"], bound.get("attn_mask"), bound.get("key_padding_mask"))
         with torch.no_grad():
-            s.record(name, mha_max_logits(mod, bound["query"], bound["key"], bound.get("attn_mask"),
-                                          bound.get("key_padding_mask")))
+            s.record(name, mha_max_logits(mod, *inputs), inputs)
 
     return hook
 
@@ -174,11 +213,13 @@ def _masked(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-                   attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """`[heads]`: each head's max of `q·k / sqrt(d)` over the batch and the positions the masks keep
     (a position a bool mask marks True, or a float mask sets to -inf, is left out; finite float mask values
-    are not added: the clip bounds `q·k`). `bias_k` and `add_zero_attn` keys are left out."""
+    are not added: the clip bounds `q·k`). `bias_k` and `add_zero_attn` keys are left out. `dtype`: compute
+    the projections and the scores in it (default: the projections in the inputs' and weights' dtype, the
+    scores then cast to float32, as the hook records them)."""
     e, h = mod.embed_dim, mod.num_heads
     d = e // h
     if mod._qkv_same_embed_dim:
@@ -188,6 +229,9 @@ def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: t
     bq = bk = None
     if mod.in_proj_bias is not None:
         bq, bk = mod.in_proj_bias[:e], mod.in_proj_bias[e:2 * e]
+    if dtype is not None:
+        query, key, wq, wk = (t.to(dtype) for t in (query, key, wq, wk))
+        bq, bk = (None if t is None else t.to(dtype) for t in (bq, bk))
     if query.dim() == 2:  # unbatched (L, E)
         query, key = query.unsqueeze(0), key.unsqueeze(0)
         if key_padding_mask is not None:
@@ -197,7 +241,8 @@ def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: t
     b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
     q = torch.nn.functional.linear(query, wq, bq).view(b, lq, h, d).transpose(1, 2)
     k = torch.nn.functional.linear(key, wk, bk).view(b, lk, h, d).transpose(1, 2)
-    s = (q @ k.transpose(-1, -2)).float() / math.sqrt(d)  # (b, h, lq, lk)
+    s = q @ k.transpose(-1, -2)
+    s = (s.float() if dtype is None else s) / math.sqrt(d)  # (b, h, lq, lk)
     m = _masked(attn_mask)
     if m is not None:
         s = s.masked_fill(m.view(b, h, lq, lk) if m.dim() == 3 else m, -math.inf)
@@ -205,6 +250,14 @@ def mha_max_logits(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: t
     if m is not None:
         s = s.masked_fill(m.view(b, 1, 1, lk), -math.inf)
     return s.amax(dim=(0, 2, 3))
+
+
+def _mha_logits_fn(mod: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+                   attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """The hook's `logits_fn`: `mha_max_logits` of kept inputs, at the current weights, in at least float32."""
+    w = mod.in_proj_weight if mod._qkv_same_embed_dim else mod.q_proj_weight
+    dtype = torch.promote_types(torch.promote_types(query.dtype, w.dtype), torch.float32)
+    return mha_max_logits(mod, query, key, attn_mask, key_padding_mask, dtype=dtype)
 
 
 def layers_of(params: Iterable[torch.Tensor]) -> list[_Layer]:

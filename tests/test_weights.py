@@ -18,7 +18,7 @@ import modopt as mo
 from checks import Syncs, assert_resumes_bit_for_bit, assert_step_changes_nothing, mse_backward, regression_batches, tanh_mlp
 from modopt.attention import mha_max_logits
 from modopt.cli.tasks import TinyTransformer
-from modopt.spec.weights import attention_max_logits, qk_clip, qk_clip_factor
+from modopt.spec.weights import attention_max_logits, qk_clip, qk_clip_factor, qk_clip_rewritten
 from modopt.spec.weights import frobenius, project_norm
 
 
@@ -268,13 +268,56 @@ def test_a_tiny_transformer_keeps_its_logits_near_tau_and_without_the_clip_they_
     """The built-in transformer task's model (nn.MultiheadAttention), Adam at lr=0.1: the max logit of a
     forward after each step grows past 8 tau without QK-Clip; with it, it stays under 2.5 tau and under tau
     whenever the step before was clipped hard enough. (QK-Clip is reactive: it scales by the logits of the
-    forward before the write, so the write itself can add a little; Kimi K2's method is the same.)"""
+    forward before the write, so the write itself can add a little; Kimi K2's method is the same.)
 
-    def run(clip):
+    `logits="rewritten"`: on the inputs each attention layer saw in the step's forward, the clipped weights
+    give every head a max logit <= tau (float32 rounding: 1e-5 relative); a forward after the step on the
+    same batch feeds the upper layer other inputs (the embeddings and the layer below moved too), so there
+    the bound is not exact, but it stays under 1.6 tau, below the reactive rule's at every step."""
+    tau = 5.0
+
+    def run(clip, logits="recorded"):
         torch.manual_seed(0)
         m = TinyTransformer(vocab=16, seq_len=12, d_model=32, nhead=4, layers=2, ff=64)
-        stats = mo.AttentionLogits.attach(m)
-        opt = mo.Modular(m.named_parameters(), mo.Adam(lr=0.1), *([mo.QKClip(5.0)] if clip else []))
+        stats = mo.AttentionLogits.attach(m, keep_inputs=logits == "rewritten")
+        opt = mo.Modular(m.named_parameters(), mo.Adam(lr=0.1), *([mo.QKClip(tau, logits=logits)] if clip else []))
+        g = torch.Generator().manual_seed(1)
+        after, on_kept = [], []
+        for _ in range(8):
+            tok = torch.randint(0, 16, (8, 12), generator=g)
+            loss = torch.nn.functional.cross_entropy(m(tok[:, :-1]).reshape(-1, 16), tok[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            kept = {n: list(layer.kept) for n, layer in stats.layers.items()}  # (the step consumes them)
+            opt.step()
+            assert stats.kept_inputs() == {n: 0 for n in stats.layers}
+            mods = dict(m.named_modules())
+            on_kept += [float(mha_max_logits(mods[n], *inp).detach().max()) for n, ins in kept.items() for inp in ins]
+            stats.reset()
+            m(tok[:, :-1])  # a forward after the step, on the same batch
+            after.append(max(float(v.max()) for v in stats.max_logits().values()))
+            stats.reset()
+        return after, on_kept
+
+    (without, _), (with_clip, _), (rewritten, on_kept) = run(False), run(True), run(True, "rewritten")
+    assert without[-1] > 8 * tau
+    assert max(with_clip) < 2.5 * tau and with_clip[-1] < without[-1] / 4
+    assert len(on_kept) == 8 * 2 and max(on_kept) <= tau * (1 + 1e-5) and max(on_kept) > tau * (1 - 1e-5)
+    assert max(rewritten) < 1.6 * tau and all(r < w for r, w in zip(rewritten, with_clip))
+
+
+def test_rewritten_logits_stay_under_tau_in_the_next_forward_when_the_attention_inputs_do_not_move():
+    """One layer, only its in_proj (query, key, value rows) stepped, Adam at lr=0.1: the next forward on the
+    same batch sees the inputs the step kept, so with `logits="rewritten"` every head's max logit is <= tau
+    (1e-5 relative: float32); the reactive default goes past 1.5 tau on the same run."""
+    tau = 2.0
+
+    def run(logits):
+        torch.manual_seed(0)
+        m = TinyTransformer(vocab=16, seq_len=12, d_model=32, nhead=4, layers=1, ff=64)
+        stats = mo.AttentionLogits.attach(m, keep_inputs=logits == "rewritten")
+        attn = m.encoder.layers[0].self_attn
+        opt = mo.Modular([attn.in_proj_weight, attn.in_proj_bias], mo.Adam(lr=0.1), mo.QKClip(tau, logits=logits))
         g = torch.Generator().manual_seed(1)
         after = []
         for _ in range(8):
@@ -284,14 +327,116 @@ def test_a_tiny_transformer_keeps_its_logits_near_tau_and_without_the_clip_they_
             loss.backward()
             opt.step()
             stats.reset()
-            m(tok[:, :-1])  # a forward after the step, on the same batch
-            after.append(max(float(v.max()) for v in stats.max_logits().values()))
+            m(tok[:, :-1])
+            after.append(float(stats.max_logits()["encoder.layers.0.self_attn"].max()))
             stats.reset()
         return after
 
-    without, with_clip = run(False), run(True)
-    assert without[-1] > 8 * 5.0
-    assert max(with_clip) < 2.5 * 5.0 and with_clip[-1] < without[-1] / 4
+    recorded, rewritten = run("recorded"), run("rewritten")
+    assert max(rewritten) <= tau * (1 + 1e-5) and max(recorded) > 1.5 * tau
+
+
+# --- logits="rewritten": each head's max logit measured at the written weights -------------------------------
+@pytest.mark.parametrize("kw", [{"tau": 2.0}, {"tau": 0.7, "alpha": 0.25}, {"tau": 3.0, "alpha": 1.0, "eps": 1e-2}])
+def test_qk_clip_rewritten_matches_spec(kw):
+    """float64 nn.MultiheadAttention (sequence first, biases), SGD at lr=0.1, two forwards per step (a causal
+    float mask, a key padding mask): S' is the spec's max over both forwards at the written weights and
+    biases, the query and key rows (biases too) are the spec's clip by S', the value rows the plain write;
+    the clipped weights give those inputs each head's max logit min(S', tau)."""
+    t = mo.QKClip(logits="rewritten", **kw)
+    m = _mha(scale=2.0, batch_first=False, dtype=torch.float64)
+    stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.1), t)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    float_causal = torch.zeros(5, 5, dtype=torch.float64).masked_fill(causal, -math.inf)
+    pad = torch.tensor([[False, False, False, True, True], [False] * 5])
+    clipped = 0
+    for step in range(4):
+        xs = [_x(2, 5, 8, seed=10 * step + j, dtype=torch.float64) * (1 + step) for j in range(2)]
+        seq = [x.transpose(0, 1) for x in xs]
+        opt.zero_grad()
+        m(seq[0], seq[0], seq[0], attn_mask=float_causal)[0].pow(2).sum().backward()
+        m(seq[1], seq[1], seq[1], key_padding_mask=pad)[0].pow(2).sum().backward()
+        assert stats.kept_inputs() == {"attention": 2}
+        w, b = (p.detach() - 0.1 * p.grad for p in (m.in_proj_weight, m.in_proj_bias))
+        forwards = [(xs[0], xs[0], ~causal), (xs[1], xs[1], (~pad)[:, None, :])]
+        s, (wq, bq, wk, bk) = qk_clip_rewritten(w[:8], b[:8], w[8:16], b[8:16], 2, forwards, t.tau, t.alpha, t.eps)
+        opt.step()
+        for got, want in ((m.in_proj_weight[:8], wq), (m.in_proj_bias[:8], bq), (m.in_proj_weight[8:16], wk),
+                          (m.in_proj_bias[8:16], bk), (m.in_proj_weight[16:], w[16:]), (m.in_proj_bias[16:], b[16:])):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(opt.stats["1:QKClip.max_logit"], torch.tensor(s, dtype=torch.float64),
+                                   rtol=1e-12, atol=1e-12)
+        after = torch.maximum(mha_max_logits(m, seq[0], seq[0], float_causal, dtype=torch.float64),
+                              mha_max_logits(m, seq[1], seq[1], None, pad, dtype=torch.float64)).detach()
+        torch.testing.assert_close(after, torch.tensor(s, dtype=torch.float64).clamp_max(t.tau), rtol=1e-12,
+                                   atol=1e-12)
+        clipped += int(opt.stats["1:QKClip.clipped"])
+        assert stats.kept_inputs() == {"attention": 0}
+    assert clipped > 0
+
+
+def _written_logits(m, lr, forwards):
+    """Each head's max logit over `forwards` (kwargs of `mha_max_logits`) at the weights SGD(lr) will write
+    (float64), the weights left as they are."""
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in m.parameters()]
+        for p in m.parameters():
+            p.sub_(lr * p.grad)
+        s = torch.stack([mha_max_logits(m, dtype=torch.float64, **f) for f in forwards]).amax(0)
+        for p, q in zip(m.parameters(), saved):
+            p.copy_(q)
+    return s
+
+
+def test_rewritten_honours_separate_projections_3d_masks_and_batch_first():
+    """kdim != embed_dim (q_proj_weight, k_proj_weight), a 3-D bool attention mask (one per batch and head),
+    batch first, float32: S' is the max logit at the written weights of the positions the mask keeps, and the
+    clipped weights give those inputs min(S', tau) (float32 rounding: 1e-5 relative)."""
+    m = _mha(e=8, h=4, kdim=6, scale=3.0)
+    stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.05), mo.QKClip(1.5, logits="rewritten"))
+    q, k = _x(2, 3, 8), _x(2, 5, 6, seed=2)
+    mask = torch.rand(2 * 4, 3, 5, generator=torch.Generator().manual_seed(3)) < 0.4
+    mask[:, :, 0] = False  # (every query keeps a key)
+    f = {"query": q, "key": k, "attn_mask": mask}
+    m(q, k, k, attn_mask=mask)[0].pow(2).sum().backward()
+    want = _written_logits(m, 0.05, [f])
+    unmasked = _written_logits(m, 0.05, [{"query": q, "key": k}])
+    k_proj = m.k_proj_weight.detach() - 0.05 * m.k_proj_weight.grad
+    opt.step()
+    torch.testing.assert_close(opt.stats["1:QKClip.max_logit"], want.float(), rtol=1e-5, atol=1e-6)
+    assert int(opt.stats["1:QKClip.clipped"]) > 0 and not torch.allclose(want, unmasked)  # (the mask matters)
+    after = mha_max_logits(m, dtype=torch.float64, **f).detach()
+    torch.testing.assert_close(after, want.clamp_max(1.5), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(m.k_proj_weight, k_proj)  # the key rows were scaled (the separate projection)
+
+
+def test_rewritten_accumulate_clips_by_the_max_of_the_micro_batches_at_the_written_weights():
+    """Accumulate(2): the first call stops (nothing moves, its inputs are kept); the cycle's step measures
+    both micro-batches at the written weights and leaves each head's max over both at min(S', tau)."""
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+    opt = mo.Modular(m.parameters(), mo.Accumulate(2), mo.SGD(lr=0.05), mo.QKClip(1.0, logits="rewritten"))
+    xs = [_x(2, 4, 8, seed=1), _x(2, 4, 8, seed=2) * 2]
+    w0 = m.in_proj_weight.detach().clone()
+    m(xs[0], xs[0], xs[0])[0].sum().backward()
+    first = [p.grad.clone() for p in m.parameters()]
+    opt.step()
+    assert torch.equal(m.in_proj_weight, w0) and stats.kept_inputs() == {"attention": 1}
+    opt.zero_grad()
+    m(xs[1], xs[1], xs[1])[0].sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    for p, g, g0 in zip(m.parameters(), grads, first):  # (the written weights: SGD on the mean gradient)
+        p.grad = (g + g0) / 2
+    want = _written_logits(m, 0.05, [{"query": x, "key": x} for x in xs])
+    for p, g in zip(m.parameters(), grads):
+        p.grad = g
+    opt.step()
+    torch.testing.assert_close(opt.stats["2:QKClip.max_logit"], want.float(), rtol=1e-5, atol=1e-6)
+    after = torch.stack([mha_max_logits(m, x, x, dtype=torch.float64) for x in xs]).amax(0).detach()
+    torch.testing.assert_close(after, want.clamp_max(1.0), rtol=1e-5, atol=1e-6)
+    assert stats.kept_inputs() == {"attention": 0} and (want > 1.0).any()
 
 
 # --- the step's rules -----------------------------------------------------------------------------------
@@ -402,6 +547,12 @@ def test_qk_clip_refuses_fields_that_would_break_the_weights(kw):
 def test_qk_clip_config_round_trip_and_position():
     cfg = mo.PipelineConfig(transforms=[mo.Muon(lr=0.02), mo.QKClip(50.0, alpha=0.3)])
     assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg and mo.QKClip(50.0).tau == 50.0
+    cfg = mo.PipelineConfig(transforms=[mo.Muon(lr=0.02), mo.QKClip(50.0, logits="rewritten")])
+    back = mo.PipelineConfig.from_dict(cfg.to_dict())
+    assert back == cfg and back.transforms[1].logits == "rewritten" and "rewritten" in cfg.to_yaml()
+    assert mo.QKClip().logits == "recorded"
+    with pytest.raises(pydantic.ValidationError, match="QKClip.logits"):
+        mo.QKClip(logits="after")
     p = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="before an update transform"):
         mo.Modular([p], mo.QKClip(), mo.SGD(lr=0.1))
@@ -439,3 +590,158 @@ def test_modopt_run_hooks_the_task_attention_for_the_example_config():
     opt.step()
     s = opt.stats["3:QKClip.max_logit"]
     assert s.shape == (4,) and torch.isfinite(s).all() and [k for k, _ in opt.plan.weights] == ["3:QKClip"]
+
+
+def test_rewritten_skipped_step_keeps_every_bit_and_its_forwards_without_a_sync():
+    """Device path (what a GPU runs; inside `Syncs`): no sync; a step skipped for a NaN gradient changes no
+    bit of the parameters and keeps the recorded maxima running; its forwards, measured at the unchanged
+    weights, are carried into the next step's S' (their inputs are let go: the host does not know the step
+    was skipped). The host path (the CPU's default) does not run the skipped step's weight stage at all:
+    the inputs stay kept and the next step measures both forwards at its written weights."""
+    x1, x2 = _x(2, 4, 8, seed=1), _x(2, 4, 8, seed=2) * 0.5
+    for device_decides in (True, False):
+        m = _mha(scale=3.0)
+        stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+        opt = mo.Modular(m.parameters(), mo.Adam(lr=1e-2), mo.QKClip(1.0, logits="rewritten"))
+        m(x2, x2, x2)[0].pow(2).sum().backward()
+        with Syncs() as s:
+            opt.step()
+        assert s.n == 0 and int(opt.stats["1:QKClip.clipped"]) > 0 and stats.kept_inputs() == {"attention": 0}
+        opt.zero_grad()
+        m(x1, x1, x1)[0].pow(2).sum().backward()
+        recorded = stats.max_logits()["attention"]
+        at_skip = mha_max_logits(m, x1, x1).detach()  # (the skipped step's weights are these)
+        m.in_proj_weight.grad[0, 0] = math.nan
+        syncs = Syncs()
+        if device_decides:
+            assert_step_changes_nothing(m, opt, syncs)
+            assert syncs.n == 0 and bool(opt.stats["skipped"])
+            assert stats.kept_inputs() == {"attention": 0}
+            torch.testing.assert_close(stats.layers["attention"].carry, at_skip)
+        else:
+            before = [p.detach().clone() for p in m.parameters()]
+            opt.step()
+            assert bool(opt.stats["skipped"]) and all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+            assert stats.kept_inputs() == {"attention": 1}
+        assert torch.equal(stats.max_logits()["attention"], recorded)  # still running
+        opt.zero_grad()
+        m(x2, x2, x2)[0].pow(2).sum().backward()
+        with Syncs() as s:
+            opt.step()
+        assert s.n == 0
+        now = torch.maximum(mha_max_logits(m, x1, x1), mha_max_logits(m, x2, x2)).detach()
+        s_ = opt.stats["1:QKClip.max_logit"]
+        if device_decides:  # the skipped forward by its logits at the skipped step's weights (reactive)
+            assert torch.equal(stats.layers["attention"].carry, torch.full((2,), -math.inf))
+            assert (s_ >= at_skip).all()
+        else:  # both forwards measured at the written weights: exact
+            assert torch.isneginf(stats.layers["attention"].carry).all()
+            torch.testing.assert_close(now, s_.clamp_max(1.0), rtol=1e-5, atol=1e-6)
+        assert (now <= 1.0 + 1e-5).all() or device_decides
+
+
+def test_the_rewritten_step_compiles_to_one_graph_equal_to_eager(device_path):
+    """`torch.compile(opt.step, fullgraph=True)` with `logits="rewritten"`: the step measures the kept inputs
+    at the written weights inside the graph, equal to the eager device path, a skipped step included; the
+    kept inputs are consumed by the compiled step too."""
+    torch._dynamo.reset()
+
+    def make():
+        m = _mha(scale=2.0)
+        stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+        return m, stats, mo.Modular(m.parameters(), mo.SGD(lr=1e-2, momentum=0.9), mo.QKClip(2.0, logits="rewritten"))
+
+    (a, _, eager), (b, stats, comp) = make(), make()
+    step = torch.compile(comp.step, fullgraph=True)
+    clipped = 0
+    for k in range(4):
+        x = _x(3, 5, 8, seed=k)
+        for m in (a, b):
+            m.zero_grad()
+            m(x, x, x)[0].pow(2).sum().backward()
+            if k == 2:
+                m.in_proj_weight.grad[0, 0] = math.nan
+        eager.step()
+        step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(comp.stats["1:QKClip.max_logit"], eager.stats["1:QKClip.max_logit"])
+        assert torch.equal(eager.stats["1:QKClip.clipped"], comp.stats["1:QKClip.clipped"])
+        assert stats.kept_inputs() == {"attention": 0}
+        clipped += int(comp.stats["1:QKClip.clipped"])
+    assert clipped > 0 and int(comp.stats["skipped_steps"]) == 1
+
+
+def test_rewritten_on_a_users_attention_takes_its_logits_fn_and_refuses_without_one():
+    """A user's attention: `watch(..., logits_fn=)` and `record(..., inputs=)` on a provider that keeps inputs;
+    the clipped weights give the kept inputs each head's max logit min(S', tau). Without the provider keeping
+    inputs, or without a logits_fn, the step refuses before it writes (the error names the layer and the
+    field); a provider that keeps inputs refuses a record without them."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv = torch.nn.Linear(8, 24)
+            with torch.no_grad():
+                self.qkv.weight.mul_(4.0)
+
+        def max_logits(self, x):  # [heads] at the current weights
+            q, k, _ = (t.view(*x.shape[:2], 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            return (q @ k.transpose(-1, -2) / 2.0).amax(dim=(0, 2, 3))
+
+    def build(keep, fn):
+        att = Attention()
+        stats = mo.AttentionLogits(keep_inputs=keep)
+        w, b = att.qkv.weight, att.qkv.bias
+        stats.watch("mine", 2, query=[(w, 0, 8), (b, 0, 8)], key=[(w, 8, 16), (b, 8, 16)],
+                    logits_fn=att.max_logits if fn else None)
+        return att, stats, mo.Modular(att.parameters(), mo.SGD(lr=0.1), mo.QKClip(1.0, logits="rewritten"))
+
+    x = _x(2, 5, 8)
+    att, stats, opt = build(True, True)
+    y = att.qkv(x)
+    stats.record("mine", att.max_logits(x).detach(), inputs=(x,))
+    y.pow(2).sum().backward()
+    with torch.no_grad():
+        att.qkv.weight.sub_(0.1 * att.qkv.weight.grad)
+        att.qkv.bias.sub_(0.1 * att.qkv.bias.grad)
+        want = att.max_logits(x)
+        att.qkv.weight.add_(0.1 * att.qkv.weight.grad)
+        att.qkv.bias.add_(0.1 * att.qkv.bias.grad)
+    opt.step()
+    torch.testing.assert_close(opt.stats["1:QKClip.max_logit"], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(att.max_logits(x).detach(), want.clamp_max(1.0), rtol=1e-5, atol=1e-6)
+    assert (want > 1.0).any()
+    with pytest.raises(TypeError, match="pass inputs="):
+        stats.record("mine", want)
+    for keep, fn, hint in ((False, True, "keep_inputs=True"), (True, False, "logits_fn")):
+        att, stats, opt = build(keep, fn)
+        stats.record("mine", torch.tensor([5.0, 5.0]), **({"inputs": (x,)} if keep and fn else {}))
+        att.qkv(x).sum().backward()
+        w = att.qkv.weight.detach().clone()
+        with pytest.raises(ValueError, match=f"logits='rewritten'.*'mine'.*{hint}"):
+            opt.step()
+        assert torch.equal(att.qkv.weight, w)  # refused before the write
+    m = _mha()
+    mo.AttentionLogits.attach(m)  # (the hook's provider keeps no inputs)
+    m(x, x, x)[0].sum().backward()
+    with pytest.raises(ValueError, match=r"'attention'.*attach\(model, keep_inputs=True\)"):
+        mo.Modular(m.parameters(), mo.SGD(lr=0.1), mo.QKClip(logits="rewritten")).step()
+
+
+def test_a_provider_that_keeps_inputs_lets_them_go_in_the_default_mode_and_on_reset():
+    m = _mha(scale=3.0)
+    stats = mo.AttentionLogits.attach(m, keep_inputs=True)
+    x = _x(2, 4, 8)
+    opt = mo.Modular(m.parameters(), mo.SGD(lr=0.0), mo.QKClip(1.0))
+    m(x, x, x)[0].sum().backward()
+    m(x, x, x)
+    assert stats.kept_inputs() == {"attention": 2} and stats.layers["attention"].kept[0][0] is not x  # (detached)
+    opt.step()
+    assert stats.kept_inputs() == {"attention": 0}
+    m(x, x, x)
+    stats.reset()
+    assert stats.kept_inputs() == {"attention": 0}
+    with pytest.raises(ValueError, match="keep_inputs differs"):
+        mo.AttentionLogits.attach(m, stats, keep_inputs=False)

@@ -519,10 +519,11 @@ def _watch_attention(pipe: Any, model: torch.nn.Module) -> None:
     from ..attention import AttentionLogits, layers_of
     from ..transforms.weights import QKClip
 
-    if not any(isinstance(t, QKClip) for t in pipe.transforms) or layers_of(model.parameters()):
+    clips = [t for t in pipe.transforms if isinstance(t, QKClip)]
+    if not clips or layers_of(model.parameters()):
         return
-    try:
-        AttentionLogits.attach(model)
+    try:  # (logits="rewritten" measures the kept inputs again after the write)
+        AttentionLogits.attach(model, keep_inputs=any(t.logits == "rewritten" for t in clips))
     except ValueError as e:
         raise ConfigError(f"QKClip: {e}; a task with its own attention watches it in its make_task") from None
 

@@ -70,3 +70,20 @@ def attention_max_logits(xq: torch.Tensor, xk: torch.Tensor, wq: torch.Tensor, b
             s = s[allowed.expand_as(s)]
         out.append(float(s.max()))
     return out
+
+
+def qk_clip_rewritten(wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor, bk: torch.Tensor | None,
+                      heads: int, forwards: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                      tau: float, alpha: float, eps: float, carried: Sequence[float] | None = None
+                      ) -> tuple[list[float], list[torch.Tensor]]:
+    """`QKClip(logits="rewritten")` on one layer whose written query / key weights and biases are `wq, bq, wk, bk`:
+    `S'_h` is head h's max logit over `forwards` (each `(xq, xk, allowed)`, batch-first inputs and the
+    positions kept, as `attention_max_logits`) at these weights, and over `carried` (maxima of forwards whose
+    step was skipped); then `qk_clip` by `S'`. Returns `(S', [wq, bq, wk, bk] clipped)` (float64)."""
+    s = list(carried) if carried is not None else [-math.inf] * heads
+    for xq, xk, allowed in forwards:
+        s = [max(a, b) for a, b in zip(s, attention_max_logits(xq, xk, wq, bq, wk, bk, heads, allowed))]
+    q = [wq] + ([bq] if bq is not None else [])
+    k = [wk] + ([bk] if bk is not None else [])
+    cq, ck = qk_clip(q, k, s, tau, alpha, eps)
+    return s, [cq[0], cq[1] if bq is not None else None, ck[0], ck[1] if bk is not None else None]

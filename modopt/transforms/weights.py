@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import math
 import warnings
@@ -117,14 +117,21 @@ class QKClip(Transform):
     user's attention records its own). The floor $\epsilon$ keeps $S_h \le 0$ from making a NaN or a
     negative factor; a NaN $S_h$ leaves the head alone. So the next forward's logit $\eta_h S_h \le \tau$
     for the same inputs. Defaults: `tau=100`, `alpha=0.5` (Megatron's `qk_clip_threshold`,
-    `qk_clip_alpha`), `eps=1e-6`.
+    `qk_clip_alpha`), `eps=1e-6`, `logits="recorded"`.
+
+    `logits="recorded"` (the default) is Kimi K2's rule: $S_h$ as the forwards recorded it, at the weights
+    before the write, so the write itself can still raise the logits. `logits="rewritten"` (modopt's
+    variant, not Kimi's) measures $S'_h$ after the write, on the inputs of the forwards since the last step
+    (kept by a provider made with `keep_inputs=True`), and clips by it: on those inputs every head's max
+    logit is then $\min(S'_h, \tau)$. Cost: the kept inputs stay in memory until the step, and the step
+    computes each kept forward's $QK^\top$ once more.
 
     The transform holds no model: it finds the watched layers through the parameters its optimizer steps
     (the provider registers them; see `modopt.attention`), so its config is just its numbers. Only the
     rows of parameters stepped this step are scaled; the recorded maxima are reset after the clip. A step
     the non-finite policy skips, or `Accumulate` stops, changes nothing (the maxima keep running). No
-    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip) and `clipped` (how
-    many heads were scaled).
+    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip: $S_h$, or $S'_h$)
+    and `clipped` (how many heads were scaled).
 
     ```pycon
     >>> import torch, modopt as mo
@@ -143,6 +150,7 @@ class QKClip(Transform):
     tau: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 100.0
     alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.5
     eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-6
+    logits: Literal["recorded", "rewritten"] = "recorded"
 
     stage: ClassVar[str] = "weights"
     attachable: ClassVar[bool] = False
@@ -162,7 +170,17 @@ class QKClip(Transform):
         return found
 
     def prepare_weights(self, ctx: Step, st: TransformState) -> None:
-        """Nothing before the write: the maxima were recorded by the forwards."""
+        """Before the write: with `logits="rewritten"`, check that every watched layer keeps its inputs
+        (the default's maxima were recorded by the forwards: nothing to check)."""
+        if self.logits == "rewritten":
+            for layer, _, _ in self._targets(ctx):
+                if not layer.keep:
+                    how = ("make its provider with keep_inputs=True (for nn.MultiheadAttention: "
+                           "mo.AttentionLogits.attach(model, keep_inputs=True))" if layer.logits_fn is not None
+                           else "watch it with logits_fn=... on a provider made with keep_inputs=True, and "
+                           "record(..., inputs=...)")
+                    raise ValueError(f"QKClip(logits='rewritten'): the attention layer {layer.name!r} keeps no inputs "
+                                     f"to measure its logits at the written weights; {how} (docs/modules/weights.md)")
 
     def apply_weights(self, ctx: Step, st: TransformState) -> None:
         """Scale each watched head's query rows by `eta ** alpha` and key rows by `eta ** (1 - alpha)`."""
@@ -171,7 +189,10 @@ class QKClip(Transform):
             return
         maxima = [layer.max_logits for layer, _, _ in targets]
         acc = common_acc_dtype([ctx.params[i] for _, q, k in targets for i, _, _ in q + k])
-        s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
+        if self.logits == "rewritten":  # the logits of the kept inputs at the weights just written
+            s = torch.cat([_rewritten(layer, acc, ctx.skip) for layer, _, _ in targets])
+        else:
+            s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
         eta = (self.tau / s.clamp_min(self.eps)).clamp_max(1.0)
         eta = torch.where(torch.isnan(s), const(1.0, eta), eta)
         if ctx.skip is not None:  # x * 1 is x, every bit
@@ -191,6 +212,22 @@ class QKClip(Transform):
                 m.fill_(-math.inf)
             else:  # a skipped step keeps them running
                 m.copy_(torch.where(ctx.skip, m, -math.inf))
+            if layer.kept:  # (consumed; in the default mode a provider that keeps inputs must not pile them up)
+                layer.kept.clear()
+
+
+def _rewritten(layer: Any, acc: torch.dtype, skip: torch.Tensor | None) -> torch.Tensor:
+    """`[heads]` in `acc`: the layer's max logits over the inputs it kept, at its current (written) weights,
+    and over the carried maxima of forwards whose step the device skipped. Then the carry: -inf after a step
+    that goes ahead; on a skipped step (the weights unchanged) these maxima, for the next step's clip."""
+    s = layer.carry.to(acc, copy=True)  # (a copy: the carry is rewritten below)
+    for inputs in layer.kept:
+        s = torch.maximum(s, layer.logits_fn(*inputs).to(acc))
+    if skip is None:
+        layer.carry.fill_(-math.inf)
+    else:
+        layer.carry.copy_(torch.where(skip, s, -math.inf))
+    return s
 
 
 def _resolve(params: list[torch.Tensor]) -> _Targets:
