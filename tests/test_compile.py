@@ -59,7 +59,8 @@ def _groups(params):
 
 
 @pytest.mark.parametrize("name", sorted(_pipelines()))
-def test_step_has_no_host_sync(name):
+def test_step_has_no_host_sync(name, device_path):
+    """On the device path (a GPU's: on a CPU a step may read values where that only reads memory)."""
     params = _params()
     opt = mo.Modular(_groups(params), *_pipelines()[name](), nonfinite="ignore")
     counter = SyncCounter()

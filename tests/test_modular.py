@@ -189,3 +189,69 @@ def test_stage_group_must_be_a_process_group(bad):
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="stage_group must be the torch.distributed process group"):
         mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(), stage_group=bad)
+
+
+# --- the step's wrapper (`modopt.core.modular._stepping`): torch's hooks and profiler range, for less ------
+def test_step_hooks_run_in_torchs_order_and_a_pre_hook_can_replace_the_arguments():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = mo.Modular([p], mo.SGD(lr=1.0))
+    seen = []
+
+    def closure():
+        seen.append(("closure", torch.is_grad_enabled()))
+        p.grad = torch.full((2,), 0.5)
+        return torch.tensor(3.0)
+
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
+        opt.register_step_pre_hook(lambda o, a, k: (seen.append("pre"), ((o, closure), k))[1]),
+        opt.register_step_post_hook(lambda o, a, k: seen.append(("post", a[1] is closure))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post")),
+    ]
+    try:
+        loss = opt.step()  # no closure given: the pre-hook supplies one
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == ["global pre", "pre", ("closure", True), ("post", True), "global post"]
+    assert float(loss) == 3.0 and torch.equal(p.detach(), torch.full((2,), 0.5))
+    bad = opt.register_step_pre_hook(lambda o, a, k: "not a pair")
+    with pytest.raises(RuntimeError, match="must return None or a tuple"):
+        opt.step()
+    bad.remove()
+
+
+def test_the_step_runs_without_autograd_and_restores_grad_mode_when_it_raises():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = mo.Modular([p], mo.SGD(lr=1.0), nonfinite="raise")
+    modes = []
+    opt.register_step_post_hook(lambda o, a, k: modes.append(torch.is_grad_enabled()))
+    p.grad = torch.ones(2)
+    opt.step()
+    assert p.grad_fn is None and not p.detach().requires_grad and modes == [True]
+    p.grad = torch.full((2,), float("nan"))
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        p.grad = torch.ones(2)
+        opt.step()
+        assert not torch.is_grad_enabled()
+
+
+def test_a_profiler_sees_the_step_as_torchs_optimizers_name_it():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam())
+    p.grad = torch.ones(2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert "Optimizer.step#Modular.step" in {e.key for e in prof.key_averages()}
+    assert getattr(type(opt).step, "hooked", False)  # torch's Optimizer does not wrap it again
+
+    class Sub(mo.Modular):
+        pass
+
+    assert Sub([torch.nn.Parameter(torch.ones(1))], mo.SGD(lr=1.0)).step is not None
+    assert type(opt).step is mo.Modular.step

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import operator
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
 
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, check_inventory, encode_history, history_keys,
                          structure_difference, upgrade, value_differences)
@@ -44,6 +47,44 @@ class _LastStep:
 
     def __init__(self, stats: dict[str, torch.Tensor] | None = None):
         self.stats: dict[str, torch.Tensor] = {} if stats is None else stats
+
+
+def _stepping(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`Modular.step` as torch's `Optimizer.profile_hook_step` and `torch.no_grad()` make a step: torch's
+    step pre- and post-hooks (global and the optimizer's, in torch's order, a pre-hook's new arguments
+    taken), the profiler's `Optimizer.step#Modular.step` range, the body without autograd. Each step
+    makes the range only while a profiler records and sets grad mode directly: the context managers
+    cost about as much as a small model's whole step on a CPU. Traced by `torch.compile`, torch's own
+    wrappers run. Marked `hooked`, so torch does not wrap it again."""
+    traced = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(func))
+
+    @functools.wraps(func)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+            return traced(*args, **kwargs)
+        self = args[0]
+        if _GLOBAL_PRE_HOOKS or self._optimizer_step_pre_hooks:
+            for hook in itertools.chain(_GLOBAL_PRE_HOOKS.values(), self._optimizer_step_pre_hooks.values()):
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(f"{func} must return None or a tuple of (new_args, new_kwargs), "
+                                           f"but got {result}.")
+                    args, kwargs = result
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(was)
+        self._optimizer_step_code()
+        if self._optimizer_step_post_hooks or _GLOBAL_POST_HOOKS:
+            for hook in itertools.chain(self._optimizer_step_post_hooks.values(), _GLOBAL_POST_HOOKS.values()):
+                hook(self, args, kwargs)
+        return out
+
+    step.hooked = True  # type: ignore[attr-defined]
+    return step
 
 
 class Modular(torch.optim.Optimizer):
@@ -181,7 +222,7 @@ class Modular(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    @torch.no_grad()
+    @_stepping
     def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
         """One optimisation step; returns the closure's loss like torch's optimizers.
 
