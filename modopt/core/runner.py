@@ -35,6 +35,8 @@ from .reduce import (NormMemo, Segments, any_nonfinite, common_acc_dtype, foreac
 
 
 _grad_of = operator.attrgetter("grad")
+_is_sparse = operator.attrgetter("is_sparse")
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 class Layout:
@@ -176,8 +178,7 @@ class Step:
     def param_states(self) -> list[dict[str, Any]]:
         """`host.state[p]` for every parameter of the step (looked up once per step)."""
         if self._states is None:
-            state = self.host.state
-            self._states = [state[p] for p in self.params]
+            self._states = list(map(self.host.state.__getitem__, self.params))  # (C-level loop)
         return self._states
 
     def per_group(self) -> Iterator[tuple[dict[str, Any], int, int]]:
@@ -404,7 +405,7 @@ class TransformState:
         k = value_key(self.key, name)
         states = self.step.param_states()
         try:
-            return [s[k] for s in states]
+            return list(map(operator.itemgetter(k), states))  # (C-level loop)
         except KeyError:
             pass
         out = []
@@ -622,14 +623,15 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
         if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small
             layouts.clear()
         layout = layouts[key] = Layout(key, params, groups, group_ids, ranges, names)
-    for p in params:
-        g = p.grad
-        if g.is_sparse:
-            raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
-        if 0 in g.stride() and torch._debug_has_internal_overlap(g) == 1:
-            # an expanded gradient (`t.expand(...)`): elements share memory, so no transform could write it
-            # in place; the step works on a copy of its own, as torch's kernels read such a gradient whole
-            p.grad = g.contiguous()
+    grads = [p.grad for p in params] if compiling else list(map(_grad_of, params))  # (dynamo traces the first)
+    if compiling or any(map(_is_sparse, grads)) or not all(map(_is_contiguous, grads)):  # (an expanded one is not)
+        for p, g in zip(params, grads):  # (the scans above run at C level: no Python call per tensor)
+            if g.is_sparse:
+                raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
+            if 0 in g.stride() and torch._debug_has_internal_overlap(g) == 1:
+                # an expanded gradient (`t.expand(...)`): elements share memory, so no transform could write it
+                # in place; the step works on a copy of its own, as torch's kernels read such a gradient whole
+                p.grad = g.contiguous()
     return Step(layout, host, stats)  # a new, open memo: the non-finite check and the transforms share norms
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import ClassVar
 
 import torch
@@ -15,6 +16,8 @@ from ..core.state import Buffer
 from ..core.transform import Transform
 
 __all__ = ["Accumulate"]
+
+_dtype_of = operator.attrgetter("dtype")
 
 
 class Accumulate(Transform):
@@ -87,7 +90,8 @@ class Accumulate(Transform):
             count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
             if torch.compiler.is_compiling():  # a where fuses into the sum
                 updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
-        same = [u.dtype for u in updates] == [s.dtype for s in sums]  # (two comprehensions: no call per tensor)
+        same = ([u.dtype for u in updates] == [s.dtype for s in sums] if torch.compiler.is_compiling()  # (dynamo)
+                else list(map(_dtype_of, updates)) == list(map(_dtype_of, sums)))  # (C-level: no call per tensor)
         adding = updates if same else [u.to(s.dtype) for u, s in zip(updates, sums)]
         if ctx.skip is None or torch.compiler.is_compiling():
             torch._foreach_add_(sums, adding)  # (half-precision updates accumulate in float32)
@@ -99,11 +103,12 @@ class Accumulate(Transform):
         # the mean over the calls that added; the same bits as dividing by float(steps) when all did
         # (a correctly rounded division either way). It goes into the update buffers themselves.
         n = count.clamp(min=1)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for s in sums:
-            by_dtype.setdefault(s.dtype, []).append(s)
-        for dtype, group in by_dtype.items():  # (a divisor of the sums' own dtype: torch's fast foreach path)
-            torch._foreach_div_(group, n.to(dtype))
+        dtypes = {s.dtype for s in sums} if torch.compiler.is_compiling() else set(map(_dtype_of, sums))
+        if len(dtypes) == 1:  # (a divisor of the sums' own dtype: torch's fast foreach path)
+            torch._foreach_div_(sums, n.to(dtypes.pop()))
+        else:
+            for dtype in dtypes:
+                torch._foreach_div_([s for s in sums if s.dtype == dtype], n.to(dtype))
         distributed.copy_(updates, sums)
         self._end_cycle(ctx, st, count)
         return updates
