@@ -410,10 +410,12 @@ class ZClip(Scoped):
         """Every segment's step without reading a value on the host: both phases' rules as one.
 
         The same bits as the warm-up rule (Welford's) and the z-score rule computed apart and chosen per
-        segment, in about a third of the (0-d) ops: the phase picks a column of constants (`_constants`)
+        segment, in about half the (0-d) ops: the phase picks a column of constants (`_constants`)
         that turn the one set of expressions into either rule (`x * 1`, `x / 1` and `x + 0` are exact),
         count, mean and variance move together as one (3, segments) tensor, and one `where` keeps
-        them where the norm is not finite (and, on a step the device skips, the saved ones)."""
+        them where the norm is not finite (and, on a step the device skips, the saved ones). Counts are whole
+        numbers (as every step saves them): a count between W-1 and W, from a hand-made checkpoint, would
+        end its warm-up dividing by W where the host's rule divides by the count + 1."""
         t, M = self.z_thresh, self.max_grad_norm
         K = self._constants(st, g.dtype, g.device)
         one = K[0, 0]
