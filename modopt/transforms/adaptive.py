@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from ..core.reduce import Ord
+from ..core.reduce import Ord, _parsed_ord
 from ..core.runner import reads_on_host
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -286,7 +286,9 @@ class ZClip(Scoped):
         """Clip each segment whose norm's z-score against the running mean and variance is a spike; the statistics
         move on."""
         seg = st.segments(self)
-        g = seg.reduce(updates, self.ord).abs()
+        g = seg.reduce(updates, self.ord)
+        if not isinstance(_parsed_ord(self.ord), float):  # (a p-norm is >= 0 or NaN already)
+            g = g.abs()
         dt = g.dtype
         W = self.warmup_steps
         n = st.seg_get(seg, "count", 0.0, dtype=dt)
@@ -304,6 +306,9 @@ class ZClip(Scoped):
             elif not any(c < W for c in counts):
                 phase = "after"
             finite = all(x < math.inf for x in norms)  # (a norm is >= 0; NaN compares false)
+
+        if phase is None and W <= 2**24:  # the device's step (or mixed phases on the host)
+            return self._packed_step(ctx, st, seg, updates, g, n, mu, var)
 
         def rule(g, n, mu, var):
             n, mu, var = n.to(g.dtype), mu.to(g.dtype), var.to(g.dtype)
@@ -368,7 +373,100 @@ class ZClip(Scoped):
             )
 
         scale, n, mu, var, spike = rule(g, n, mu, var)
+        # saved as the rows of one tensor, which the device's step reads back without a copy (`_packed_step`)
+        n, mu, var = torch.stack((n, mu, var)).unbind(0)
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
+
+    def _constants(self, st: TransformState, dt: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The constants of `_packed_step`, one column per phase (warm-up, its last step, after it), on
+        `device` in `dt`: made once per step layout (a tensor made from Python numbers, no op)."""
+        a, t, W, inf = self.alpha, self.z_thresh, self.warmup_steps, math.inf
+        M = inf if self.max_grad_norm is None else self.max_grad_norm
+        cols = (
+            (1.0, 1.0, 1.0),  # n is multiplied by 1
+            (1.0, 1.0, a),  # mu and var are multiplied by this
+            (1.0, 1.0, a),
+            (1.0, 1.0, 0.0),  # the count moves on
+            (1.0, 1.0, 1 - a),  # the new observation's weight
+            (1.0, float(W), 1.0),  # the warm-up's sum of squares becomes the variance on its last step
+            (inf, inf, t),  # a z-score above this is a spike (none during warm-up)
+            (CLIP_EPS, CLIP_EPS, CLIP_EPS),  # the norm's epsilon; the clip compares g + this ...
+            (CLIP_EPS, CLIP_EPS, 0.0),  # ... with its threshold: g + eps during warm-up (`clip_to`), g after
+            (M, M, -inf),  # the threshold: max_grad_norm during warm-up,
+            (M, M, M),  # the clipped statistic after it, at most max_grad_norm
+            (W - 1.0, float(W), float(W)),  # the first two: the phases' boundaries (`bucketize`)
+        )
+        key = ("ZClip", st.key, a, t, W, M, dt, device)
+        cache = st.step.layout.cache
+        hit = None if torch.compiler.is_compiling() else cache.get(key)
+        if hit is None:
+            hit = torch.tensor(cols, dtype=dt, device=device)
+            if not torch.compiler.is_compiling():
+                cache[key] = hit
+        return hit
+
+    def _packed_step(self, ctx: Step, st: TransformState, seg: Any, updates: list[torch.Tensor], g: torch.Tensor,
+                     n: torch.Tensor, mu: torch.Tensor, var: torch.Tensor) -> list[torch.Tensor]:
+        """Every segment's step without reading a value on the host: both phases' rules as one.
+
+        The same bits as the warm-up rule (Welford's) and the z-score rule computed apart and chosen per
+        segment, in about half the (0-d) ops: the phase picks a column of constants (`_constants`)
+        that turn the one set of expressions into either rule (`x * 1`, `x / 1` and `x + 0` are exact),
+        count, mean and variance move together as one (3, segments) tensor, and one `where` keeps
+        them where the norm is not finite (and, on a step the device skips, the saved ones). Counts are whole
+        numbers (as every step saves them): a count between W-1 and W, from a hand-made checkpoint, would
+        end its warm-up dividing by W where the host's rule divides by the count + 1."""
+        t, M = self.z_thresh, self.max_grad_norm
+        K = self._constants(st, g.dtype, g.device)
+        one = K[0, 0]
+        k = K[:, torch.bucketize(n, K[11, :2], right=True)]  # each segment's phase's constants, a column each
+        warm = n < self.warmup_steps
+        base = n._base
+        if (not torch.compiler.is_compiling() and base is not None and base.dim() == 2 and base.shape[0] == 3
+                and mu._base is base and var._base is base and base.dtype == g.dtype and base.is_contiguous()
+                and base.shape[1] == n.numel() and n.data_ptr() == base.data_ptr()
+                and mu.data_ptr() == base[1].data_ptr() and var.data_ptr() == base[2].data_ptr()):
+            P = base  # saved by the last step as rows of one tensor: read back as it, no copy
+        else:
+            P = torch.stack((n, mu, var))
+        d0 = g - mu
+        sigma = var.clamp(min=0).sqrt()
+        if self.mode == "zscore":
+            z = d0 / (sigma + self.eps)
+            spike = z > k[6]  # (never during warm-up)
+            if self.clip_option == "adaptive_scaling":
+                c = torch.addcdiv(mu, t * t * sigma, z)  # mu + t^2 sigma / z (z > t > 0 where it is used)
+                c = c if self.clip_factor == 1.0 else self.clip_factor * c
+            else:
+                c = mu
+        else:
+            c = mu + t * sigma
+            spike = (g > c) > warm
+        x = torch.where(spike, c, g)  # what the statistics see: g during warm-up
+        # the clip: a scale below 1 where the compared norm exceeds the threshold (`clip_to` during warm-up, where
+        # max_grad_norm is 1 or None: 1/y and below_one(1/y) have the same bits as 1 / y where y > 1, else 1)
+        geps = g + k[7:9]
+        limit = torch.clamp(x, min=k[9], max=k[10])
+        scale = torch.where(geps[1] > limit, limit / geps[0], one)
+        if M is not None and M != 1.0:  # (M / y is not M * (1 / y): the warm-up's own expression)
+            scale = torch.where(warm, clip_to(g, M, CLIP_EPS), scale)
+        # count, mean, sum of squares or variance: n + inc, A mu + B r / D, (A var + B f e) / D2
+        new = P * k[0:3]
+        new[0].add_(k[3])
+        r = torch.where(warm, d0, x)
+        new[1].addcdiv_(r * k[4], torch.where(warm, new[0], one))
+        e = x - new[1]
+        new[2].add_(torch.where(warm, d0, e) * e * k[4]).div_(k[5])
+        ok = g < math.inf  # (a norm: >= 0, and NaN compares false): a non-finite norm changes no statistic
+        if self.skip_update_on_spike:
+            ok = ok > spike
+        new = torch.where(ok, new, P)
+        kept = new if ctx.skip is None else torch.where(ctx.proceed if ctx.proceed is not None else ~ctx.skip, new, P)
+        seg.mul_(updates, scale)
+        for i, name in enumerate(("count", "mu", "var")):
+            st.seg_set(seg, name, kept[i], kept=True)
+        st.record_clip(g, scale, spike=spike, mu=new[1], var=new[2])
+        return updates
 
 
 class AutoClip(Scoped):
