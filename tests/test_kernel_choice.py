@@ -325,3 +325,32 @@ def test_a_gradient_laid_out_unlike_its_parameter_steps_right(make):
         opt.step()
         ref.step()
     torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # fused vs for-loop: rounding only
+
+
+# --- kernels.const: cached 0-d constants for where / fmin -----------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_cached_constant_gives_a_where_and_an_fmin_the_numbers_values_and_dtype(dtype):
+    x = torch.tensor([0.5, -0.0, 2.0, math.inf, -math.inf, math.nan], dtype=dtype)
+    cond = torch.tensor([True, False, True, False, True, False])
+    for value in (1.0, 0.0, -0.0, math.inf):
+        want, got = torch.where(cond, x, value), torch.where(cond, x, kernels.const(value, x))
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(want, nan=7.0))
+        assert torch.equal(got.signbit(), want.signbit())  # -0.0 and 0.0 are different constants
+    # below_one: min(ratio, 1) with NaN -> 1, signed zeros and -inf kept; the same as the two-op form
+    from modopt.transforms._util import below_one
+
+    two_ops = torch.clamp(x, max=1.0).nan_to_num_(nan=1.0, posinf=math.inf, neginf=-math.inf)
+    assert torch.equal(below_one(x), two_ops) and torch.equal(below_one(x).signbit(), two_ops.signbit())
+    c = kernels.const(1.0, x)
+    assert c is kernels.const(1.0, x) and c.dim() == 0 and c.dtype == dtype  # made once
+
+
+def test_a_where_on_a_constant_makes_no_scalar_tensor():
+    x = torch.rand(3)
+    with Ops() as plain:
+        torch.where(x > 0.5, x, 1.0)
+    one = kernels.const(1.0, x)
+    with Ops() as cached:
+        torch.where(x > 0.5, x, one)
+    assert "aten.scalar_tensor" in plain.names and "aten.scalar_tensor" not in cached.names

@@ -493,3 +493,22 @@ def test_norm_memo_is_fresh_every_step():
     g.data.mul_(3.0)  # same tensor object, same version counter, new values
     opt.step()
     assert [s.item() for s in _NormSpy.seen] == [5.0, 15.0]
+
+
+# --- Step.finite: a norm's finiteness and the device's decision -------------------------------------------
+def test_finite_reuses_the_non_finite_checks_decision_for_its_own_total():
+    from modopt.core import runner
+
+    p = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for g in ([torch.ones(3), torch.ones(2)], [torch.ones(3), torch.tensor([1.0, math.nan])]):
+        for q, gr in zip(p, g):
+            q.grad = gr
+        ctx = runner.Step.over(p)
+        with runner.device_path():
+            assert runner.apply_nonfinite_policy("skip", ctx, g, on_device=True)
+        total = ctx.memo.total(g, 2.0, torch.float32)
+        assert total is ctx.checked and ctx.finite(total) is ctx.proceed  # no op: the check's own test
+        other = total * 2
+        assert torch.equal(ctx.finite(other), (other < math.inf) & ctx.proceed)
+        ctx.skip_also(torch.tensor(True))  # a later skip: the check's decision no longer says it all
+        assert ctx.checked is None and not bool(ctx.finite(total))
