@@ -41,7 +41,7 @@ import torch
 
 import modopt as mo
 from modopt.cli.run import count_spikes
-from modopt.cli.stats import format_interval, interval
+from modopt.cli.stats import format_interval, interval, paired
 from modopt.cli.tasks import transformer
 
 #: the task's options: those of examples/configs/transformer_*.yaml (and the task's defaults)
@@ -93,11 +93,11 @@ def train(opt: str, lr: float, arm: str, tau: float, seed: int, steps: int) -> d
         value = float(loss.detach())
         losses.append(value if value == value and abs(value) != float("inf") else None)
         stats.reset()  # (the clip read and reset it already; the no-clip arm's maxima are let go here)
-        model(batch)  # the same batch at the written (and clipped) weights, under grad mode: recorded
+        task.loss_fn(model, batch)  # the step's own forward again, at the written (and clipped) weights
         same.append(max_logit(stats))
         stats.reset()
         batch = task.get_batch(step + 1, BATCH)
-    model(batch)  # the batch after the last step
+    task.loss_fn(model, batch)  # the batch after the last step
     nxt.append(max_logit(stats))
     stats.reset()
     tail = [x for x in losses[-max(1, steps // 20):] if x is not None]
@@ -135,6 +135,26 @@ def table(opt: str, lrs: list[float], results: dict[tuple, list[dict[str, Any]]]
     return "\n".join(rows)
 
 
+#: the paired differences over seeds: (arm, baseline arm)
+PAIRS = (("recorded", "no clip"), ("rewritten", "no clip"), ("rewritten", "recorded"))
+PAIRED = ("next_over_pct", "final_loss", "loss_spikes")
+
+
+def paired_table(opt: str, lrs: list[float], results: dict[tuple, list[dict[str, Any]]]) -> str:
+    """The paired differences `arm - baseline` over the seeds (as `modopt compare --baseline` gives them)."""
+    head = "| lr | arm - baseline | " + " | ".join(f"Δ {COLUMNS[k][0]}" for k in PAIRED) + " |"
+    rows = [head, "|" + "---|" * (len(PAIRED) + 2)]
+    for lr in lrs:
+        for arm, base in PAIRS:
+            a = {r["seed"]: r for r in results[(opt, lr, arm)]}
+            b = {r["seed"]: r for r in results[(opt, lr, base)]}
+            seeds = sorted(a.keys() & b.keys())
+            cells = [format_interval(paired([a[s][k] for s in seeds], [b[s][k] for s in seeds]), COLUMNS[k][1],
+                                     signed=True) for k in PAIRED]
+            rows.append(f"| {lr:g} | {arm} - {base} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", default=bool(os.environ.get("MODOPT_QUICK")))
@@ -145,7 +165,16 @@ def main() -> None:
     ap.add_argument("--muon-lrs", type=float, nargs="*", default=[2e-2, 1e-1])
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
     ap.add_argument("--json", default=None, help="write every run's values here")
+    ap.add_argument("--tables-from", default=None, metavar="JSON",
+                    help="print the tables of a --json file written before; run nothing")
     args = ap.parse_args()
+    if args.tables_from:
+        with open(args.tables_from) as f:
+            saved = json.load(f)
+        results = {(r["optimizer"], r["lr"], r["arm"]): r["per_seed"] for r in saved["runs"]}
+        print_tables(saved, sorted({lr for o, lr, _ in results if o == "adam"}),
+                     sorted({lr for o, lr, _ in results if o == "muon"}), results)
+        return
     if args.quick:
         args.steps, args.seeds, args.adam_lrs, args.muon_lrs, args.jobs = 6, [0], [1e-3, 1e-1], [1e-1], 1
     plan = [(opt, lr, arm, args.tau, seed, args.steps)
@@ -160,17 +189,25 @@ def main() -> None:
         done = [_job(p) for p in plan]
     for (opt, lr, arm, _, seed, _), rec in done:
         results.setdefault((opt, lr, arm), []).append({"seed": seed, **rec})
-    print(f"tau = {args.tau:g}, {args.steps} steps, seeds {args.seeds}, batch {BATCH}; "
-          f"mean ± 95% interval over seeds ({len(plan)} runs, {time.perf_counter() - start:.0f} s)\n")
-    for opt, lrs, title in (("adam", args.adam_lrs, "Adam on every parameter"),
-                            ("muon", args.muon_lrs, "Muon on the encoder's matrices, Adam on the rest")):
-        if lrs:
-            print(f"{title}:\n\n{table(opt, lrs, results)}\n")
+    saved = {"tau": args.tau, "steps": args.steps, "seeds": args.seeds, "task": TASK, "batch": BATCH,
+             "seconds": round(time.perf_counter() - start),
+             "runs": [{"optimizer": o, "lr": lr, "arm": a, "per_seed": recs} for (o, lr, a), recs in results.items()]}
+    print_tables(saved, args.adam_lrs, args.muon_lrs, results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tau": args.tau, "steps": args.steps, "seeds": args.seeds, "task": TASK, "batch": BATCH,
-                       "runs": [{"optimizer": o, "lr": lr, "arm": a, "per_seed": recs}
-                                for (o, lr, a), recs in results.items()]}, f, indent=1)
+            json.dump(saved, f, indent=1)
+
+
+def print_tables(saved: dict[str, Any], adam_lrs: list[float], muon_lrs: list[float],
+                 results: dict[tuple, list[dict[str, Any]]]) -> None:
+    """The tables of every optimizer: the per-arm values, then the paired differences."""
+    print(f"tau = {saved['tau']:g}, {saved['steps']} steps, seeds {saved['seeds']}, batch {saved['batch']}; "
+          f"mean ± 95% interval over seeds ({sum(len(v) for v in results.values())} runs"
+          + (f", {saved['seconds']} s" if "seconds" in saved else "") + ")\n")
+    for opt, lrs, title in (("adam", adam_lrs, "Adam on every parameter"),
+                            ("muon", muon_lrs, "Muon on the encoder's matrices, Adam on the rest")):
+        if lrs:
+            print(f"{title}:\n\n{table(opt, lrs, results)}\n\n{paired_table(opt, lrs, results)}\n")
 
 
 if __name__ == "__main__":
