@@ -20,7 +20,7 @@ max logit exceeds tau (by more than float32 rounding, 1e-5 relative), the final 
 of the last 5% of steps, as `modopt run`'s summary) and the loss spikes (`modopt.cli.run.count_spikes` on the
 training losses, the count `modopt compare` reports).
 
-    python examples/qkclip_bound.py                         # the study (about 8 minutes on 2 cores)
+    python examples/qkclip_bound.py                         # the study (6 to 9 minutes on 2 shared cores)
     python examples/qkclip_bound.py --json /tmp/qk.json     # also every seed's values
     python examples/qkclip_bound.py --quick                 # a few steps, one seed, two lrs (CI)
 
