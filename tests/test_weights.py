@@ -477,17 +477,20 @@ def test_accumulate_clips_once_per_cycle_by_the_max_of_its_micro_batches():
     torch.testing.assert_close(opt.stats["2:QKClip.max_logit"], want)
 
 
-def test_the_step_compiles_to_one_graph_equal_to_eager(device_path):
+@pytest.mark.parametrize("logits", ["recorded", "rewritten"])
+def test_the_step_compiles_to_one_graph_equal_to_eager(logits, device_path):
     """`torch.compile(opt.step, fullgraph=True)` with QKClip (the forward hook runs outside the step), against
-    the eager device path (a compiled step decides every skip on the device)."""
+    the eager device path (a compiled step decides every skip on the device), a skipped step included.
+    `logits="rewritten"` measures the kept inputs at the written weights inside the graph and consumes them."""
     torch._dynamo.reset()
+    keep = logits == "rewritten"
 
     def make():
         m = _mha(scale=2.0)
-        mo.AttentionLogits.attach(m)
-        return m, mo.Modular(m.parameters(), mo.SGD(lr=1e-2, momentum=0.9), mo.QKClip(2.0))
+        stats = mo.AttentionLogits.attach(m, keep_inputs=keep)
+        return m, stats, mo.Modular(m.parameters(), mo.SGD(lr=1e-2, momentum=0.9), mo.QKClip(2.0, logits=logits))
 
-    (a, eager), (b, comp) = make(), make()
+    (a, _, eager), (b, stats, comp) = make(), make()
     step = torch.compile(comp.step, fullgraph=True)
     clipped = 0
     for k in range(4):
@@ -501,7 +504,10 @@ def test_the_step_compiles_to_one_graph_equal_to_eager(device_path):
         step()
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(comp.stats["1:QKClip.max_logit"], eager.stats["1:QKClip.max_logit"])
         assert torch.equal(eager.stats["1:QKClip.clipped"], comp.stats["1:QKClip.clipped"])
+        if keep:
+            assert stats.kept_inputs() == {"attention": 0}
         clipped += int(comp.stats["1:QKClip.clipped"])
     assert clipped > 0 and int(comp.stats["skipped_steps"]) == 1
 
@@ -638,38 +644,6 @@ def test_rewritten_skipped_step_keeps_every_bit_and_its_forwards_without_a_sync(
             assert torch.isneginf(stats.layers["attention"].carry).all()
             torch.testing.assert_close(now, s_.clamp_max(1.0), rtol=1e-5, atol=1e-6)
         assert (now <= 1.0 + 1e-5).all() or device_decides
-
-
-def test_the_rewritten_step_compiles_to_one_graph_equal_to_eager(device_path):
-    """`torch.compile(opt.step, fullgraph=True)` with `logits="rewritten"`: the step measures the kept inputs
-    at the written weights inside the graph, equal to the eager device path, a skipped step included; the
-    kept inputs are consumed by the compiled step too."""
-    torch._dynamo.reset()
-
-    def make():
-        m = _mha(scale=2.0)
-        stats = mo.AttentionLogits.attach(m, keep_inputs=True)
-        return m, stats, mo.Modular(m.parameters(), mo.SGD(lr=1e-2, momentum=0.9), mo.QKClip(2.0, logits="rewritten"))
-
-    (a, _, eager), (b, stats, comp) = make(), make()
-    step = torch.compile(comp.step, fullgraph=True)
-    clipped = 0
-    for k in range(4):
-        x = _x(3, 5, 8, seed=k)
-        for m in (a, b):
-            m.zero_grad()
-            m(x, x, x)[0].pow(2).sum().backward()
-            if k == 2:
-                m.in_proj_weight.grad[0, 0] = math.nan
-        eager.step()
-        step()
-        for p, q in zip(a.parameters(), b.parameters()):
-            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(comp.stats["1:QKClip.max_logit"], eager.stats["1:QKClip.max_logit"])
-        assert torch.equal(eager.stats["1:QKClip.clipped"], comp.stats["1:QKClip.clipped"])
-        assert stats.kept_inputs() == {"attention": 0}
-        clipped += int(comp.stats["1:QKClip.clipped"])
-    assert clipped > 0 and int(comp.stats["skipped_steps"]) == 1
 
 
 def test_rewritten_on_a_users_attention_takes_its_logits_fn_and_refuses_without_one():
