@@ -253,5 +253,5 @@ def test_a_profiler_sees_the_step_as_torchs_optimizers_name_it():
     class Sub(mo.Modular):
         pass
 
-    assert Sub([torch.nn.Parameter(torch.ones(1))], mo.SGD(lr=1.0)).step is not None
-    assert type(opt).step is mo.Modular.step
+    sub = Sub([torch.nn.Parameter(torch.ones(1))], mo.SGD(lr=1.0))
+    assert type(sub).step is mo.Modular.step and type(opt).step is mo.Modular.step  # not wrapped a second time
