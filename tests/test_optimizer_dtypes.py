@@ -294,3 +294,134 @@ def test_every_chosen_fused_kernel_moves_every_element(kernel, dtype, device):
                       maximize=False, decoupled_weight_decay=kernel == "adamw")
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p.double(), r, rtol=4 * ulp(dtype), atol=4 * ulp(dtype))
+
+
+# --- modopt's for-loop Adam (`kernels.loop_adam_`) against torch's, bit for bit -------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bit patterns (so that NaN == NaN of the same payload and -0.0 != 0.0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def loop_case(dtype, amsgrad, seed=0):
+    """Parameters of awkward lengths (around the vector widths) and layouts (a transposed view, a
+    channels-last 4-d tensor), their moments and step counts, and 40 steps of gradients from 1e-7 to 1e3
+    with exact zeros: the values torch's for-loop Adam rounds differently in each dtype."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(n, generator=g) * 2 for n in (1, 7, 17, 33, 65, 1000)]
+    ps.append(torch.randn(9, 5, generator=g).t())  # non-contiguous (its moments follow its strides)
+    ps.append(torch.randn(2, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last))
+    ps = [p.to(dtype) for p in ps]
+    zeros = lambda: [torch.zeros_like(p, memory_format=torch.preserve_format) for p in ps]  # noqa: E731
+    state = (ps, zeros(), zeros(), zeros() if amsgrad else [], [torch.zeros(()) for _ in ps])
+    grads = []
+    for _ in range(40):
+        scale = 10.0 ** float(torch.randint(-7, 4, (), generator=g))
+        step = [(torch.randn(p.shape, generator=g) * scale).to(dtype) for p in ps]
+        for s in step:
+            s.view(-1)[::5] = 0.0
+        grads.append(step)
+    return state, grads
+
+
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "maximize"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_loop_adam_is_torchs_for_loop_bit_for_bit(dtype, decoupled, amsgrad, maximize):
+    """`kernels.loop_adam_` (what `fused=False`/`foreach=False` run on a CPU) against torch's for-loop
+    Adam (`torch.optim.adam.adam(foreach=False)`, `torch.optim.Adam/AdamW(foreach=False)`'s step):
+    every parameter, moment and step count the same bits after every step, with weight decay, the
+    learning rate changed halfway, in every float dtype (torch's for-loop computes in the parameter's
+    dtype: half precision rounds at every operation, so any operation out of torch's order shows)."""
+    ours, grads = loop_case(dtype, amsgrad)
+    theirs, _ = loop_case(dtype, amsgrad)
+    for i, gs in enumerate(grads):
+        hyper = dict(lr=1e-2 if i < 20 else 3e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8,
+                     amsgrad=amsgrad, maximize=maximize)
+        kernels.loop_adam_(ours[0], [x.clone() for x in gs], *ours[1:], decoupled=decoupled, **hyper)
+        torch_adam_fn(theirs[0], [x.clone() for x in gs], *theirs[1:], foreach=False, decoupled_weight_decay=decoupled,
+                      **hyper)
+        for a, b, what in zip(ours, theirs, ("params", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")):
+            assert same_bits(a, b), f"step {i + 1}: {what} differ from torch's for-loop Adam"
+    assert not same_bits(ours[0], loop_case(dtype, amsgrad)[0][0]), "the parameters did not move"
+
+
+def test_loop_adam_leaves_the_gradients_as_they_are():
+    """torch's for-loop negates (`maximize`) and adds the L2 term out of place: the caller's gradients
+    (modopt's updates may be `p.grad` itself) are never written."""
+    (ps, m, v, vmax, steps), grads = loop_case(torch.float32, True)
+    gs = grads[0]
+    before = [g.clone() for g in gs]
+    kernels.loop_adam_(ps, gs, m, v, vmax, steps, decoupled=False, lr=1e-2, beta1=0.9, beta2=0.999,
+                       weight_decay=0.1, eps=1e-8, amsgrad=True, maximize=True)
+    assert same_bits(gs, before)
+
+
+@pytest.mark.parametrize("kernel", [{"fused": False}, {"foreach": False}], ids=["fused=False", "foreach=False"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] in ("adam", "adamw")], ids=lambda c: c[0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "maximize"])
+def test_torch_kernel_adam_equals_torch_for_loop_bit_for_bit(dtype, case, kernel, maximize):
+    """Run as users run it (two param groups with their own lr and weight decay, real forward and
+    backward), modopt's `Adam/AdamW(fused=False)` and `(foreach=False)` against
+    `torch.optim.Adam/AdamW(foreach=False)`: the same parameters and states, bit for bit, in every
+    float dtype; and the loop that ran is modopt's (`kernels.loop_adam_`). (No clip in front: in half
+    precision `ClipNorm` and `clip_grad_norm_` round the clipped gradient differently, whichever kernel
+    follows.)"""
+    name, family, hyper, factory = case
+    hyper = dict(hyper, maximize=maximize)
+    if dtype == torch.float16:  # (1e-8 is 0 in float16: the for-loop's first 0/0 would make every step NaN)
+        hyper["eps"] = 1e-3
+    mod_model, ref_model = make_model(dtype), make_model(dtype)
+    opt = mo.Modular(groups(mod_model, family, hyper["lr"]), factory(**hyper, **kernel))
+    cls = torch.optim.AdamW if family == "adamw" else torch.optim.Adam
+    ref = cls(groups(ref_model, family, hyper["lr"]), **hyper, foreach=False)
+    calls = []
+    real = kernels.loop_adam_
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    kernels.loop_adam_ = counted
+    try:
+        for x, y in data(dtype):
+            backward(mod_model, x, y)
+            opt.step()
+            backward(ref_model, x, y)
+            ref.step()
+    finally:
+        kernels.loop_adam_ = real
+    assert len(calls) == 2 * STEPS  # (one call per param group and step)
+    assert int(opt.stats["skipped_steps"]) == 0 and all(p.isfinite().all() for p in mod_model.parameters())
+    assert same_bits(list(mod_model.parameters()), list(ref_model.parameters()))
+    for p, q in zip(mod_model.parameters(), ref_model.parameters()):
+        mine = {k.rsplit(".", 1)[-1]: v for k, v in opt.state[p].items()}
+        for k, v in ref.state[q].items():
+            assert same_bits([mine[k]], [v]), k
+
+
+def test_loop_adam_runs_only_where_it_is_torchs_for_loop():
+    """`kernels.loop_adam_ok`: modopt's loop stands in for torch's for-loop kernel on CPU tensors with
+    torch's step layout and number hyperparameters; torch's own call everywhere else (its foreach
+    kernel, `capturable`, tensor hyperparameters, other step layouts, complex parameters)."""
+    p = [torch.zeros(3), torch.zeros(2, 2)]
+    steps = [torch.zeros(()), torch.zeros(())]
+    ok = lambda p=p, steps=steps, **k: kernels.loop_adam_ok(p, steps, **{  # noqa: E731
+        "foreach": False, "capturable": False, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, **k})
+    assert ok() and ok(foreach=None) == (not kernels.torch_default_foreach(p))
+    assert not ok(foreach=True) and not ok(capturable=True) and not ok(p=[], steps=[])
+    for key in ("lr", "beta1", "beta2"):
+        assert not ok(**{key: torch.tensor(0.5)})
+    assert not ok(steps=[torch.zeros(()), torch.zeros((), dtype=torch.float64)])
+    assert not ok(steps=[torch.zeros(()), torch.zeros(1)])
+    assert not ok(p=[torch.zeros(3, dtype=torch.complex64), torch.zeros(2, 2)])
+    if torch.cuda.is_available():
+        assert not ok(p=[torch.zeros(3, device="cuda"), torch.zeros(2, 2, device="cuda")])
+        assert not ok(steps=[torch.zeros((), device="cuda"), torch.zeros(())])

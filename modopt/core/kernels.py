@@ -23,6 +23,7 @@ so a kernel torch has fixed is used again on the versions with the fix:
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
 from typing import Union
@@ -30,7 +31,8 @@ from typing import Union
 import torch
 from torch.torch_version import TorchVersion
 from torch.optim.adam import adam as _torch_adam
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_fused_kernels_supported_devices
+from torch.optim.optimizer import (_default_to_fused_or_foreach, _get_foreach_kernels_supported_devices,
+                                   _get_fused_kernels_supported_devices)
 from torch.optim.sgd import sgd as _torch_sgd
 
 from . import distributed
@@ -54,7 +56,7 @@ def const(value: float, like: torch.Tensor) -> Union[torch.Tensor, float]:
 
 __all__ = ["const", "KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_sgd_started_",
            "fused_sgd_started_", "foreach_adam_",
-           "torch_default_foreach", "torch_adam_", "torch_sgd_"]
+           "torch_default_foreach", "torch_adam_", "torch_sgd_", "loop_adam_ok", "loop_adam_"]
 
 #: a hyperparameter a kernel takes as a number or a 0-d tensor (a scheduler may hold `lr` as a tensor)
 Scalar = Union[float, torch.Tensor]
@@ -268,14 +270,81 @@ def torch_default_foreach(params: list[torch.Tensor]) -> bool:
     return bool(params) and _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1]
 
 
+def loop_adam_ok(params: Tensors, steps: Tensors, *, foreach: bool | None, capturable: bool, lr: Scalar,
+                 beta1: Scalar, beta2: Scalar) -> bool:
+    """Whether `loop_adam_` may stand in for torch's for-loop Adam on these tensors: where torch would
+    run its for-loop kernel (`foreach=False`, or `foreach=None` on parameters torch gives no foreach
+    kernel: the CPU), not `capturable`, with every parameter a real floating-point CPU tensor, every
+    step count a 0-d float32 CPU tensor (torch's layout) and `lr`, `beta1`, `beta2` Python numbers
+    (torch's for-loop kernel reads tensor hyperparameters in ways of its own). Elsewhere torch's call."""
+    if capturable or not params or foreach or isinstance(lr, torch.Tensor) or isinstance(beta1, torch.Tensor) \
+            or isinstance(beta2, torch.Tensor):
+        return False
+    cpu = _CPU_DEVICE
+    if set(map(_device, params)) != cpu or not all(map(torch.is_floating_point, params)):
+        return False
+    if set(map(_device, steps)) != cpu or set(map(_dtype, steps)) != _F32 or any(map(_ndim, steps)):
+        return False
+    # (`foreach=None`: torch's default, its for-loop kernel wherever the CPU has no foreach kernel)
+    return foreach is False or "cpu" not in _get_foreach_kernels_supported_devices()
+
+
+_device, _dtype, _ndim = operator.attrgetter("device"), operator.attrgetter("dtype"), operator.attrgetter("ndim")
+_CPU_DEVICE, _F32 = {torch.device("cpu")}, {torch.float32}
+
+
+def loop_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
+               steps: Tensors, *, decoupled: bool, lr: float, beta1: float, beta2: float, weight_decay: float,
+               eps: float, amsgrad: bool, maximize: bool) -> None:
+    """torch's for-loop Adam/AdamW (`torch.optim.adam._single_tensor_adam`, not capturable, not
+    differentiable) with the same elementwise operations in the same order on each tensor, so the
+    same bits in every dtype, where `loop_adam_ok` says so. Two things differ, neither a value: the
+    denominator `sqrt(v) / sqrt(1 - beta2^t) + eps` is divided in place in the square root's
+    tensor (torch allocates the quotient as a second full-size temporary), and the step counts are
+    incremented by one foreach add and read in one list read (torch adds to and reads back each
+    count separately: a dispatch and a host read per tensor). The bias corrections are torch's
+    Python-float arithmetic on the count it reads (float32, exact below 2**24)."""
+    torch._foreach_add_(steps, 1)
+    counts = torch.stack(steps).tolist()  # (0-d CPU tensors: a read, no device wait)
+    memo: dict[float, tuple[float, float]] = {}
+    for i, param in enumerate(params):
+        grad = -grads[i] if maximize else grads[i]  # (out of place, as torch: the gradients stay the caller's)
+        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+        if weight_decay != 0:
+            if decoupled:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(param, alpha=weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = counts[i]
+        bc = memo.get(step)
+        if bc is None:
+            bc = memo[step] = (lr / (1 - beta1**step), (1 - beta2**step) ** 0.5)
+        step_size, bias_correction2_sqrt = bc
+        if amsgrad:
+            torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+            denom = max_exp_avg_sqs[i].sqrt()
+        else:
+            denom = exp_avg_sq.sqrt()
+        denom.div_(bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
 def torch_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
                 steps: Tensors, *, foreach: bool | None, capturable: bool, decoupled: bool, lr: Scalar, beta1: Scalar,
                 beta2: Scalar, weight_decay: float, eps: float, amsgrad: bool, maximize: bool) -> None:
     """`torch.optim.Adam`'s (`decoupled`: `AdamW`'s) functional step with torch's non-fused kernels:
     the foreach kernel (`foreach=True`), the for-loop kernel (`foreach=False`) or torch's default
     for these tensors (`foreach=None`). It increments `steps` itself (0-d float32 tensors: on the CPU
-    unless `capturable`, where torch keeps them). The same call `torch.optim.Adam.step` makes, so the
-    same bits by construction on every device."""
+    unless `capturable`, where torch keeps them). Where torch would run its for-loop kernel on CPU
+    tensors (`loop_adam_ok`), `loop_adam_`: the same operations in the same order, fewer temporaries
+    and host reads (tests/test_optimizer_dtypes.py compares the bits); elsewhere the same call
+    `torch.optim.Adam.step` makes, so the same bits by construction on every device."""
+    if loop_adam_ok(params, steps, foreach=foreach, capturable=capturable, lr=lr, beta1=beta1, beta2=beta2):
+        loop_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled, lr=lr,
+                   beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize)
+        return
     _torch_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=foreach, capturable=capturable,
         differentiable=False, fused=None, decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1,

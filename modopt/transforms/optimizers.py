@@ -461,7 +461,8 @@ class Adam(_FusedOptimizer):
     The kernel (as the last transform): by default torch's fused kernel, so it equals
     `torch.optim.Adam(..., fused=True)`, not torch's default. `fused=False` runs torch's own
     default (`torch.optim.Adam(...)`: the for-loop kernel on a CPU, foreach on CUDA);
-    `foreach=True`/`False` torch's foreach/for-loop kernel; `capturable` as in torch (for the
+    `foreach=True`/`False` torch's foreach/for-loop kernel (torch's for-loop on CPU tensors is
+    `kernels.loop_adam_`, the same operations in torch's order: the same bits); `capturable` as in torch (for the
     non-fused kernels). With a non-fused kernel the host decides a skip (one sync per step:
     torch's non-fused kernels read the step count on the host). `decoupled_weight_decay=True`
     makes it `AdamW`. See docs/modules/optimizers.md, "Which kernel runs".
