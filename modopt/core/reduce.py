@@ -217,8 +217,6 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     # common case); where it overflows although every part is finite (e.g. 3e19 ** 3 in float32)
     # a form that cannot overflow is used instead, chosen on device (no host sync)
     plain = vector_pnorm(norms, p)
-    if _reads_on_host(plain) and plain.item() < math.inf:  # a read that only reads memory: no guard needed
-        return plain
     if norms.dtype == torch.float32 and p <= 4:
         # float64 holds sums of 4th powers of any float32 values: the whole guard is 4 small ops,
         # and inf/NaN parts give inf/NaN in both forms
@@ -229,13 +227,6 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     unit = torch.where(torch.isfinite(top) & (top > 0), top, torch.ones_like(top))
     scaled = unit * torch.linalg.vector_norm(norms / unit, p)
     return torch.where(torch.isfinite(plain) | ~torch.isfinite(top), plain, scaled)
-
-
-def _reads_on_host(t: torch.Tensor) -> bool:
-    """`modopt.core.runner.reads_on_host` (the runner imports this module, so it is looked up here)."""
-    from . import runner
-
-    return runner.reads_on_host(t)
 
 
 def stage_total(local_total: torch.Tensor, p: float, stages: Any) -> torch.Tensor:
