@@ -187,6 +187,10 @@ def torch_reads(t, m) -> int:
     if not opts:
         return 0
     x = opts[0]
+    if isinstance(x, mo.Adam) and x.foreach is not True:
+        # on these CPU tensors modopt's own for-loop runs (`kernels.loop_adam_`): it reads the CPU step
+        # counts in one list read (`tolist`, no dispatcher call) where torch's makes an .item() per tensor
+        return 0
     cls = torch.optim.SGD if isinstance(x, mo.SGD) else torch.optim.Adam
     kw = {k: getattr(x, k) for k in (*x.group_keys, "foreach", "fused")}
     if isinstance(x, mo.Adam):
