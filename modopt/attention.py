@@ -50,6 +50,13 @@ class _Layer:
         self.carry = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
 
 
+def _flag(value: Any, door: str) -> bool:
+    """`value` if it is a bool; a `TypeError` naming `door` otherwise (a string such as "no" is not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{door}: expected True or False, got {value!r}")
+    return value
+
+
 def _rows(spec: Any, heads: int, what: str) -> Rows:
     """`param` (every row) or `(param, start, stop)`: rows start..stop, split evenly into the heads."""
     if isinstance(spec, torch.Tensor):
@@ -81,7 +88,7 @@ class AttentionLogits:
     def __init__(self, keep_inputs: bool = False) -> None:
         self.layers: dict[str, _Layer] = {}
         self._handles: list[Any] = []
-        self.keep_inputs = bool(keep_inputs)
+        self.keep_inputs = _flag(keep_inputs, "AttentionLogits(keep_inputs=...)")
 
     # --- a user's own attention ---------------------------------------------------------------------
     def watch(self, name: str, heads: int, query: Sequence[Any] | Any, key: Sequence[Any] | Any,
@@ -154,7 +161,9 @@ class AttentionLogits:
         """Watch every `torch.nn.MultiheadAttention` in `model` (by its module name) with a forward hook
         that recomputes its logits; returns the provider (`stats`, or a new one). `keep_inputs=True`: the
         hook also keeps each forward's query and key inputs and masks for `QKClip(logits="rewritten")`."""
-        if stats is not None and keep_inputs is not None and bool(keep_inputs) != stats.keep_inputs:
+        if keep_inputs is not None:
+            _flag(keep_inputs, "AttentionLogits.attach(keep_inputs=...)")
+        if stats is not None and keep_inputs is not None and keep_inputs != stats.keep_inputs:
             raise ValueError("AttentionLogits.attach: keep_inputs differs from the given provider's")
         self = stats if stats is not None else cls(keep_inputs=bool(keep_inputs))
         found = False

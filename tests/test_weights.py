@@ -535,6 +535,16 @@ def test_a_detached_provider_stops_recording_and_the_clip_stops():
     assert torch.equal(m.in_proj_weight, w)
 
 
+@pytest.mark.parametrize("value", ["no", 1, math.nan])
+def test_the_provider_refuses_a_keep_inputs_that_is_not_a_bool_before_hooking(value):
+    m = _mha(scale=1.0)
+    with pytest.raises(TypeError, match=r"keep_inputs=\.\.\.\): expected True or False"):
+        mo.AttentionLogits(keep_inputs=value)
+    with pytest.raises(TypeError, match=r"attach\(keep_inputs=\.\.\.\): expected True or False"):
+        mo.AttentionLogits.attach(m, keep_inputs=value)
+    assert not m._forward_hooks and not m._forward_pre_hooks  # nothing hooked
+
+
 def test_the_provider_refuses_rows_that_do_not_split_into_heads():
     w = torch.zeros(6, 4)
     with pytest.raises(ValueError, match="split into 4 heads"):

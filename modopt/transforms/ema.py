@@ -67,7 +67,8 @@ class _NormEMA(Scoped, abstract=True):
         # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
-        per_dtype = {mi.dtype: seg.expand(_weight(ok, w, mi)) for mi in {mi.dtype: mi for mi in m}.values()}
+        one_of_each = {mi.dtype: mi for mi in m}
+        per_dtype = {dt: seg.expand(_weight(ok, w, like)) for dt, like in one_of_each.items()}
         weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
         if flags is not None and any(f is not None for f in flags):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
