@@ -109,7 +109,7 @@ def test_a_bad_device_is_refused_naming_the_flag(bench, capsys, device, says):
 
 
 def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it_was(capsys):
-    from modopt.core import runner
+    from modopt.core import hostdata
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_decision.py"
     spec = importlib.util.spec_from_file_location("modopt_host_decision_under_test", path)
@@ -118,7 +118,7 @@ def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it
     assert module.main(["--tensors", "3", "--steps", "22", "--repeats", "1"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
     assert len(rows) == 3 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
-    assert runner.HOST_ON_CPU is True
+    assert hostdata.HOST_ON_CPU is True
 
 
 def test_the_published_python_call_counts_are_the_step_s(tmp_path):
@@ -244,7 +244,7 @@ def test_the_earlier_commit_runs_beside_this_one(capsys):
     """benchmarks/against_commit.py imports an earlier modopt under another name next to this one and times
     both; without the git history it says so and exits 0."""
     import modopt
-    from modopt.core import runner
+    from modopt.core import hostdata
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "against_commit.py"
     spec = importlib.util.spec_from_file_location("modopt_against_commit_under_test", path)
@@ -263,4 +263,4 @@ def test_the_earlier_commit_runs_beside_this_one(capsys):
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert all(float(c) > 0 for c in cells[2:5])
     assert "modopt_a73d81a" in sys.modules and sys.modules["modopt"] is modopt  # both, side by side
-    assert runner.HOST_ON_CPU is True
+    assert hostdata.HOST_ON_CPU is True

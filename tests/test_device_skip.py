@@ -249,11 +249,11 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
     """On a CPU the step reads the device's decision back (a sync that only reads memory) and runs the
     plain chain: every parameter, every saved value and the skip count equal the device path's, bit for
     bit, with NaN steps (a whole cycle of them for Accumulate and Lookahead)."""
-    from modopt.core import runner
+    from modopt.core import hostdata
 
     ends, hosts = [], []
     for host in (True, False):
-        monkeypatch.setattr(runner, "HOST_ON_CPU", host)
+        monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
         m = model()
         opt = mo.Modular(groups(m), *pipeline_of(t))
         for k in range(9):
@@ -276,10 +276,10 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
 def test_on_a_cpu_an_overflowing_norm_skips_as_on_the_device(monkeypatch):
     """Finite gradients whose total 2-norm overflows float32 skip the step on both paths (the device's
     rule, the careful loop's `if clip_grad_norm_(...).isfinite()`), not only where the host decided alone."""
-    from modopt.core import runner
+    from modopt.core import hostdata
 
     for host in (True, False):
-        monkeypatch.setattr(runner, "HOST_ON_CPU", host)
+        monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
         p = torch.nn.Parameter(torch.ones(4))
         opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(lr=0.1))
         p.grad = torch.tensor([1e30, 1.0, -1.0, 0.0])

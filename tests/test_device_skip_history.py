@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import modopt as mo
-from modopt.core import runner
+from modopt.core import hostdata
 from checks import Syncs
 
 def model():
@@ -152,7 +152,7 @@ def test_nan_steps_change_nothing_and_no_step_syncs(name, schedule):
 
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host-on-cpu"])
 def test_a_first_step_that_is_skipped_leaves_clip_value_growth_unstarted(host, monkeypatch):
-    monkeypatch.setattr(runner, "HOST_ON_CPU", host)
+    monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
     m = model()
     opt = mo.Modular(m.parameters(), mo.ClipValueGrowth(mul=2.0), mo.LR(1.0))
     set_grads(m, NAN)

@@ -4,10 +4,15 @@
 `torch.cuda.set_sync_debug_mode("error")` refuses and the default step never makes. Here the values are
 made on the CPU and sent with `non_blocking=True` (from pageable memory CUDA stages the source before the
 call returns, so the CPU tensor may go at once); a 0-d value is filled on the device instead.
+
+And where the host may read a value instead (`reads_on_host`): on the CPU, where a read only reads memory,
+unless `device_path()` asks for what a GPU runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,3 +24,28 @@ def on_device(values: Any, dtype: torch.dtype | None, device: torch.device) -> t
         return torch.full((), values, dtype=dtype, device=device)
     t = torch.tensor(values, dtype=dtype)
     return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
+
+
+#: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
+#: only reads memory) when its plan allows it (`Plan.host_on_cpu`), and transforms read other values there
+#: to skip work (`reads_on_host`). False keeps the device path on the CPU too (`device_path`).
+HOST_ON_CPU = True
+
+
+def reads_on_host(t: torch.Tensor) -> bool:
+    """Whether the step may read `t`'s values on the host to leave out work the value makes useless (a
+    moment reset that is not due, a clip that cuts nothing): `t` on the CPU, where a read only reads memory,
+    outside a compiled step, unless `device_path` is in force. Either way the results are the same bits."""
+    return HOST_ON_CPU and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def device_path() -> Iterator[None]:
+    """Inside it, steps on the CPU take the device path (no host read of any decision): what a GPU runs.
+    The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
+    global HOST_ON_CPU
+    was, HOST_ON_CPU = HOST_ON_CPU, False
+    try:
+        yield
+    finally:
+        HOST_ON_CPU = was

@@ -70,7 +70,7 @@ from pydantic import AfterValidator, AllowInfNan, BeforeValidator
 
 from . import compile_marks, distributed
 from .distributed import any_sharded
-from .hostdata import on_device
+from .hostdata import on_device, reads_on_host
 from .keys import group_key, value_key
 
 NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
@@ -220,7 +220,10 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
     if norms.dtype == torch.float32 and p <= 4:
         # float64 holds sums of 4th powers of any float32 values: the whole guard is 4 small ops,
         # and inf/NaN parts give inf/NaN in both forms
-        # (`plain < inf`: one op where isfinite takes four; a norm is >= 0 and NaN compares false)
+        # (`plain < inf`: one op where isfinite takes four; a norm is >= 0 and NaN compares false);
+        # where reading is free the host looks first: the guard is needed only where `plain` overflowed
+        if reads_on_host(plain) and plain.item() < math.inf:
+            return plain
         wide = torch.linalg.vector_norm(norms, p, dtype=torch.float64).to(torch.float32)
         return torch.where(plain < math.inf, plain, wide)
     top = norms.amax()

@@ -17,7 +17,6 @@ cycles, a type hint included), so its signatures name a transform `Any`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from itertools import repeat
@@ -27,8 +26,10 @@ from typing import Any, Literal
 
 import torch
 
-from . import compile_marks, distributed
+from . import compile_marks, distributed, hostdata
 from .distributed import any_sharded, copy_
+from .kernels import const
+from .hostdata import device_path, reads_on_host
 from .keys import transform_key, value_key
 from .reduce import (NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments, stage_total,
                      vector_pnorm)
@@ -252,12 +253,16 @@ class Step:
         self.proceed = ~self.skip
         self.checked = None
 
-    def finite(self, norm: torch.Tensor) -> torch.Tensor:
+    def finite(self, norm: torch.Tensor) -> torch.Tensor | None:
         """`norm < inf` (a norm is >= 0 and NaN compares false), and, where the device decides, the step
-        goes ahead: a bool tensor like `norm`. The non-finite check's own total gives `proceed` itself
-        (the same values: no op)."""
-        if norm is self.checked:
-            return self.proceed  # type: ignore[return-value]
+        goes ahead: a bool tensor like `norm`. For the non-finite check's own total (or a view of it) the
+        answer is known: `proceed` where the device decides, and None where the host did (the step goes
+        ahead, so the total is finite: the caller needs no test)."""
+        checked = self.checked
+        if checked is not None and (norm is checked or norm._base is checked):
+            if self.skip is None:
+                return None
+            return self.proceed if norm is checked else self.proceed.view(norm.shape)  # type: ignore[union-attr]
         ok = norm < math.inf
         if self.skip is not None:
             ok = ok & (self.proceed if self.proceed is not None else ~self.skip)
@@ -369,7 +374,7 @@ class TransformState:
         stats, key = self.step.stats, self.key
         stats[value_key(key, "norm")] = norm
         stats[value_key(key, "scale")] = scale
-        stats[value_key(key, "clipped")] = scale < 1
+        stats[value_key(key, "clipped")] = scale < const(1.0, scale)
         for k, v in extra.items():
             self.record(k, v)
 
@@ -711,30 +716,6 @@ def maybe_finite(ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
     return total if total_only else total < math.inf
 
 
-#: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
-#: only reads memory) when its plan allows it (`Plan.host_on_cpu`), and transforms read other values there
-#: to skip work (`reads_on_host`). False keeps the device path on the CPU too (`device_path`).
-HOST_ON_CPU = True
-
-
-def reads_on_host(t: torch.Tensor) -> bool:
-    """Whether the step may read `t`'s values on the host to leave out work the value makes useless (a
-    moment reset that is not due, a clip that cuts nothing): `t` on the CPU, where a read only reads memory,
-    outside a compiled step, unless `device_path` is in force. Either way the results are the same bits."""
-    return HOST_ON_CPU and t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-@contextlib.contextmanager
-def device_path() -> Iterator[None]:
-    """Inside it, steps on the CPU take the device path (no host read of any decision): what a GPU runs.
-    The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
-    global HOST_ON_CPU
-    was, HOST_ON_CPU = HOST_ON_CPU, False
-    try:
-        yield
-    finally:
-        HOST_ON_CPU = was
-
 #: `False` as a 0-d bool tensor on the CPU, for the telemetry of steps that go ahead (`opt.stats` values are
 #: read, never written: one shared tensor instead of a new one each step)
 CPU_FALSE = torch.zeros((), dtype=torch.bool)
@@ -780,7 +761,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
-        if host_on_cpu and HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
+        if host_on_cpu and hostdata.HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
             # the device's decision, read where reading it is free: the plain chain runs (no cleaning
             # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
             # (the device's test, `total < inf`, made on the host: NaN compares false there too)

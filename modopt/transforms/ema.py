@@ -57,8 +57,10 @@ class _NormEMA(Scoped, abstract=True):
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
         # `nu < inf` is "finite" for a norm (NaN compares false)
-        ok = ctx.finite(nu)
-        ok_t = seg.expand(ok)
+        ok = ctx.finite(nu)  # None: the host knows every segment's norm is finite (the step's checked total)
+        if ok is None and self.ema_init != "zeros":
+            ok = nu < math.inf
+        ok_t = None if ok is None else seg.expand(ok)
         flags = None
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
@@ -68,8 +70,12 @@ class _NormEMA(Scoped, abstract=True):
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
         one_of_each = {mi.dtype: mi for mi in m}
-        per_dtype = {dt: seg.expand(_weight(ok, w, like)) for dt, like in one_of_each.items()}
-        weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
+        if ok is None:  # every segment goes ahead: the weight itself (`ok * w` is `w` there)
+            by_dtype = {dt: _weight(None, w, like) for dt, like in one_of_each.items()}
+            weights = [by_dtype[mi.dtype] for mi in m]
+        else:
+            per_dtype = {dt: seg.expand(_weight(ok, w, like)) for dt, like in one_of_each.items()}
+            weights = [per_dtype[mi.dtype][i] for i, mi in enumerate(m)]
         if flags is not None and any(f is not None for f in flags):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
@@ -84,14 +90,17 @@ class _NormEMA(Scoped, abstract=True):
         nm = seg.reduce(m, self.ord)
         nm = nm.abs() if signed else nm
         if self.max_ema_growth is not None:
-            prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype).to(nm.dtype)
+            prev = st.seg_get(seg, "prev_ema_norm", 0.0, dtype=nm.dtype)
+            prev = prev if prev.dtype == nm.dtype else prev.to(nm.dtype)
             # the limit binds where a previous norm exists and the segment is ok; elsewhere it is inf
-            limit = torch.where((prev > 0) & ok, prev * self.max_ema_growth, const(math.inf, prev))
+            # (cached 0-d operands: on a CPU a Python number is made into a tensor on every call)
+            binds = prev > const(0.0, prev) if ok is None else (prev > const(0.0, prev)) & ok
+            limit = torch.where(binds, prev * const(self.max_ema_growth, prev), const(math.inf, prev))
             factor = below_one(limit / nm)
             seg.mul_(m, factor)
             nm = nm * factor
-            st.seg_set(seg, "prev_ema_norm", torch.where(ok, nm, prev), kept=True)
-        floor = torch.clamp(nm, min=self.eps)
+            st.seg_set(seg, "prev_ema_norm", nm if ok is None else torch.where(ok, nm, prev), kept=True)
+        floor = torch.clamp_min(nm, self.eps)
         if self.normalize:
             scale = torch.where(nu > 0, floor / nu, const(1.0, nu))
         else:
@@ -121,12 +130,12 @@ class _NormEMA(Scoped, abstract=True):
         return (self.scope, self.dim, self.inverse_dims) if self.eps > 0 else None
 
 
-def _weight(ok: torch.Tensor, w: float, like: torch.Tensor) -> torch.Tensor:
+def _weight(ok: torch.Tensor | None, w: float, like: torch.Tensor) -> torch.Tensor:
     """`ok.to(dtype) * w` in `like`'s dtype: one op in float32/64 (`w` a cached tensor; 1 * w and 0 * w
-    are exact); two otherwise and when traced."""
+    are exact); two otherwise and when traced. `ok` None (known true, on the host): no op in float32/64."""
     if like.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
-        return ok * const(w, like)
-    return ok.to(like.dtype) * w
+        return const(w, like) if ok is None else ok * const(w, like)
+    return (const(1.0, like) if ok is None else ok.to(like.dtype)) * w
 
 
 def _ema_from_update(ctx, st, updates, first) -> tuple[list[torch.Tensor], list, bool]:

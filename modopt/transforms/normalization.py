@@ -26,7 +26,7 @@ def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: b
     n = norm.abs() if signed else norm
     d = n + eps if eps != 0 else n
     inv = d.reciprocal() if norm_value == 1 else norm_value / d
-    return torch.where(n > 0, inv, const(1.0, inv))
+    return torch.where(n > const(0.0, n), inv, const(1.0, inv))  # (0-d tensors: no scalar made per call)
 
 
 class Normalize(Scoped):

@@ -805,11 +805,12 @@ def _run_fused_adam(calls: list[_FusedAdamCall], ctx: Step, updates: list[torch.
     (nothing done) unless every per-parameter state dict, and every tensor in it the calls read, is still
     the one they read (a load, `add_param_group` or a hand-written state makes new ones) and `amsgrad` is
     as it was. The test is identity only, at C level: nothing is read from the tensors."""
-    is_, state = operator.is_, ctx.host.state
+    is_, now = operator.is_, ctx.param_states()  # (the step's list: an earlier transform may have made it)
     try:
         for c in calls:
             states = c.states
-            if not (bool(c.vmax) == bool(c.group["amsgrad"]) and all(map(is_, map(state.get, c.params), states))
+            cur = now[c.a:c.b] if c.idx is None else [now[c.a + i] for i in c.idx]
+            if not (bool(c.vmax) == bool(c.group["amsgrad"]) and all(map(is_, cur, states))
                     and all(map(is_, map(c.keys[0], states), c.steps)) and all(map(is_, map(c.keys[1], states), c.m))
                     and all(map(is_, map(c.keys[2], states), c.v))
                     and (not c.vmax or all(map(is_, map(c.keys[3], states), c.vmax)))):
@@ -823,7 +824,7 @@ def _run_fused_adam(calls: list[_FusedAdamCall], ctx: Step, updates: list[torch.
     for c in calls:
         g = c.group
         grads = updates[c.a:c.b] if c.idx is None else [updates[c.a + i] for i in c.idx]
-        c.flat.add_(1 if by is None else by)
+        c.flat.add_(kernels.const(1.0, c.flat) if by is None else by)  # (a cached 1: no scalar tensor made per call)
         beta1, beta2 = g["betas"]
         kernels.fused_adam_(
             c.params, grads, c.m, c.v, c.vmax, c.steps, decoupled=c.decoupled, lr=g["lr"], beta1=beta1,
