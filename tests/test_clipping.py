@@ -158,3 +158,46 @@ def test_clip_grad_norm_error_if_nonfinite():
     p.grad = torch.tensor([float("inf"), 1.0])
     with pytest.raises(RuntimeError, match="non-finite"):
         mo.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_clip_value_sweeps_large_tensors_one_by_one_on_a_cpu_and_together_on_the_device_path(device_path):
+    """`ClipValue` clamps a large tensor in one sweep where a call is cheap (a CPU) and every tensor with the
+    foreach pair where a launch is what costs (a GPU: `device_path()`); the same values either way, torch's
+    `clip_grad_value_`'s."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from modopt.core import runner
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    shapes = [(300, 300), (300, 300), (10,), (20,)]  # two of them at least 64K elements
+    grads = [torch.randn(s) * 0.1 for s in shapes]
+    p = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = mo.Modular(p, mo.ClipValue(0.05), mo.LR(1.0), nonfinite="ignore")
+    for q, g in zip(p, grads):
+        q.grad = g.clone()
+    ops = Ops()
+    with runner.device_path() if device_path else contextlib.nullcontext(), ops:
+        opt.step()
+    clamps = [n for n in ops.names if "clamp" in n]
+    if device_path:
+        assert clamps == ["aten._foreach_clamp_min_", "aten._foreach_clamp_max_"]
+    else:
+        assert clamps == ["aten.clamp_", "aten.clamp_", "aten._foreach_clamp_min_", "aten._foreach_clamp_max_"]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    torch.nn.utils.clip_grad_value_(ref, 0.05)
+    for q, r in zip(p, ref):
+        assert torch.equal(q.detach(), -r.grad)

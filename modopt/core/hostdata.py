@@ -39,9 +39,17 @@ def reads_on_host(t: torch.Tensor) -> bool:
     return HOST_ON_CPU and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def cpu_kernels(t: torch.Tensor) -> bool:
+    """Whether work on `t` is planned for a CPU (where a call costs about a memory sweep of a few thousand
+    elements) rather than a GPU (where a launch costs about a sweep of millions): `t` on the CPU, unless
+    `device_path` asks for what a GPU runs. Only the speed differs, never the values."""
+    return HOST_ON_CPU and t.device.type == "cpu"
+
+
 @contextlib.contextmanager
 def device_path() -> Iterator[None]:
-    """Inside it, steps on the CPU take the device path (no host read of any decision): what a GPU runs.
+    """Inside it, steps on the CPU take the device path (no host read of any decision, kernels chosen as for
+    a GPU, `cpu_kernels`): what a GPU runs.
     The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
     global HOST_ON_CPU
     was, HOST_ON_CPU = HOST_ON_CPU, False

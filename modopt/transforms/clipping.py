@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
+from ..core.hostdata import cpu_kernels
 from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -55,16 +56,20 @@ class ClipValue(Transform):
         return updates
 
 
-#: tensors at least this large are worth one op each (per-op overhead is small next to a memory sweep)
-_BIG = 1 << 16
+#: tensors at least this large are worth one op each (per-op overhead is small next to a memory sweep): on a
+#: CPU a call costs a few microseconds, a sweep of 64K float32 elements about as much; on a GPU a kernel
+#: launch costs about what a sweep of 4M elements does at its bandwidth
+_BIG = {"cpu": 1 << 16, "gpu": 1 << 22}
 
 
 def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`updates` split into large tensors and the rest (the split is cached per layout)."""
+    """`updates` split into large tensors and the rest (the split is cached per layout and kind of device;
+    `device_path()` runs a GPU's split on the CPU)."""
     cache = ctx.layout.cache
-    idx = cache.get("big_tensors")
+    kind = "cpu" if updates and cpu_kernels(updates[0]) else "gpu"
+    idx = cache.get(("big_tensors", kind))
     if idx is None:
-        idx = cache["big_tensors"] = [i for i, u in enumerate(updates) if u.numel() >= _BIG]
+        idx = cache[("big_tensors", kind)] = [i for i, u in enumerate(updates) if u.numel() >= _BIG[kind]]
     if not idx:
         return [], updates
     if len(idx) == len(updates):
