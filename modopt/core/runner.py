@@ -432,6 +432,13 @@ class TransformState:
 
         Where each segment's value lives is `seg.slots(self, name)`.
         """
+        if seg.kind == "global":  # (the one slot, without building the slot list: a step reads several values)
+            store = self.host.transform_store(self.key)
+            v = store.get(name)
+            if v is None:
+                dev = self.step.params[0].device if self.step.params else torch.device("cpu")
+                v = store[name] = torch.full((), init, dtype=dtype, device=dev)
+            return v.reshape(1)  # (the store's tensor is replaced by seg_set, never written)
         vals = []
         for where, k, shape, device in seg.slots(self, name):
             v = where.get(k)
@@ -450,9 +457,12 @@ class TransformState:
         On a step the device skips the saved values stay as they were, unless `kept` says
         that `value` already holds them there (no second `where`).
         """
-        slots = seg.slots(self, name)
         if self.step.skip is not None and not kept:  # a skipped step keeps every saved value
             value = self.step.keep(value, self.seg_get(seg, name, 0.0, value.dtype).to(value.dtype))
+        if seg.kind == "global":
+            self.host.transform_store(self.key)[name] = value[0]
+            return
+        slots = seg.slots(self, name)
         if seg.kind in ("global", "group"):  # transform-wide values: the store holds the new tensors
             for (where, k, _, _), v in zip(slots, value.unbind(0)):
                 where[k] = v

@@ -22,8 +22,13 @@ def below_one(ratio: torch.Tensor) -> torch.Tensor:
 
 
 def clip_to(norm: torch.Tensor, limit: torch.Tensor | float, eps: float) -> torch.Tensor:
-    """The scale `min(1, limit / (norm + eps))` that clips `norm` to `limit` (1 for 0/0)."""
-    return below_one(limit / (norm + eps))
+    """The scale `min(1, limit / (norm + eps))` that clips `norm` to `limit` (1 for 0/0).
+
+    A number `limit` divides as Python's `limit / t` does (`t.reciprocal() * limit`, the same bits); the
+    numbers are cached 0-d tensors (on a CPU a number in an op is made into a tensor on every call)."""
+    if isinstance(limit, torch.Tensor):
+        return below_one(limit / (norm + const(eps, norm)))
+    return below_one((norm + const(eps, norm)).reciprocal() * const(limit, norm))
 
 
 # field types for hyperparameters that must be finite (pydantic's own `NonNegativeFloat` and `PositiveFloat`

@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from ..core.kernels import const
 from ..core.reduce import Ord, _parsed_ord
 from ..core.runner import reads_on_host
 from ..core.runner import Step, TransformState
@@ -310,12 +311,23 @@ class ZClip(Scoped):
         if phase is None and W <= 2**24:  # the device's step (or mixed phases on the host)
             return self._packed_step(ctx, st, seg, updates, g, n, mu, var)
 
+        # the numbers of the rule as 0-d tensors of g's dtype (>= float32: the same values as the numbers in
+        # its ops; on a CPU a number is made into a tensor on every call), looked up once a step
+        key = ("ZClip host", self.eps, t, self.clip_factor, a, g.dtype, g.device)
+        nums = None if torch.compiler.is_compiling() else st.step.layout.cache.get(key)
+        if torch.compiler.is_compiling():  # (the graph folds the numbers in; no cache written while tracing)
+            nums = {v: v for v in (1.0, self.eps, t, t * t, self.clip_factor, CLIP_EPS, a, 1 - a)}
+        elif nums is None:
+            nums = st.step.layout.cache[key] = {v: const(v, g) for v in (1.0, self.eps, t, t * t, self.clip_factor,
+                                                                            CLIP_EPS, a, 1 - a)}
+        k = nums.__getitem__
+
         def rule(g, n, mu, var):
-            n, mu, var = n.to(g.dtype), mu.to(g.dtype), var.to(g.dtype)
+            n, mu, var = (v if v.dtype == dt else v.to(dt) for v in (n, mu, var))
             if phase == "warm" and finite:
                 # `_welford` with every `ok` true (a count is >= 0, so `n + 1 >= 1`: no clamp); whether a
                 # count reaches W is read from the host's counts (whole numbers below 2**24: exact)
-                n1 = n + 1.0
+                n1 = n + k(1.0)
                 delta = g - mu
                 mean1 = mu + delta / n1
                 m21 = var + delta * (g - mean1)
@@ -337,25 +349,26 @@ class ZClip(Scoped):
                 n1, mean1, m21 = _welford(n, mu, var, g, ok)
                 var_w = torch.where(n1 >= W, m21 / n1.clamp(min=1), m21)
                 scale_w = clip_to(g, M, CLIP_EPS) if M is not None else _ones(g)
-            sigma = var.clamp(min=0).sqrt()
+            sigma = torch.clamp_min(var, 0.0).sqrt()
             if self.mode == "zscore":
-                z = (g - mu) / (sigma + self.eps)
-                spike = z > t
+                z = (g - mu) / (sigma + k(self.eps))
+                spike = z > k(t)
                 if self.clip_option == "adaptive_scaling":
-                    safe_z = torch.where(spike, z, 1.0)
-                    c = self.clip_factor * (mu + t * t * sigma / safe_z)
+                    safe_z = torch.where(spike, z, k(1.0))
+                    c = mu + k(t * t) * sigma / safe_z
+                    c = c if self.clip_factor == 1.0 else k(self.clip_factor) * c  # (1 * c is c)
                 else:
                     c = mu
             else:
-                c = mu + t * sigma
+                c = mu + k(t) * sigma
                 spike = g > c
             limit = torch.where(spike, c, g)
             if M is not None:
-                limit = limit.clamp(max=M)
-            scale_p = torch.where(g > limit, below_one(limit / (g + CLIP_EPS)), 1.0)
+                limit = torch.clamp_max(limit, M)
+            scale_p = torch.where(g > limit, below_one(limit / (g + k(CLIP_EPS))), k(1.0))
             x = torch.where(spike, c, g)
-            mu_p = a * mu + (1 - a) * x
-            var_p = a * var + (1 - a) * (x - mu_p).square()
+            mu_p = k(a) * mu + k(1 - a) * x
+            var_p = k(a) * var + k(1 - a) * (x - mu_p).square()
             if self.skip_update_on_spike or not finite:
                 if finite:
                     keep = spike
@@ -373,8 +386,8 @@ class ZClip(Scoped):
             )
 
         scale, n, mu, var, spike = rule(g, n, mu, var)
-        # saved as the rows of one tensor, which the device's step reads back without a copy (`_packed_step`)
-        n, mu, var = torch.stack((n, mu, var)).unbind(0)
+        if not reads_on_host(g):  # saved as the rows of one tensor, which the device's step reads back
+            n, mu, var = torch.stack((n, mu, var)).unbind(0)  # without a copy (`_packed_step`)
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 
     def _constants(self, st: TransformState, dt: torch.dtype, device: torch.device) -> torch.Tensor:
