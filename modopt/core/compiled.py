@@ -42,29 +42,39 @@ def _keeping_fused(on: bool) -> Iterator[None]:
 
 #: the custom op, once `fused_adam_op()` declared it (before any trace: dynamo cannot trace the declaration)
 FUSED_ADAM: Callable[..., None] | None = None
+_LIB: Any = None
 
 
 def fused_adam_op() -> Callable[..., None]:
-    """`torch._fused_adam_` / `torch._fused_adamw_` as a custom op that inductor keeps as one call
+    """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
     (declared to mutate the parameters and moments, so it is written in place; the step counts are
     only read). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
-    global FUSED_ADAM
+    global FUSED_ADAM, _LIB
     if FUSED_ADAM is not None:
         return FUSED_ADAM
-    from torch.library import custom_op
+    # declared with `torch.library.Library` rather than `torch.library.custom_op`: the graph then calls
+    # the kernel through the dispatcher straight to one Python function (no Python autograd wrapper,
+    # default filling and version bumps in Python around it: about a third of a small step's call)
+    lib = torch.library.Library("modopt", "FRAGMENT")
+    lib.define("fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+               "Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, float beta2, "
+               "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf) -> ()")
 
-    @custom_op("modopt::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
-    def _op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-            exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
-            lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
-            maximize: bool, decoupled: bool, found_inf: torch.Tensor | None) -> None:
+    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
+            amsgrad, maximize, decoupled, found_inf):
         # (the step counts are read, not written: the caller increments them before, as torch.optim does)
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                             grad_scale=None, found_inf=found_inf, maximize=maximize)
 
-    FUSED_ADAM = _op
-    return _op
+    def _fake(*args: Any) -> None:  # (it returns nothing; what it writes keeps its shape)
+        return None
+
+    lib.impl("fused_adam_", _op, "CompositeExplicitAutograd")
+    torch.library.register_fake("modopt::fused_adam_", _fake, lib=lib)
+    _LIB = lib  # (a Library unregisters its definitions when collected)
+    FUSED_ADAM = torch.ops.modopt.fused_adam_.default
+    return FUSED_ADAM
 
 
 def tensor_hyperparams(opt: Any, keys: tuple[str, ...] = ("lr",), device: torch.device | str | None = None,
