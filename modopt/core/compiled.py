@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import compile_marks, kernels
+from . import compile_marks, kernels, modular, runner
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
 
@@ -177,8 +177,6 @@ def own_key(opt: Any, loss: Any = None) -> tuple:
     taps, the non-finite path (`runner.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag,
     and whether a loss is given. Shapes and strides of the tensors the graph reads are checked by the
     graph itself (inductor's size asserts): a mismatch raises, it never runs stale."""
-    from . import modular, runner
-
     groups = opt.param_groups
     params = list(chain.from_iterable(map(operator.itemgetter("params"), groups)))
     grads = list(map(_grad_of, params))
