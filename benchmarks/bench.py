@@ -926,6 +926,76 @@ def run_isolated(index: int, model: str, nonfinite: str | None, args) -> Row:
     return Row(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+# --------------------------------------------------------------------------- compiled rows (--compiled)
+
+#: the pipelines of the compiled rows; the hand-written compiled step exists for ClipNorm + Adam only
+COMPILED_PIPELINES = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()", "ZClip(), AdamW()")
+
+
+def compiled_row(pipe: Pipeline, model_name: str, args) -> dict[str, Any]:
+    """One compiled row: eager modopt, `mo.compile_step(opt, guards="own")` and (ClipNorm + Adam) the same
+    algorithm hand-written per tensor and compiled (`compile_whole.hand_compiled`), each training its copy
+    of the model on the same batches (`_timed_steps`, after the graphs are built in the warm-up). Per
+    repeat the median step time of each side; the ratios are medians of the per-iteration ratios. The
+    Python calls are one more step's calls into modopt's files (`call_counts.count`); ops, syncs and
+    bytes are eager modopt's (a dispatch mode makes dynamo run a compiled step eagerly: not countable)."""
+    from compile_whole import hand_compiled
+
+    torch.manual_seed(0)
+    base, make_batch = build_model(model_name, args.quick)
+    builders: dict[str, Callable[[nn.Module], Side]] = {"eager": modopt_side(pipe.modopt, None, pipe.groups)}
+
+    def compiled(model):
+        side = modopt_side(pipe.modopt, None, pipe.groups)(model)
+        side.step = mo.compile_step(side.step.__self__, guards="own")
+        return side
+
+    builders["compiled"] = compiled
+    if pipe.name == "ClipNorm(1.0), Adam()":
+        builders["hand compiled"] = lambda m: Side(m, hand_compiled(list(m.parameters())), lambda: [])
+    ratio_eager, ratio_hand, ms = [], [], {n: [] for n in builders}
+    warm = max(args.warmup, 3)  # (call 1 eager, call 2 dynamo's guarded graph, call 3 the guard-free one)
+    for rep in range(args.repeats):
+        sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
+        g = torch.Generator().manual_seed(rep)
+        batches = [make_batch(g) for _ in range(warm + args.steps)]
+        times = _timed_steps(sides, batches, warm, 1)
+        for n in sides:
+            ms[n].append(statistics.median(times[n]) * 1e3)
+        ratio_eager.append(statistics.median(c / e for c, e in zip(times["compiled"], times["eager"])))
+        if "hand compiled" in times:
+            ratio_hand.append(statistics.median(c / h for c, h in zip(times["compiled"], times["hand compiled"])))
+    counts = count_row(pipe, model_name, None, args.quick)["modopt"]
+    side = sides["compiled"]
+    _backward(side, batches[0])
+    calls = python_calls(side.step, os.path.dirname(mo.__file__)).calls
+    return {"pipeline": pipe.name, "model": model_name, "ms": {n: statistics.median(v) for n, v in ms.items()},
+            "vs_eager": statistics.median(ratio_eager), "vs_eager_repeats": ratio_eager,
+            "vs_hand": statistics.median(ratio_hand) if ratio_hand else None, "vs_hand_repeats": ratio_hand,
+            "eager_counts": counts, "compiled_python_calls": calls}
+
+
+def compiled_table(rows: list[dict[str, Any]]) -> str:
+    """The compiled rows as docs/performance.md publishes them (`--compiled --docs`)."""
+    short = {name: label for label, name in LABELS.items()}
+    out = ["| pipeline | model | eager / compiled / hand compiled ms | compiled / eager (repeats) | "
+           "compiled / hand compiled (repeats) | Python calls a step, compiled (eager) | "
+           "ops / syncs / bytes, eager modopt |",
+           "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        m = r["ms"]
+        hand = f"{r['vs_hand']:.3f}x ({', '.join(f'{x:.3f}' for x in r['vs_hand_repeats'])})" if r["vs_hand"] else "-"
+        c = r["eager_counts"]
+        out.append(f"| {short.get(r['pipeline'], r['pipeline'])} | {model_label(r['model'])} | "
+                   f"{m['eager']:.2f} / {m['compiled']:.2f} / {m['hand compiled']:.2f} |"
+                   if "hand compiled" in m else
+                   f"| {short.get(r['pipeline'], r['pipeline'])} | {model_label(r['model'])} | "
+                   f"{m['eager']:.2f} / {m['compiled']:.2f} / - |")
+        out[-1] += (f" {r['vs_eager']:.3f}x ({', '.join(f'{x:.3f}' for x in r['vs_eager_repeats'])}) | {hand} | "
+                    f"{r['compiled_python_calls']} ({c[3]:.0f}) | {c[0]:.0f} / {c[1]:.0f} / {c[2]:.1f}P |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="modopt bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat (a smoke run)")
@@ -947,6 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
                     "them (tests/test_bench.py checks their count columns against what the step counts now)")
     ap.add_argument("--counts", action="store_true", help="instead: only the count columns (ops, syncs, bytes, "
                     "Python calls per step, each side), untimed, as the table docs/performance.md publishes")
+    ap.add_argument("--compiled", action="store_true", help="instead: the compiled rows, eager modopt against "
+                    "mo.compile_step(opt, guards='own') and a hand-written compiled step, in this process")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
@@ -982,6 +1054,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.counts:
         print(counts_table(chosen, args.models, not args.no_ignore_rows, args.quick))
+        return 0
+    if args.compiled:
+        import warnings
+        warnings.filterwarnings("ignore")
+        crows = [compiled_row(PIPELINES[i], m, args) for i in chosen if PIPELINES[i].name in COMPILED_PIPELINES
+                 for m in args.models]
+        print(compiled_table(crows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(crows, f, indent=1)
         return 0
     isolate = not (args.in_process or args.quick)
     tz = torchzero()

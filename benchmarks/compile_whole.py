@@ -1,6 +1,7 @@
 """What `mo.compile_step(opt)` buys over the eager step, `torch.compile(opt.step)` and hand-written steps.
 
-    python benchmarks/compile_whole.py [--steps 40] [--warmup 8] [--cases 8,64,mlp]
+    python benchmarks/compile_whole.py [--steps 40] [--warmup 8] [--cases 8,64,512,mlp,transformer]
+                                       [--pipeline clipnorm|mission|zclip]
 
 `ClipNorm(1.0) + Adam()` (the defaults: `nonfinite="skip"`) on 8 or 64 tensors of 256x256, or on the
 bench MLP (8 tensors, 5.8M parameters), every side in one process on the same gradients, in a rotating
@@ -9,6 +10,7 @@ order, one thread. Sides:
 * `eager`: `opt.step()`;
 * `torch.compile`: `torch.compile(opt.step, fullgraph=True)` (the traced multi-tensor Adam);
 * `compile_step`: `mo.compile_step(opt)` (torch's fused Adam kept as one op: the eager bits);
+* `compile_step, own guards`: the same with `guards="own"` (modopt's own key; dynamo's guards only when it changes);
 * `compile_step, tensor guards`: the same with `guards="tensors"`;
 * `compile_step, no guards`: the same with every dynamo guard dropped (unsafe: what the guards cost);
 * `hand eager`: `clip_grad_norm_` + `torch.optim.Adam(fused=True)`, `if norm.isfinite()`;
@@ -36,10 +38,18 @@ from bench import build_model  # noqa: E402
 import modopt as mo  # noqa: E402
 
 
+PIPELINES = {
+    "clipnorm": lambda: [mo.ClipNorm(1.0), mo.Adam()],
+    "mission": lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
+    "zclip": lambda: [mo.ZClip(), mo.AdamW()],
+}
+PIPELINE = "clipnorm"  # (--pipeline; the hand-written sides are ClipNorm + Adam's, run only for it)
+
+
 def tensors(case: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    if case == "mlp":
-        return [p.detach().clone() for p in build_model("mlp", quick=False)[0].parameters()]
+    if case in ("mlp", "transformer"):
+        return [p.detach().clone() for p in build_model(case, quick=False)[0].parameters()]
     return [torch.randn(256, 256) for _ in range(int(case))]
 
 
@@ -80,17 +90,21 @@ def hand_compiled(ps, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
 
 def sides() -> dict:
     def modular(ps):
-        return mo.Modular(ps, mo.ClipNorm(1.0), mo.Adam())
-    return {
+        return mo.Modular(ps, *PIPELINES[PIPELINE]())
+    out = {
         "eager": lambda ps: modular(ps).step,
         "torch.compile": lambda ps: torch.compile(modular(ps).step, fullgraph=True),
         "compile_step": lambda ps: mo.compile_step(modular(ps)),
+        "compile_step, own guards": lambda ps: mo.compile_step(modular(ps), guards="own"),
         "compile_step, tensor guards": lambda ps: mo.compile_step(modular(ps), guards="tensors"),
         "compile_step, no guards": lambda ps: mo.compile_step(
             modular(ps), options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}),
         "hand eager": hand_eager,
         "hand compiled": hand_compiled,
     }
+    if PIPELINE != "clipnorm":
+        del out["hand eager"], out["hand compiled"]
+    return out
 
 
 def run_case(case: str, steps: int, warmup: int) -> None:
@@ -118,7 +132,8 @@ def run_case(case: str, steps: int, warmup: int) -> None:
                 cpu[n].append(c1 - c0)
     ew, ec = statistics.median(wall["eager"]), statistics.median(cpu["eager"])
     ref = runs["eager"][0]
-    print(f"\n{case} tensors" if case != "mlp" else "\nbench MLP (8 tensors, 5.8M parameters)")
+    label = {"mlp": "bench MLP", "transformer": "bench transformer"}.get(case, f"{case} tensors of 256x256")
+    print(f"\n{PIPELINE}, {label} ({len(base)} tensors, {sum(b.numel() for b in base) / 1e6:.2f}M parameters)")
     print("| side | wall ms | CPU ms | wall / eager | CPU / eager | max diff from eager |")
     print("|---|---:|---:|---:|---:|---:|")
     for n in names:
@@ -133,8 +148,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--cases", default="8,64,mlp")
+    ap.add_argument("--cases", default="8,64,512,mlp,transformer")
+    ap.add_argument("--pipeline", choices=sorted(PIPELINES), default="clipnorm")
     a = ap.parse_args()
+    global PIPELINE
+    PIPELINE = a.pipeline
     torch.set_num_threads(1)
     import warnings
     warnings.filterwarnings("ignore")

@@ -149,3 +149,125 @@ def test_the_compiled_graph_calls_the_fused_kernel_through_its_op(monkeypatch):
             assert len(callers) == 2 and "_op" not in callers, callers
         else:
             assert callers == ["_op", "_op"], (it, callers)
+
+
+# --- guards="own": modopt's own key instead of dynamo's guards ------------------------------------------
+OWN_PIPELINES = {
+    "ClipNorm + Adam": lambda: [mo.ClipNorm(1.0), mo.Adam()],
+    "mission": lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
+    "ZClip + AdamW": lambda: [mo.ZClip(), mo.AdamW()],
+}
+
+
+def _quiet(fn, *a):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*a)
+
+
+def _same_now(a, b):
+    """Parameters, every state tensor and the skip count bit for bit (at any step)."""
+    (pa, oa), (pb, ob) = a, b
+    for p, q in zip(pa, pb):
+        assert torch.equal(p, q)
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+    assert int(oa.stats["skipped_steps"]) == int(ob.stats["skipped_steps"])
+
+
+def _twins(pipeline, lr_tensor=True, n=2):
+    """The same optimizer `n` times on copies of the same params; the last under `compile_step(guards="own")`."""
+    out = []
+    for _ in range(n):
+        ps = _params()
+        opt = _quiet(mo.Modular, [{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3}], *pipeline())
+        if lr_tensor:
+            mo.tensor_hyperparams(opt)
+        out.append((ps, opt))
+    return out, mo.compile_step(out[-1][1], guards="own")
+
+
+@pytest.mark.parametrize("name", list(OWN_PIPELINES))
+def test_own_guards_give_the_guarded_bits_and_run_guard_free_graphs(name):
+    """Every step bit for bit with `compile_step(opt)` under dynamo's guards, and for ClipNorm + Adam with
+    eager `opt.step()` too (the other two round their EMAs in inductor's loops: within 1e-5 of eager), a
+    NaN step in the middle skipped alike; once the key is stable the calls run one guard-free graph."""
+    (eager, full, own), step = _twins(OWN_PIPELINES[name], n=3)
+    full_step = mo.compile_step(full[1])
+    for it in range(8):
+        for ps, _ in (eager, full, own):
+            _grads(ps, it)
+        _quiet(eager[1].step)
+        _quiet(full_step)
+        _quiet(step)
+        _same_now(full, own)
+        if name == "ClipNorm + Adam":
+            _same_now(eager, own)
+        else:
+            for p, q in zip(eager[0], own[0]):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert int(own[1].stats["skipped_steps"]) == len(BAD_STEPS)
+    assert len(step._fast) == 1
+
+
+def test_own_guards_never_run_a_stale_graph():
+    """What the guard-free graph took as constants changes: a float learning rate (rebound, as a scheduler
+    does), the betas, a loaded state dict (new state tensors), a new param group, a step hook. Each
+    time the compiled step matches the eager one bit for bit: a changed key goes to dynamo's guards."""
+    (eager, comp), step = _twins(OWN_PIPELINES["ClipNorm + Adam"], lr_tensor=False)
+    seen = []
+    extra = [[torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(7)))] for _ in range(2)]
+
+    def change(it, opt, which):
+        if it == 4:
+            opt.param_groups[0]["lr"] = 0.5  # a float: the traced graph had 1e-3
+        if it == 6:
+            opt.param_groups[1]["betas"] = (0.5, 0.9)
+        if it == 8:
+            opt.load_state_dict(eager[1].state_dict() if which else opt.state_dict())
+        if it == 10:
+            opt.add_param_group({"params": extra[which]})
+        if it == 12:
+            opt.register_step_post_hook(lambda o, a, k: seen.append(which))
+
+    for it in range(16):
+        for which, (ps, opt) in enumerate((eager, comp)):
+            _grads(ps + extra[which], it)
+            change(it, opt, which)
+        _quiet(eager[1].step)
+        _quiet(step)
+        _same_now(eager, comp)
+        for p, q in zip(extra[0], extra[1]):
+            assert torch.equal(p, q)
+    assert seen.count(0) == seen.count(1) == 4  # the hook ran in every compiled step too
+    assert 1 <= len(step._fast) <= 4  # (new keys got graphs of their own, up to the limit)
+
+
+def test_own_key_changes_with_what_the_graph_reads():
+    ps = _params()
+    opt = _quiet(mo.Modular, ps, mo.ClipNorm(1.0), mo.Adam())
+    _grads(ps, 0)
+    opt.step()
+    from modopt.core.compiled import own_key
+
+    k0 = own_key(opt)
+    assert own_key(opt) == k0  # stable while nothing changes
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = lr * 2
+    assert own_key(opt) != k0
+    opt.param_groups[0]["lr"] = lr
+    assert own_key(opt) == k0
+    ps[0].grad = None
+    assert own_key(opt) != k0  # which parameters have a gradient
+    _grads(ps, 1)
+    ps[0].grad = ps[0].grad.t().contiguous().t() if ps[0].dim() == 2 else ps[0].grad
+    assert own_key(opt) != k0  # a non-contiguous gradient
+    _grads(ps, 1)
+    opt.state[ps[0]]["extra"] = torch.zeros(())
+    assert own_key(opt) != k0  # a new state entry
+    del opt.state[ps[0]]["extra"]
+    assert own_key(opt, loss=torch.tensor(1.0)) != own_key(opt)

@@ -15,13 +15,15 @@ This module is imported only when used (`modopt.compile_step`): declaring the cu
 from __future__ import annotations
 
 import contextlib
+import operator
 import types
+from itertools import chain, compress, repeat
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from . import compile_marks, kernels
+from . import compile_marks, kernels, modular, runner
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
 
@@ -42,29 +44,39 @@ def _keeping_fused(on: bool) -> Iterator[None]:
 
 #: the custom op, once `fused_adam_op()` declared it (before any trace: dynamo cannot trace the declaration)
 FUSED_ADAM: Callable[..., None] | None = None
+_LIB: Any = None
 
 
 def fused_adam_op() -> Callable[..., None]:
-    """`torch._fused_adam_` / `torch._fused_adamw_` as a custom op that inductor keeps as one call
+    """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
     (declared to mutate the parameters and moments, so it is written in place; the step counts are
     only read). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
-    global FUSED_ADAM
+    global FUSED_ADAM, _LIB
     if FUSED_ADAM is not None:
         return FUSED_ADAM
-    from torch.library import custom_op
+    # declared with `torch.library.Library` rather than `torch.library.custom_op`: the graph then calls
+    # the kernel through the dispatcher straight to one Python function (no Python autograd wrapper,
+    # default filling and version bumps in Python around it: about a third of a small step's call)
+    lib = torch.library.Library("modopt", "FRAGMENT")
+    lib.define("fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+               "Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, float beta2, "
+               "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf) -> ()")
 
-    @custom_op("modopt::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
-    def _op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-            exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
-            lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
-            maximize: bool, decoupled: bool, found_inf: torch.Tensor | None) -> None:
+    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
+            amsgrad, maximize, decoupled, found_inf):
         # (the step counts are read, not written: the caller increments them before, as torch.optim does)
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                             grad_scale=None, found_inf=found_inf, maximize=maximize)
 
-    FUSED_ADAM = _op
-    return _op
+    def _fake(*args: Any) -> None:  # (it returns nothing; what it writes keeps its shape)
+        return None
+
+    lib.impl("fused_adam_", _op, "CompositeExplicitAutograd")
+    torch.library.register_fake("modopt::fused_adam_", _fake, lib=lib)
+    _LIB = lib  # (a Library unregisters its definitions when collected)
+    FUSED_ADAM = torch.ops.modopt.fused_adam_.default
+    return FUSED_ADAM
 
 
 def tensor_hyperparams(opt: Any, keys: tuple[str, ...] = ("lr",), device: torch.device | str | None = None,
@@ -92,8 +104,8 @@ class CompiledStep:
     optimizer's as usual."""
 
     def __init__(self, opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> None:
-        if guards not in ("full", "tensors"):
-            raise ValueError(f"compile_step: guards must be 'full' or 'tensors', got {guards!r}")
+        if guards not in ("full", "tensors", "own"):
+            raise ValueError(f"compile_step: guards must be 'full', 'own' or 'tensors', got {guards!r}")
         fused_adam_op()  # (declared now: a trace cannot)
         self.opt = opt
         self.warmup = int(warmup)
@@ -103,6 +115,12 @@ class CompiledStep:
             options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
         compile_kwargs.setdefault("fullgraph", True)
         self._compiled = torch.compile(_own_step(opt), options=options or None, **compile_kwargs)
+        self.guards = guards
+        #: guards="own": the graphs compiled without dynamo's guards, by the key they were traced under
+        self._fast: dict[tuple, Callable[..., Any]] = {}
+        self._seen: tuple | None = None
+        self._fast_options = {**options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        self._compile_kwargs = compile_kwargs
 
     def __call__(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
         self.calls += 1
@@ -112,7 +130,71 @@ class CompiledStep:
             with torch.enable_grad():
                 loss = closure()
         with _keeping_fused(True):
-            return self._compiled(loss)
+            if self.guards != "own":
+                return self._compiled(loss)
+            key = own_key(self.opt, loss)
+            fast = self._fast.get(key)
+            if fast is None:
+                if key != self._seen or len(self._fast) >= MAX_FAST:  # new, or too many: dynamo's guards decide
+                    self._seen = key
+                    return self._compiled(loss)
+                # the same key two calls running: a graph of its own, traced now, run without guards while
+                # the key stays (a key that changes every call, a float lr under a scheduler, never gets one)
+                fast = self._fast[key] = torch.compile(_own_step(self.opt), options=self._fast_options,
+                                                       **self._compile_kwargs)
+            return fast(loss)
+
+
+#: guards="own": at most this many guard-free graphs per CompiledStep (then every call runs dynamo's guards)
+MAX_FAST = 4
+
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _entries(store: dict[str, Any]) -> tuple:
+    """A store's entries (a transform key -> its dict of values), one level further in: each value by
+    identity, except tensors, which a step may rebind (a new EMA each step; the graph reads the current
+    one) and count by their dtype, shape and device; the length of each list, dict or tuple there."""
+    out: list[Any] = [id(store), len(store)]
+    for d in store.values():
+        out += (id(d), len(d), *d.keys())
+        for v in d.values():
+            if isinstance(v, torch.Tensor):
+                out += (v.dtype, v.shape, v.device)
+            else:
+                out += (id(v), len(v)) if isinstance(v, (list, dict, tuple)) else (id(v),)
+    return tuple(out)
+
+
+def own_key(opt: Any, loss: Any = None) -> tuple:
+    """What `compile_step(opt, guards="own")`'s guard-free graphs are keyed by: everything the traced step
+    reads from Python, by identity. The pipeline (`opt.plan`, `opt.transforms`), every param group's
+    dict, its values and parameters (a float learning rate a scheduler rebinds is a new object: a new key;
+    a tensor one written in place is not), which parameters have a gradient and whether each is
+    contiguous, the parameters' dtypes, every state entry (`opt.state`, the transforms' stores and
+    caches, two levels deep, with the lengths of lists there), the skip counter, the step hooks and
+    taps, the non-finite path (`runner.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag,
+    and whether a loss is given. Shapes and strides of the tensors the graph reads are checked by the
+    graph itself (inductor's size asserts): a mismatch raises, it never runs stale."""
+    groups = opt.param_groups
+    params = list(chain.from_iterable(map(operator.itemgetter("params"), groups)))
+    grads = list(map(_grad_of, params))
+    has = tuple(map(operator.is_not, grads, repeat(None)))
+    state = opt.state
+    return (
+        id(opt.plan), id(opt.transforms), id(groups), len(groups),
+        tuple(chain.from_iterable((id(g), len(g), *map(id, g.values())) for g in groups)),
+        tuple(map(id, params)), has, all(map(torch.Tensor.is_contiguous, compress(grads, has))),
+        tuple(map(_dtype_of, params)),
+        id(state), len(state), tuple(map(id, state.values())),
+        tuple(map(id, chain.from_iterable(map(dict.values, state.values())))),
+        _entries(opt._store), _entries(opt._runtime), id(opt._skipped_steps),
+        len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
+        len(modular._GLOBAL_PRE_HOOKS), len(modular._GLOBAL_POST_HOOKS), len(opt.__dict__.get("_step_taps", ())),
+        runner.HOST_ON_CPU, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+        loss is None, type(loss),
+    )
 
 
 def _step(loss: Any = None, opt: Any = None) -> Any:
@@ -131,7 +213,11 @@ def _own_step(opt: Any) -> Callable[..., Any]:
 def compile_step(opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> CompiledStep:
     """`opt.step` compiled as one graph (`torch.compile(..., fullgraph=True)` unless told otherwise),
     with the final `Adam`/`AdamW` running torch's fused kernel as one op of the graph: on the CPU the
-    same bits as the eager step (see docs/howto/compile.md). `guards="tensors"` keeps only dynamo's
+    same bits as the eager step (see docs/howto/compile.md). `guards="own"` runs, while modopt's own key
+    (`own_key`: the pipeline, the param groups' values, the layout and the state entries, by identity)
+    stays what it was on the call before, a graph compiled without dynamo's guards, and every other call
+    under dynamo's guards (a changed float learning rate, a loaded state, a new group: never a stale
+    graph). `guards="tensors"` keeps only dynamo's
     tensor guards (`torch.compiler.keep_tensor_guards_unsafe`): cheaper calls, but a changed group value
     of another type or a new state entry is not seen; use it only for a fixed pipeline and layout."""
     return CompiledStep(opt, warmup=warmup, guards=guards, **compile_kwargs)
