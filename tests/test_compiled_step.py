@@ -271,3 +271,14 @@ def test_own_key_changes_with_what_the_graph_reads():
     assert own_key(opt) != k0  # a new state entry
     del opt.state[ps[0]]["extra"]
     assert own_key(opt, loss=torch.tensor(1.0)) != own_key(opt)
+    # numbers count by value, never by id: a freed float's id can come back as another value's
+    opt.param_groups[0]["lr"] = float(repr(lr))  # another object, the same value
+    assert own_key(opt) == k0
+    opt.param_groups[0]["lr"] = lr * 3
+    k3 = own_key(opt)
+    opt.param_groups[0]["lr"] = lr * 5
+    assert own_key(opt) != k3
+    opt.param_groups[0]["lr"] = 1  # an int traces as its own value and type
+    k1 = own_key(opt)
+    opt.param_groups[0]["lr"] = 1.0
+    assert own_key(opt) != k1

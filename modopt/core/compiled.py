@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import compile_marks, kernels, modular, runner
+from . import compile_marks, hostdata, kernels
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
 
@@ -152,18 +153,35 @@ _grad_of = operator.attrgetter("grad")
 _dtype_of = operator.attrgetter("dtype")
 
 
+#: values a traced step may bake into its graph, keyed by what they are (a freed number's id can come back
+#: as another number's: an id alone could run a graph traced for another value)
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _value(v: Any) -> Any:
+    """`v` in a key: a number, string or None as itself (with its type: 1 and 1.0 trace alike, True does
+    not), a tuple of them likewise, anything else by identity."""
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
+        return (tuple, tuple(map(type, v)), v)
+    return id(v)
+
+
 def _entries(store: dict[str, Any]) -> tuple:
-    """A store's entries (a transform key -> its dict of values), one level further in: each value by
-    identity, except tensors, which a step may rebind (a new EMA each step; the graph reads the current
-    one) and count by their dtype, shape and device; the length of each list, dict or tuple there."""
+    """A store's entries (a transform key -> its dict of values), one level further in: numbers and strings
+    as themselves, tensors, which a step may rebind (a new EMA each step; the graph reads the current one),
+    by their dtype, shape and device, anything else by identity; the length of each list, dict or tuple there."""
     out: list[Any] = [id(store), len(store)]
     for d in store.values():
         out += (id(d), len(d), *d.keys())
         for v in d.values():
             if isinstance(v, torch.Tensor):
                 out += (v.dtype, v.shape, v.device)
+            elif isinstance(v, (list, dict)) or (isinstance(v, tuple) and not isinstance(_value(v), tuple)):
+                out += (id(v), len(v))
             else:
-                out += (id(v), len(v)) if isinstance(v, (list, dict, tuple)) else (id(v),)
+                out.append(_value(v))
     return tuple(out)
 
 
@@ -174,7 +192,7 @@ def own_key(opt: Any, loss: Any = None) -> tuple:
     a tensor one written in place is not), which parameters have a gradient and whether each is
     contiguous, the parameters' dtypes, every state entry (`opt.state`, the transforms' stores and
     caches, two levels deep, with the lengths of lists there), the skip counter, the step hooks and
-    taps, the non-finite path (`runner.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag,
+    taps, the non-finite path (`hostdata.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag,
     and whether a loss is given. Shapes and strides of the tensors the graph reads are checked by the
     graph itself (inductor's size asserts): a mismatch raises, it never runs stale."""
     groups = opt.param_groups
@@ -184,15 +202,15 @@ def own_key(opt: Any, loss: Any = None) -> tuple:
     state = opt.state
     return (
         id(opt.plan), id(opt.transforms), id(groups), len(groups),
-        tuple(chain.from_iterable((id(g), len(g), *map(id, g.values())) for g in groups)),
+        tuple(chain.from_iterable((id(g), len(g), *g.keys(), *map(_value, g.values())) for g in groups)),
         tuple(map(id, params)), has, all(map(torch.Tensor.is_contiguous, compress(grads, has))),
         tuple(map(_dtype_of, params)),
         id(state), len(state), tuple(map(id, state.values())),
         tuple(map(id, chain.from_iterable(map(dict.values, state.values())))),
         _entries(opt._store), _entries(opt._runtime), id(opt._skipped_steps),
         len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
-        len(modular._GLOBAL_PRE_HOOKS), len(modular._GLOBAL_POST_HOOKS), len(opt.__dict__.get("_step_taps", ())),
-        runner.HOST_ON_CPU, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+        len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks), len(opt.__dict__.get("_step_taps", ())),
+        hostdata.HOST_ON_CPU, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
         loss is None, type(loss),
     )
 
