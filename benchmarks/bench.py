@@ -996,6 +996,27 @@ def compiled_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def run_peers(args) -> int:
+    """`--peers`: modopt against the peers' own optimizers (`benchmarks/peers.py`'s rows, run by its
+    `run_rows`), its defaults where not given (20 timed steps, 3 repeats, 1 thread); `--docs` adds the
+    table docs/performance.md publishes."""
+    import peers  # (here, not at the top: peers.py imports this module)
+
+    args.steps = args.steps if args.steps is not None else (2 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    torch.set_num_threads(args.threads or 1)
+    print(peers.header(args), flush=True)
+    rows = peers.run_rows(args.peers, args.models, args, peers._report)
+    print(peers.format_table(rows))
+    if args.docs:
+        print("\n" + peers.docs_table(rows, versions()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="modopt bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat (a smoke run)")
@@ -1019,11 +1040,21 @@ def main(argv: list[str] | None = None) -> int:
                     "Python calls per step, each side), untimed, as the table docs/performance.md publishes")
     ap.add_argument("--compiled", action="store_true", help="instead: the compiled rows, eager modopt against "
                     "mo.compile_step(opt, guards='own') and a hand-written compiled step, in this process")
+    ap.add_argument("--peers", nargs="*", default=None, metavar="METHOD", help="instead: modopt against the "
+                    "peers' own optimizers (benchmarks/peers.py: StableSPAM, SPAM, AdaGC against pytorch_optimizer's), "
+                    "the methods named or all; 20 timed steps, 3 repeats, 1 thread unless given")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",
                     help="run every row in this process (default: each in a fresh one; --quick runs in process)")
     ap.add_argument("--row", nargs=3, metavar=("INDEX", "MODEL", "NONFINITE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.peers is not None:
+        import peers  # (see run_peers)
+
+        unknown = sorted(set(args.peers) - {p.name for p in peers.PEERS})
+        if unknown:
+            ap.error(f"--peers: no peer row for {', '.join(unknown)}; the rows: {', '.join(p.name for p in peers.PEERS)}")
+        return run_peers(args)
     try:
         chosen = select_pipelines(args.only)
     except ValueError as e:

@@ -14,9 +14,12 @@ placement alone (tests/test_spam.py bounds it).
 
 Timing is bench.py's own (`bench._timed_steps`: each side's `step` timed alone after a shared forward
 and backward, the order alternating, the garbage collector paused); a repeat reports the median of the
-per-iteration ratios modopt/peer, the table every repeat's ratio and their median. `ops / syncs / bytes`
-is one more untimed step per side under `bench.StepCounter`: aten ops (views excluded), host syncs and
-the bytes read and written in units of P, the parameters' bytes.
+per-iteration ratios modopt/peer, the table every repeat's ratio and their median. `ops / syncs / bytes /
+Python calls` is one more untimed step per side under `bench.StepCounter` (aten ops, views excluded, host
+syncs and the bytes read and written in units of P, the parameters' bytes: the device path's, what a GPU
+runs) and the next one under `call_counts.count` (the Python calls into the side's own library:
+modopt's files for modopt, pytorch_optimizer's for the peer; the default path, the one timed here).
+`benchmarks/bench.py --peers` runs the same rows (`run_rows`), and with `--docs` prints `docs_table`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import Side, _counted, _opt_state, _timed_steps, _version, build_model  # noqa: E402
+from bench import Side, _backward, _counted, _opt_state, _timed_steps, _version, build_model  # noqa: E402
+from call_counts import count as python_calls  # noqa: E402
 
 import modopt as mo  # noqa: E402
 
@@ -106,20 +110,24 @@ def run_one(peer: Peer, model_name: str, args) -> Row:
         diffs.append(max((a - b).abs().max().item() for a, b in zip(ps_mo, ps_pe)) / scale)
         if rep == 0:
             pbytes = sum(p.numel() * p.element_size() for p in ps_pe)
+            roots = {"modopt": Path(mo.__file__).parent, "peer": Path(_po().__file__).parent}
             for n in sides:
                 c = _counted(sides[n], batches[0])
-                counts[n] = [c.ops, c.syncs, c.bytes / pbytes]
+                _backward(sides[n], batches[1])
+                calls = python_calls(sides[n].step, str(roots[n])).calls
+                counts[n] = [c.ops, c.syncs, c.bytes / pbytes, calls]
     return Row(model_name, peer.name, 1e3 * statistics.median(t_mo), 1e3 * statistics.median(t_pe),
                statistics.median(ratios), ratios, max(diffs), counts)
 
 
 def _counts(c: list[float]) -> str:
-    return f"{int(c[0])} / {int(c[1])} / {c[2]:.1f}P"
+    """`ops / syncs / bytes / Python calls` of one step (rows without the calls: the first three)."""
+    return " / ".join([f"{int(c[0])}", f"{int(c[1])}", f"{c[2]:.1f}P"] + [f"{int(x)}" for x in c[3:]])
 
 
 def format_table(rows: list[Row]) -> str:
     head = ["model", "method", "modopt ms", "peer ms", "modopt/peer", "repeats",
-            "ops/syncs/bytes modopt", "ops/syncs/bytes peer", "diff"]
+            "ops/syncs/bytes/calls modopt", "ops/syncs/bytes/calls peer", "diff"]
     lines = [head] + [[r.model, r.method, f"{r.modopt_ms:.2f}", f"{r.peer_ms:.2f}", f"{r.ratio:.3f}x",
                        " ".join(f"{x:.3f}" for x in r.ratios), _counts(r.counts["modopt"]),
                        _counts(r.counts["peer"]), f"{r.diff:.1e}"] for r in rows]
@@ -129,6 +137,49 @@ def format_table(rows: list[Row]) -> str:
     notes = [f"- {p.name}: modopt `{p.modopt_label}` against `pytorch_optimizer.{p.peer_label}`"
              for p in PEERS if any(r.method == p.name for r in rows)]
     return "\n".join(out + [""] + notes)
+
+
+#: the line before the peers table on docs/performance.md (`docs_table`); not `bench.DOCS_MARKER`'s form, so
+#: tests/test_bench.py's check of the main tables' counts leaves it alone
+DOCS_MARKER = "<!-- bench.py --peers --docs; counts made with {versions} -->"
+
+
+def docs_table(rows: list[Row], versions: str) -> str:
+    """The peers table as docs/performance.md publishes it."""
+    head = ["model", "method", "modopt ms", "peer ms", "modopt / peer", "repeats",
+            "ops / syncs / bytes / Python calls modopt", "the same, peer", "diff"]
+    lines = [DOCS_MARKER.format(versions=versions), "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.model, r.method, f"{r.modopt_ms:.2f}", f"{r.peer_ms:.2f}", f"{r.ratio:.3f}x",
+                 " ".join(f"{x:.3f}" for x in r.ratios), _counts(r.counts["modopt"]), _counts(r.counts["peer"]),
+                 "0" if r.diff == 0 else f"{r.diff:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_rows(methods: list[str] | None, models: list[str], args, report=None) -> list[Row]:
+    """`run_one` for each method of `PEERS` (all, or those named in `methods`) on each model, in order;
+    `report(row)` after each. `args` has `quick`, `steps`, `warmup` and `repeats`."""
+    rows = []
+    for peer in PEERS:
+        if methods and peer.name not in methods:
+            continue
+        for model in models:
+            rows.append(run_one(peer, model, args))
+            if report is not None:
+                report(rows[-1])
+    return rows
+
+
+def header(args) -> str:
+    """The first line of a run: versions, threads, repeats."""
+    return (f"modopt peers: torch {torch.__version__}, pytorch_optimizer {_version('pytorch_optimizer')}, "
+            f"{torch.get_num_threads()} CPU thread(s), {args.repeats} repeat(s) of {args.steps} timed steps after "
+            f"{args.warmup} warm-up{' (quick)' if args.quick else ''}")
+
+
+def _report(r: Row) -> None:
+    print(f"  {r.model:11s} {r.method}: modopt/peer {r.ratio:.3f}x", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,17 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
-    print(f"modopt peers: torch {torch.__version__}, pytorch_optimizer {_version('pytorch_optimizer')}, "
-          f"{torch.get_num_threads()} CPU thread(s), {args.repeats} repeat(s) of {args.steps} timed steps after "
-          f"{args.warmup} warm-up{' (quick)' if args.quick else ''}", flush=True)
-    rows = []
-    for peer in PEERS:
-        if args.only and peer.name not in args.only:
-            continue
-        for model in args.models:
-            rows.append(run_one(peer, model, args))
-            r = rows[-1]
-            print(f"  {model:11s} {peer.name}: modopt/peer {r.ratio:.3f}x", file=sys.stderr, flush=True)
+    print(header(args), flush=True)
+    rows = run_rows(args.only, args.models, args, _report)
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))

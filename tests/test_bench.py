@@ -47,6 +47,30 @@ def test_quick_bench_prints_the_table_with_defaults_and_ignore_rows(bench, capsy
     assert all(r["diff"] < 1e-3 for r in rows)
 
 
+def test_peers_mode_runs_peers_rows_and_prints_the_docs_table(bench, capsys, tmp_path):
+    """`--peers AdaGC --docs`: peers.py's rows through bench.py, bit for bit with the peer, with the four
+    count columns on both sides and the table docs/performance.md publishes (its own marker line)."""
+    pytest.importorskip("pytorch_optimizer")
+    out_json = tmp_path / "rows.json"
+    assert bench.main(["--peers", "AdaGC", "--quick", "--models", "mlp", "--docs", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    assert [(r["model"], r["method"]) for r in rows] == [("mlp", "AdaGC")]
+    assert rows[0]["diff"] == 0.0
+    for side in ("modopt", "peer"):
+        ops, syncs, pbytes, calls = rows[0]["counts"][side]
+        assert ops > 0 and syncs >= 0 and pbytes > 0 and calls > 0
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("<!-- bench.py --peers --docs; counts made with"))
+    assert lines[at + 1].startswith("| model | method | modopt ms | peer ms | modopt / peer |")
+    cells = [c.strip() for c in lines[at + 3].strip("|").split("|")]
+    assert cells[:2] == ["mlp", "AdaGC"] and cells[-1] == "0"
+    assert cells[6].count(" / ") == 3 and cells[7].count(" / ") == 3
+    assert bench.parse_docs_tables(out) == {}  # (not a table the published-counts test reads)
+    with pytest.raises(SystemExit):
+        bench.main(["--peers", "NoSuchMethod"])
+
+
 def test_every_pipeline_is_the_same_algorithm_on_both_sides(bench):
     """Each hand-written torch side follows modopt's defaults (MLP: no rounding-noise gradients)."""
     import argparse

@@ -352,6 +352,25 @@ def test_loop_adam_is_torchs_for_loop_bit_for_bit(dtype, decoupled, amsgrad, max
     assert not same_bits(ours[0], loop_case(dtype, amsgrad)[0][0]), "the parameters did not move"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_loop_adam_with_a_learning_rate_changed_every_step_stays_torchs_and_keeps_few_factors(dtype):
+    """`loop_adam_` multiplies float32/float64 tensors by cached 0-d factors (`kernels._FACTORS`): with a
+    learning rate that changes every step (a scheduler) each step's factor is a new one, still torch's
+    for-loop bit for bit, and the cache stays bounded (64 entries), not one per step forever."""
+    ours, grads = loop_case(dtype, False)
+    theirs, _ = loop_case(dtype, False)
+    for i in range(90):
+        gs = grads[i % len(grads)]
+        hyper = dict(lr=1e-2 / (1 + i), beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False,
+                     maximize=False)
+        kernels.loop_adam_(ours[0], [x.clone() for x in gs], *ours[1:], decoupled=True, **hyper)
+        torch_adam_fn(theirs[0], [x.clone() for x in gs], *theirs[1:], foreach=False, decoupled_weight_decay=True,
+                      **hyper)
+        for a, b, what in zip(ours, theirs, ("params", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")):
+            assert same_bits(a, b), f"step {i + 1}: {what} differ from torch's for-loop AdamW"
+    assert 0 < len(kernels._FACTORS) <= 64
+
+
 def test_loop_adam_leaves_the_gradients_as_they_are():
     """torch's for-loop negates (`maximize`) and adds the L2 term out of place: the caller's gradients
     (modopt's updates may be `p.grad` itself) are never written."""

@@ -303,20 +303,34 @@ def loop_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: 
     tensor (torch allocates the quotient as a second full-size temporary), and the step counts are
     incremented by one foreach add and read in one list read (torch adds to and reads back each
     count separately: a dispatch and a host read per tensor). The bias corrections are torch's
-    Python-float arithmetic on the count it reads (float32, exact below 2**24)."""
+    Python-float arithmetic on the count it reads (float32, exact below 2**24). On float32 and float64
+    tensors the in-place multiplies by `1 - lr * weight_decay` and `beta2` and the add of `eps` take
+    cached 0-d tensors of the tensor's dtype (`_loop_factors`), the values torch makes of the numbers on
+    each call, without making them again for every tensor."""
     torch._foreach_add_(steps, 1)
     counts = torch.stack(steps).tolist()  # (0-d CPU tensors: a read, no device wait)
     memo: dict[float, tuple[float, float]] = {}
+    factors: dict[torch.dtype, tuple] = {}
+    decay = 1 - lr * weight_decay
+    signs = (math.copysign(1.0, decay), math.copysign(1.0, beta2), math.copysign(1.0, eps))  # (-0.0 == 0.0)
     for i, param in enumerate(params):
         grad = -grads[i] if maximize else grads[i]  # (out of place, as torch: the gradients stay the caller's)
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+        f = factors.get(param.dtype)
+        if f is None:
+            key = (param.dtype, decay, beta2, eps, signs)
+            f = _FACTORS.get(key)
+            if f is None:
+                f = _loop_factors(key, param)
+            factors[param.dtype] = f
+        wd_factor, b2, e = f
         if weight_decay != 0:
             if decoupled:
-                param.mul_(1 - lr * weight_decay)
+                param.mul_(wd_factor)
             else:
                 grad = grad.add(param, alpha=weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - beta2)
         step = counts[i]
         bc = memo.get(step)
         if bc is None:
@@ -327,8 +341,30 @@ def loop_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: 
             denom = max_exp_avg_sqs[i].sqrt()
         else:
             denom = exp_avg_sq.sqrt()
-        denom.div_(bias_correction2_sqrt).add_(eps)
+        denom.div_(bias_correction2_sqrt).add_(e)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+#: `_loop_factors`' answers by `(dtype, 1 - lr * weight_decay, beta2, eps, their signs)`: looked up in
+#: `loop_adam_` without a call; a few entries (a scheduled learning rate makes one a step: cleared past 64)
+_FACTORS: dict[tuple, tuple] = {}
+
+
+def _loop_factors(key: tuple, like: torch.Tensor) -> tuple:
+    """`loop_adam_`'s multipliers `1 - lr * weight_decay`, `beta2` and its `eps` for CPU tensors of `like`'s
+    dtype (`key`, as `_FACTORS` files them): 0-d tensors of that dtype for float32 and float64, the values
+    the numbers take there (an in-place multiply or add by a number makes it such a tensor on each call,
+    about 1.5 us), and the numbers themselves for the other dtypes (where torch computes with a number in
+    float32, not in the tensor's dtype)."""
+    dtype, decay, beta2, eps, _ = key
+    if dtype in (torch.float32, torch.float64):
+        out: tuple = tuple(torch.full((), x, dtype=dtype, device=like.device) for x in (decay, beta2, eps))
+    else:
+        out = (decay, beta2, eps)
+    if len(_FACTORS) >= 64:
+        _FACTORS.clear()
+    _FACTORS[key] = out
+    return out
 
 
 def torch_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,

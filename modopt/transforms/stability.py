@@ -68,7 +68,8 @@ def _scaled_norms(seg, updates: list[torch.Tensor], n: torch.Tensor, scale: torc
                 continue
             if on:
                 u.mul_(c)
-            out.append(foreach_pnorm([u], 2.0)[0])
+            # (`foreach_pnorm`'s kernel called directly where it takes no accumulation dtype: the same call)
+            out.append(torch._foreach_norm([u], 2.0)[0] if u.dtype == own.dtype else foreach_pnorm([u], 2.0)[0])
         return torch.stack(out).to(acc)
     seg.mul_(updates, scale)
     return seg.reduce(updates, 2.0)
