@@ -84,44 +84,63 @@ class Accumulate(Transform):
         """Add the updates to the cycle's sum; the cycle's mean on its last call, else None (the step stops)."""
         sums = st.buffers("sum", lambda i, p: torch.zeros_like(updates[i], dtype=acc_dtype(updates[i].dtype)))
         compiling = torch.compiler.is_compiling()
+        store = st.store
         if compiling:
             count = self._count(st, updates[0].device)
             if ctx.skip is None:
                 count = count + 1
             else:  # a where fuses into the sum; a skipped call is not counted
                 count = count + (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
-                updates_in = [torch.where(ctx.skip, 0.0, u) for u in updates]
-            adding = updates if ctx.skip is None else updates_in
-            same = [u.dtype for u in adding] == [s.dtype for s in sums]  # (dynamo)
-            torch._foreach_add_(sums, adding if same else [u.to(s.dtype) for u, s in zip(adding, sums)])
+                updates = [torch.where(ctx.skip, 0.0, u) for u in updates]
+            same = [u.dtype for u in updates] == [s.dtype for s in sums]  # (dynamo)
+            torch._foreach_add_(sums, updates if same else [u.to(s.dtype) for u, s in zip(updates, sums)])
         elif ctx.skip is None:  # the host decided: this call goes ahead and counts (a number, when it is one)
-            plan = self._plan(ctx, st, updates, sums)
-            torch._foreach_add_(sums, updates if plan.same else [u.to(s.dtype) for u, s in zip(updates, sums)])
-            count = st.store.get("count")
-            count = int(st.store.get("calls", 0)) + 1 if count is None else count + 1
+            count = store.get("count")
+            count = int(store.get("calls", 0)) + 1 if count is None else count + 1
+            if (isinstance(count, int) and int(store.get("calls", 0)) + 1 >= self.steps and type(sums[0]) is torch.Tensor
+                    and list(map(_dtype_of, updates)) == list(map(_dtype_of, sums))):
+                return self._last_on_host(ctx, st, store, updates, sums, count)
+            # (half-precision updates add into float32 sums in the same op: the same bits as converting first)
+            plain = type(sums[0]) is torch.Tensor or list(map(_dtype_of, updates)) == list(map(_dtype_of, sums))
+            torch._foreach_add_(sums, updates if plain else [u.to(s.dtype) for u, s in zip(updates, sums)])
         else:  # the device decides: a skipped call adds zeros and is not counted
             count = self._add_on_device(ctx, st, updates, sums)
-        if not self._ends_cycle(st, count):
+        if not self._ends_cycle(store, count):
             return None
         # the mean over the calls that added; the same bits as dividing by float(steps) when all did
         # (a correctly rounded division either way). It goes into the update buffers themselves.
-        if isinstance(count, int):  # (the host counted: a CPU step, where a divisor tensor is made, not read)
-            n = torch.full((), max(count, 1), dtype=sums[0].dtype, device=sums[0].device)
+        if isinstance(count, int) and sums[0].device.type == "cpu":  # (the host counted; a CPU divides by a number
+            torch._foreach_div_(sums, float(max(count, 1)))  # exactly as by a tensor, where a GPU multiplies)
         else:
-            n = count.clamp(min=1)
-        dtypes = {s.dtype for s in sums} if compiling else set(map(_dtype_of, sums))
-        if len(dtypes) == 1:  # (a divisor of the sums' own dtype: torch's fast foreach path)
-            dtype = dtypes.pop()
-            torch._foreach_div_(sums, n if n.dtype == dtype else n.to(dtype))
-        else:
-            for dtype in dtypes:
-                torch._foreach_div_([s for s in sums if s.dtype == dtype], n.to(dtype))
+            n = count.clamp(min=1) if isinstance(count, torch.Tensor) else torch.full(
+                (), max(count, 1), dtype=sums[0].dtype, device=sums[0].device)
+            dtypes = {s.dtype for s in sums} if compiling else set(map(_dtype_of, sums))
+            if len(dtypes) == 1:  # (a divisor of the sums' own dtype: torch's fast foreach path)
+                dtype = dtypes.pop()
+                torch._foreach_div_(sums, n if n.dtype == dtype else n.to(dtype))
+            else:
+                for dtype in dtypes:
+                    torch._foreach_div_([s for s in sums if s.dtype == dtype], n.to(dtype))
         distributed.copy_(updates, sums)
         self._end_cycle(ctx, st, count, sums)
         return updates
 
+    def _last_on_host(self, ctx: Step, st: TransformState, store: dict, updates: list[torch.Tensor],
+                      sums: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+        """The cycle's last call, counted on the host, with updates of the sums' dtypes: the sum goes into
+        the updates (`u + s`, the same bits as `s + u`) and is divided there, one pass fewer than adding
+        into the sums and copying their mean out."""
+        self._ends_cycle(store, count)
+        torch._foreach_add_(updates, sums)
+        if sums[0].device.type == "cpu":  # (a CPU divides by a number exactly as by a tensor; a GPU multiplies)
+            torch._foreach_div_(updates, float(count))
+        else:
+            torch._foreach_div_(updates, torch.full((), count, dtype=sums[0].dtype, device=sums[0].device))
+        self._end_cycle(ctx, st, count, sums)
+        return updates
+
     def _plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], sums: list[torch.Tensor]) -> _Plan:
-        """How this layout's updates go into its sums (made once per layout and dtypes)."""
+        """How this layout's updates go into its sums on the device path (made once per layout and dtypes)."""
         key = ("accumulate", st.key, tuple(map(_dtype_of, updates)), tuple(map(_dtype_of, sums)))
         plan = ctx.layout.cache.get(key)
         if plan is None:
@@ -143,7 +162,7 @@ class Accumulate(Transform):
         for group in plan.groups:
             pieces = [updates[i].reshape(-1) for i in group.index]
             if group.count:
-                pieces.append(_one(ctx, count))
+                pieces.append(plan.one)
             flat = torch.cat(pieces)
             if flat.dtype != group.dtype:
                 flat = flat.to(group.dtype)
@@ -172,13 +191,12 @@ class Accumulate(Transform):
         count = st.store.get("count")
         if count is None:
             count = int(st.store.get("calls", 0))
-        if self._ends_cycle(st, count):
+        if self._ends_cycle(st.store, count):
             self._end_cycle(ctx, st, count, None)
 
-    def _ends_cycle(self, st, count: torch.Tensor | int) -> bool:
-        """Count this call on the host; True when it is the cycle's last (the caller ends the cycle),
-        else the call's `count` is saved for the next."""
-        store = st.store
+    def _ends_cycle(self, store: dict, count: torch.Tensor | int) -> bool:
+        """Count this call on the host (`store`: the transform's); True when it is the cycle's last (the
+        caller ends the cycle), else the call's `count` is saved for the next."""
         calls = int(store.get("calls", 0)) + 1
         if calls < self.steps:
             store["calls"], store["count"] = calls, count
@@ -219,15 +237,6 @@ class Accumulate(Transform):
             torch._foreach_zero_(stale)
 
 
-def _one(ctx: Step, like: torch.Tensor) -> torch.Tensor:
-    """A 1-element 1 of `like`'s dtype and device, made once per layout (the count's share of a concatenation)."""
-    key = ("accumulate-one", like.dtype, like.device)
-    one = ctx.layout.cache.get(key)
-    if one is None:
-        one = ctx.layout.cache[key] = torch.ones(1, dtype=like.dtype, device=like.device)
-    return one
-
-
 class _Group:
     """Small plain tensors of one sum dtype and device, concatenated to be filled and added together."""
 
@@ -242,7 +251,7 @@ class _Plan:
     adds directly), and, for the device, which small tensors go together (with the count: the first
     group, whose sum dtype the count takes) and which are filled one by one."""
 
-    __slots__ = ("same", "groups", "alone", "sharded", "count_dtype", "count_in_group")
+    __slots__ = ("same", "groups", "alone", "sharded", "count_dtype", "count_in_group", "one")
 
     def __init__(self, updates: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
         self.same = list(map(_dtype_of, updates)) == list(map(_dtype_of, sums))
@@ -266,3 +275,5 @@ class _Plan:
             self.groups.append(_Group(index, dtype, sizes, shapes, n == 0))
         self.count_in_group = bool(self.groups)
         self.count_dtype = self.groups[0].dtype if self.groups else torch.int64
+        # the count's share of the first concatenation (made with the plan, on the layout's first call)
+        self.one = torch.ones(1, dtype=self.count_dtype, device=sums[self.groups[0].index[0]].device) if self.groups else None
