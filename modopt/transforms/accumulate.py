@@ -82,8 +82,10 @@ class Accumulate(Transform):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Add the updates to the cycle's sum; the cycle's mean on its last call, else None (the step stops)."""
-        sums = st.buffers("sum", lambda i, p: torch.zeros_like(updates[i], dtype=acc_dtype(updates[i].dtype)))
         compiling = torch.compiler.is_compiling()
+        sums = None if compiling else _existing_sums(ctx, st.key)
+        if sums is None:
+            sums = st.buffers("sum", lambda i, p: torch.zeros_like(updates[i], dtype=acc_dtype(updates[i].dtype)))
         store = st.store
         if compiling:
             count = self._count(st, updates[0].device)
@@ -95,9 +97,9 @@ class Accumulate(Transform):
             same = [u.dtype for u in updates] == [s.dtype for s in sums]  # (dynamo)
             torch._foreach_add_(sums, updates if same else [u.to(s.dtype) for u, s in zip(updates, sums)])
         elif ctx.skip is None:  # the host decided: this call goes ahead and counts (a number, when it is one)
-            count = store.get("count")
-            count = int(store.get("calls", 0)) + 1 if count is None else count + 1
-            if (isinstance(count, int) and int(store.get("calls", 0)) + 1 >= self.steps and type(sums[0]) is torch.Tensor
+            count, calls = store.get("count"), int(store.get("calls", 0))
+            count = calls + 1 if count is None else count + 1
+            if (calls + 1 >= self.steps and isinstance(count, int) and type(sums[0]) is torch.Tensor
                     and list(map(_dtype_of, updates)) == list(map(_dtype_of, sums))):
                 return self._last_on_host(ctx, st, store, updates, sums, count)
             # (half-precision updates add into float32 sums in the same op: the same bits as converting first)
@@ -235,6 +237,22 @@ class Accumulate(Transform):
             store["count"] = torch.zeros_like(count)
         if stale:
             torch._foreach_zero_(stale)
+
+
+#: `operator.itemgetter` of a transform's "sum" key, by its state key (`_existing_sums`)
+_SUM_GETTERS: dict[str, operator.itemgetter] = {}
+
+
+def _existing_sums(ctx: Step, key: str) -> list[torch.Tensor] | None:
+    """The step's sums when every parameter has one (`TransformState.buffers` without a call to make one:
+    the common case after the first call), else None."""
+    get = _SUM_GETTERS.get(key)
+    if get is None:
+        get = _SUM_GETTERS[key] = operator.itemgetter(value_key(key, "sum"))
+    try:
+        return list(map(get, ctx.param_states()))  # (C-level loop)
+    except KeyError:
+        return None
 
 
 class _Group:
