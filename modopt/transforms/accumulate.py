@@ -49,10 +49,13 @@ class Accumulate(Transform):
     it), and the cycle stays aligned with the loop's micro-batches and with an
     LR scheduler stepped on every call. When the host decides (another
     transform needs it), a call it skips is counted the same way
-    (`on_host_skip`). The price, only when the device decides: one more pass
-    over the updates on every call (`nan_to_num_`, which clears inf and NaN
-    elements, and the sum weighs the update by 0 on a skipped call; fused into
-    the sum when compiled).
+    (`on_host_skip`). The price, only when the device decides: the update is
+    filled with 0 on a skipped call before it is added (`masked_fill_` on the
+    step's decision: `0 * u` would keep a NaN). Tensors of at most 2048
+    elements are concatenated with a 1 for the device's count, filled and
+    added in one multi-tensor add with the larger ones (each filled in place):
+    three ops a call for the small tensors, count included, and one more for
+    each larger tensor; fused into the sum when compiled.
     `Accumulate` cannot be used with `modopt.attach()` (a
     pre-hook cannot stop the optimizer).
 
