@@ -341,9 +341,9 @@ def test_an_old_checkpoint_without_the_device_counter_loads_and_continues():
         for x, y in zip(pa, pb):
             assert torch.equal(x, y)
         assert acc_state(oa)["calls"] == acc_state(ob)["calls"]
-        assert torch.equal(acc_state(oa)["count"], acc_state(ob)["count"])
+        assert int(acc_state(oa)["count"]) == int(acc_state(ob)["count"])  # (a number where the host counted)
     ob.load_state_dict(oa.state_dict())  # the new format round-trips
-    assert torch.equal(acc_state(ob)["count"], acc_state(oa)["count"])
+    assert int(acc_state(ob)["count"]) == int(acc_state(oa)["count"])
 
 
 def test_fullgraph_compile_equals_eager_over_two_cycles_with_a_nan_call():
