@@ -695,10 +695,12 @@ def versions() -> str:
 def count_row(pipe: Pipeline, model_name: str, nonfinite: str | None, quick: bool = False) -> dict[str, list[float]]:
     """The deterministic columns of a row, per side: `[ops, syncs, bytes in P, Python calls]` of one cycle
     (the `pipe.calls` steps of it summed). Fresh sides from seed 0 take `COUNT_AFTER` untimed cycles on shared
-    batches; then one cycle runs under `StepCounter` (aten ops, host syncs and bytes of the device path,
-    what a GPU runs) and the next under `call_counts.count` (Python calls in the library's own files:
-    modopt's for modopt, torch's for torch; the default path, the one timed on this machine). They do not
-    depend on the machine, only on the torch and Python versions (`versions()`)."""
+    batches; then one cycle runs under `call_counts.count` (Python calls in the library's own files:
+    modopt's for modopt, torch's for torch; the default path, the one timed on this machine), one untimed on
+    the device path, and the next under `StepCounter` (aten ops, host syncs and bytes of the device path,
+    what a GPU runs: a steady cycle of it, as a GPU runs every step; a CPU's host path may keep a value in
+    another form, which the first device step after it converts once). They do not depend on the machine,
+    only on the torch and Python versions (`versions()`)."""
     check = nonfinite != "ignore"
     torch.manual_seed(0)
     base, make_batch = build_model(model_name, quick)
@@ -709,18 +711,22 @@ def count_row(pipe: Pipeline, model_name: str, nonfinite: str | None, quick: boo
     roots = {"modopt": os.path.dirname(mo.__file__), "torch": os.path.dirname(torch.__file__)}
     g = torch.Generator().manual_seed(1000)
     after = COUNT_AFTER_OVERRIDE.get(pipe.name, COUNT_AFTER)
-    batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((after + 2) * pipe.calls)]
+    batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((after + 3) * pipe.calls)]
     pbytes = sum(p.numel() * p.element_size() for p in base.parameters())
     out: dict[str, list[float]] = {}
     for n, side in sides.items():
         for b in batches[:after * pipe.calls]:
             _backward(side, b)
             side.step()
-        got = [_counted(side, b) for b in batches[after * pipe.calls:(after + 1) * pipe.calls]]
         calls = 0
-        for b in batches[(after + 1) * pipe.calls:]:
+        for b in batches[after * pipe.calls:(after + 1) * pipe.calls]:
             _backward(side, b)
             calls += python_calls(side.step, roots[n]).calls
+        with runner.device_path():
+            for b in batches[(after + 1) * pipe.calls:(after + 2) * pipe.calls]:
+                _backward(side, b)
+                side.step()
+        got = [_counted(side, b) for b in batches[(after + 2) * pipe.calls:]]
         out[n] = [sum(c.ops for c in got), sum(c.syncs for c in got), sum(c.bytes for c in got) / pbytes, calls]
     return out
 
