@@ -5,7 +5,7 @@
     python benchmarks/step_counts.py --device cuda    # the same counts with CUDA tensors
 
 For each pipeline, `mo.Modular(model.parameters(), *pipeline)` with its defaults takes 3 warm-up steps
-after a real backward; then one more `opt.step()` runs under a `TorchDispatchMode` that counts
+after a real backward, on the device path as a GPU would; then one more `opt.step()` runs under a `TorchDispatchMode` that counts
 
 * **ops**: aten ops other than views (a view moves no memory);
 * **syncs**: `aten._local_scalar_dense` and `aten.is_nonzero` (`.item()`, `bool(tensor)`): each one
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import PIPELINES, StepCounter, build_model, loss_fn  # noqa: E402  (the benchmark's MLP, counter, sides)
 
 import modopt as mo  # noqa: E402
+from modopt.core import runner  # noqa: E402
 
 def pipelines() -> dict[str, list]:
     return {
@@ -55,7 +56,8 @@ def count(make_step, model, make_batch, g) -> StepCounter:
             with StepCounter() as c:
                 make_step()
             return c
-        make_step()
+        with runner.device_path():  # every step the path a GPU runs (the counted one too: StepCounter)
+            make_step()
     raise AssertionError  # pragma: no cover
 
 
