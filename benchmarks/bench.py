@@ -1047,7 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compiled", action="store_true", help="instead: the compiled rows, eager modopt against "
                     "mo.compile_step(opt, guards='own') and a hand-written compiled step, in this process")
     ap.add_argument("--peers", nargs="*", default=None, metavar="METHOD", help="instead: modopt against the "
-                    "peers' own optimizers (benchmarks/peers.py: StableSPAM, SPAM, AdaGC against pytorch_optimizer's), "
+                    "peers' own optimizers (benchmarks/peers.py: StableSPAM, SPAM, AdaGC against pytorch_optimizer's; "
+                    "'AdamW+clip (heavyball)' where heavyball is installed), "
                     "the methods named or all; 20 timed steps, 3 repeats, 1 thread unless given")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--in-process", action="store_true",

@@ -1,4 +1,5 @@
-"""modopt against pytorch_optimizer on the methods both publish: StableSPAM, SPAM and AdaGC.
+"""modopt against its peers on the methods both publish: pytorch_optimizer's StableSPAM, SPAM and AdaGC, and
+heavyball's AdamW with its global-norm gradient clip (where heavyball is installed).
 
     python benchmarks/peers.py                        # both models, 3 repeats, 1 thread (a few minutes)
     python benchmarks/peers.py --quick                # tiny models, 2 steps: a smoke run
@@ -10,22 +11,28 @@ skipped on the device, which the peer does not check) and the peer's optimizer w
 Each modopt pipeline is the configuration that reproduces the peer (its docstring says how): the same
 hyperparameters and torch's non-fused AdamW kernel, so `diff` (the largest parameter difference after a
 repeat, relative to the largest parameter) is 0 where the two are bit for bit, and for SPAM the eps
-placement alone (tests/test_spam.py bounds it).
+placement alone (tests/test_spam.py bounds it). heavyball's AdamW cannot be reproduced bit for bit by
+torch's kernels (its own arithmetic, see `_heavyball_row`): its row runs modopt's default AdamW kernel with
+heavyball's hyperparameters, and `diff` is the eps placement's (tests/test_bench.py bounds the rest).
 
 Timing is bench.py's own (`bench._timed_steps`: each side's `step` timed alone after a shared forward
 and backward, the order alternating, the garbage collector paused); a repeat reports the median of the
 per-iteration ratios modopt/peer, the table every repeat's ratio and their median. `ops / syncs / bytes /
 Python calls` is one more untimed step per side under `bench.StepCounter` (aten ops, views excluded, host
 syncs and the bytes read and written in units of P, the parameters' bytes: the device path's, what a GPU
-runs) and the next one under `call_counts.count` (the Python calls into the side's own library:
-modopt's files for modopt, pytorch_optimizer's for the peer; the default path, the one timed here).
+runs; a peer that compiles its step, heavyball, is counted with its compiled helpers run as the Python they
+compile: the ops its kernels fuse) and the next one under `call_counts.count` (the Python calls into the side's own library:
+modopt's files for modopt, the peer library's for the peer; the default path, the one timed here).
 `benchmarks/bench.py --peers` runs the same rows (`run_rows`), and with `--docs` prints `docs_table`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -50,6 +57,11 @@ class Peer:
     modopt_label: str
     peer: Callable[[list], torch.optim.Optimizer]
     peer_label: str
+    #: the peer's package: its files are the ones whose Python calls count, its name heads the notes
+    lib: str = "pytorch_optimizer"
+    #: a context under which the peer's step runs without torch.compile, for `StepCounter` (a dispatch
+    #: mode and a compiled frame do not mix); None: the peer compiles nothing
+    uncompiled: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 def _po():
@@ -69,6 +81,44 @@ PEERS = [
          "AdaGC(), AdamW(weight_decay=0.1, fused=False)",
          lambda ps: _po().AdaGC(ps), "AdaGC(params)"),
 ]
+
+
+def _heavyball_row() -> Peer:
+    """AdamW with a global-norm clip at 1.0, heavyball's defaults (3.2.1: `lr=0.0025`, `betas=(0.9, 0.99)`,
+    `eps=1e-8`, `weight_decay=0`; `gradient_clipping=utils.global_l2norm_clip`, whose `clip_at` is 1.0).
+
+    modopt's side takes the same values with its default (fused) AdamW kernel, and `ClipNorm(eps=0.0)`:
+    heavyball scales by `clip_at / max(norm, clip_at)`, no eps. The arithmetic differs in three places,
+    so the two are not bit for bit: heavyball divides by `max(sqrt(v_hat), eps)` where torch's kernel
+    divides by `sqrt(v_hat) + eps` (an element whose |gradient| is near eps moves up to twice as far:
+    `diff` on these models is this); it keeps bias-corrected moments (an EMA whose weight is
+    `(1 - beta) / (1 - beta**t)`) where torch corrects at the end; it sums the squares of all
+    gradients for the norm where modopt adds per-tensor norms. By default heavyball also compiles its
+    kernels with torch.compile (mode "max-autotune-no-cudagraphs"): the first step pays the compile,
+    the timed steps run compiled code, modopt's run eagerly."""
+    import heavyball  # noqa: F401  (the row exists only where it is installed)
+
+    @contextlib.contextmanager
+    def uncompiled():  # heavyball's compiled helpers run their Python body when compile_mode is None
+        mode, heavyball.utils.compile_mode = heavyball.utils.compile_mode, None
+        try:
+            yield
+        finally:
+            heavyball.utils.compile_mode = mode
+
+    def make(ps):
+        import heavyball
+        return heavyball.AdamW(ps, gradient_clipping=heavyball.utils.global_l2norm_clip)
+
+    return Peer("AdamW+clip (heavyball)",
+                lambda: [mo.ClipNorm(1.0, eps=0.0), mo.AdamW(lr=0.0025, betas=(0.9, 0.99), weight_decay=0.0)],
+                "ClipNorm(1.0, eps=0.0), AdamW(lr=0.0025, betas=(0.9, 0.99), weight_decay=0.0)",
+                make, "AdamW(params, gradient_clipping=heavyball.utils.global_l2norm_clip)", lib="heavyball",
+                uncompiled=uncompiled)
+
+
+if importlib.util.find_spec("heavyball") is not None:  # an optional peer: peers.py runs without it
+    PEERS.append(_heavyball_row())
 
 
 @dataclass
@@ -110,9 +160,12 @@ def run_one(peer: Peer, model_name: str, args) -> Row:
         diffs.append(max((a - b).abs().max().item() for a, b in zip(ps_mo, ps_pe)) / scale)
         if rep == 0:
             pbytes = sum(p.numel() * p.element_size() for p in ps_pe)
-            roots = {"modopt": Path(mo.__file__).parent, "peer": Path(_po().__file__).parent}
+            roots = {"modopt": Path(mo.__file__).parent,
+                     "peer": Path(importlib.import_module(peer.lib).__file__).parent}
             for n in sides:
-                c = _counted(sides[n], batches[0])
+                eager = peer.uncompiled if n == "peer" and peer.uncompiled is not None else contextlib.nullcontext
+                with eager():
+                    c = _counted(sides[n], batches[0])
                 _backward(sides[n], batches[1])
                 calls = python_calls(sides[n].step, str(roots[n])).calls
                 counts[n] = [c.ops, c.syncs, c.bytes / pbytes, calls]
@@ -134,7 +187,7 @@ def format_table(rows: list[Row]) -> str:
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     out = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    notes = [f"- {p.name}: modopt `{p.modopt_label}` against `pytorch_optimizer.{p.peer_label}`"
+    notes = [f"- {p.name}: modopt `{p.modopt_label}` against `{p.lib}.{p.peer_label}`"
              for p in PEERS if any(r.method == p.name for r in rows)]
     return "\n".join(out + [""] + notes)
 
@@ -173,7 +226,8 @@ def run_rows(methods: list[str] | None, models: list[str], args, report=None) ->
 
 def header(args) -> str:
     """The first line of a run: versions, threads, repeats."""
-    return (f"modopt peers: torch {torch.__version__}, pytorch_optimizer {_version('pytorch_optimizer')}, "
+    libs = "".join(f"{lib} {_version(lib)}, " for lib in dict.fromkeys(p.lib for p in PEERS))
+    return (f"modopt peers: torch {torch.__version__}, {libs}"
             f"{torch.get_num_threads()} CPU thread(s), {args.repeats} repeat(s) of {args.steps} timed steps after "
             f"{args.warmup} warm-up{' (quick)' if args.quick else ''}")
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import modopt as mo
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 
@@ -69,6 +71,69 @@ def test_peers_mode_runs_peers_rows_and_prints_the_docs_table(bench, capsys, tmp
     assert bench.parse_docs_tables(out) == {}  # (not a table the published-counts test reads)
     with pytest.raises(SystemExit):
         bench.main(["--peers", "NoSuchMethod"])
+
+
+HEAVYBALL_ROW = "AdamW+clip (heavyball)"
+
+
+def _peers_module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import peers
+
+    return peers
+
+
+def test_heavyball_peer_row_runs_in_quick_mode(bench, capsys, tmp_path):
+    """`--peers "AdamW+clip (heavyball)"`: the row runs on both models with the four counts on both sides (the
+    peer's ops counted with its compiled helpers run uncompiled) and its `diff` is the eps placement's: not 0
+    (real gradients have elements near eps), but small next to the parameters."""
+    pytest.importorskip("heavyball")
+    out_json = tmp_path / "rows.json"
+    assert bench.main(["--peers", HEAVYBALL_ROW, "--quick", "--docs", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    assert [(r["model"], r["method"]) for r in rows] == [("mlp", HEAVYBALL_ROW), ("transformer", HEAVYBALL_ROW)]
+    for r in rows:
+        assert 0 < r["diff"] < 0.1
+        for side in ("modopt", "peer"):
+            ops, syncs, pbytes, calls = r["counts"][side]
+            assert ops > 0 and syncs >= 0 and pbytes > 0 and calls > 0
+    assert "against `heavyball.AdamW(params, gradient_clipping=heavyball.utils.global_l2norm_clip)`" in out
+
+
+def test_heavyball_row_agrees_with_heavyball_up_to_the_documented_difference():
+    """The row's two optimizers, heavyball's defaults on both sides: with every gradient element far from eps
+    they agree to float32 rounding over six steps, clipped and not (bias correction and the norm's order of
+    summation differ only in rounding); where |g| equals eps, heavyball's `max(sqrt(v_hat), eps)` moves a
+    full `lr` and torch's `sqrt(v_hat) + eps` half of it, the one documented difference."""
+    pytest.importorskip("heavyball")
+    row = next(p for p in _peers_module().PEERS if p.name == HEAVYBALL_ROW)
+    lr = 0.0025  # heavyball 3.2.1's default, the row's modopt side
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (16, 64), (16,)]
+    init = [torch.randn(s) for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+    opt_ours, opt_theirs = mo.Modular(ours, *row.modopt()), row.peer(theirs)
+    for scale in [3.0, 0.5, 1.0, 0.2, 5.0, 0.3]:  # global norms about 3 * scale: clipped, then not, ...
+        grads = [scale * torch.randn(s).sign() * (0.5 + torch.rand(s)) / 60 for s in shapes]
+        for ps in (ours, theirs):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+        for a, b in zip(ours, theirs):  # within 64 float32 ulps of the parameter plus one of lr (measured: 16)
+            assert ((a - b).abs() / (b.abs() + lr)).max().item() < 64 * 2**-23
+    moved = max((b - t).abs().max().item() for b, t in zip(theirs, init))
+    assert moved > 5 * lr  # (they moved: the check above is not of two idle optimizers)
+
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt_ours, opt_theirs = mo.Modular([a], *row.modopt()), row.peer([b])
+    a.grad, b.grad = torch.tensor([1e-8, -1e-8, 0.5]), torch.tensor([1e-8, -1e-8, 0.5])  # norm 0.5: no clip
+    opt_ours.step()
+    opt_theirs.step()
+    torch.testing.assert_close(b.detach(), torch.tensor([-lr, lr, -lr]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(a.detach(), torch.tensor([-lr / 2, lr / 2, -lr]), rtol=1e-5, atol=0)
 
 
 def test_every_pipeline_is_the_same_algorithm_on_both_sides(bench):
