@@ -52,7 +52,7 @@ def test_quick_bench_prints_the_table_with_defaults_and_ignore_rows(bench, capsy
 def test_peers_mode_runs_peers_rows_and_prints_the_docs_table(bench, capsys, tmp_path):
     """`--peers AdaGC --docs`: peers.py's rows through bench.py, bit for bit with the peer, with the four
     count columns on both sides and the table docs/performance.md publishes (its own marker line)."""
-    pytest.importorskip("pytorch_optimizer")
+    pytest.importorskip("pytorch_optimizer", reason="the peer library (pinned in the dev extra) is the row's reference")
     out_json = tmp_path / "rows.json"
     assert bench.main(["--peers", "AdaGC", "--quick", "--models", "mlp", "--docs", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
@@ -87,7 +87,7 @@ def test_heavyball_peer_row_runs_in_quick_mode(bench, capsys, tmp_path):
     """`--peers "AdamW+clip (heavyball)"`: the row runs on both models with the four counts on both sides (the
     peer's ops counted with its compiled helpers run uncompiled) and its `diff` is the eps placement's: not 0
     (real gradients have elements near eps), but small next to the parameters."""
-    pytest.importorskip("heavyball")
+    pytest.importorskip("heavyball", reason="the peer library (the dev extra pins it on Python >= 3.11) is the row's reference")
     out_json = tmp_path / "rows.json"
     assert bench.main(["--peers", HEAVYBALL_ROW, "--quick", "--docs", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
@@ -106,7 +106,7 @@ def test_heavyball_row_agrees_with_heavyball_up_to_the_documented_difference():
     they agree to float32 rounding over six steps, clipped and not (bias correction and the norm's order of
     summation differ only in rounding); where |g| equals eps, heavyball's `max(sqrt(v_hat), eps)` moves a
     full `lr` and torch's `sqrt(v_hat) + eps` half of it, the one documented difference."""
-    pytest.importorskip("heavyball")
+    pytest.importorskip("heavyball", reason="the peer library (the dev extra pins it on Python >= 3.11) is the row's reference")
     row = next(p for p in _peers_module().PEERS if p.name == HEAVYBALL_ROW)
     lr = 0.0025  # heavyball 3.2.1's default, the row's modopt side
     torch.manual_seed(0)

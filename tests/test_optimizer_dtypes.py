@@ -353,10 +353,11 @@ def test_loop_adam_is_torchs_for_loop_bit_for_bit(dtype, decoupled, amsgrad, max
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_loop_adam_with_a_learning_rate_changed_every_step_stays_torchs_and_keeps_few_factors(dtype):
-    """`loop_adam_` multiplies float32/float64 tensors by cached 0-d factors (`kernels._FACTORS`): with a
+def test_loop_adam_with_a_learning_rate_changed_every_step_stays_torchs_and_keeps_few_factors(dtype, monkeypatch):
+    """`loop_adam_` multiplies float32/float64 tensors by cached 0-d factors (`kernels.const`): with a
     learning rate that changes every step (a scheduler) each step's factor is a new one, still torch's
-    for-loop bit for bit, and the cache stays bounded (64 entries), not one per step forever."""
+    for-loop bit for bit, and the cache stays bounded (`kernels.MAX_CONSTS`), not one per step forever."""
+    monkeypatch.setattr(kernels, "MAX_CONSTS", 16)  # (a small bound, so that 90 steps run past it)
     ours, grads = loop_case(dtype, False)
     theirs, _ = loop_case(dtype, False)
     for i in range(90):
@@ -368,7 +369,7 @@ def test_loop_adam_with_a_learning_rate_changed_every_step_stays_torchs_and_keep
                       **hyper)
         for a, b, what in zip(ours, theirs, ("params", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")):
             assert same_bits(a, b), f"step {i + 1}: {what} differ from torch's for-loop AdamW"
-    assert 0 < len(kernels._FACTORS) <= 64
+    assert 0 < len(kernels._CONSTS) <= kernels.MAX_CONSTS
 
 
 def test_loop_adam_leaves_the_gradients_as_they_are():

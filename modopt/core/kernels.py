@@ -38,6 +38,9 @@ from torch.optim.sgd import sgd as _torch_sgd
 from . import distributed
 
 _CONSTS: dict[tuple, torch.Tensor] = {}
+#: `_CONSTS` is cleared past this many entries (a value that moves every step, a scheduled learning rate's
+#: factor, would otherwise keep one tensor per step); a tensor handed out stays valid, it is never written
+MAX_CONSTS = 256
 
 
 def const(value: float, like: torch.Tensor) -> Union[torch.Tensor, float]:
@@ -51,6 +54,8 @@ def const(value: float, like: torch.Tensor) -> Union[torch.Tensor, float]:
     key = (value, math.copysign(1.0, value), like.dtype, like.device)  # (-0.0 == 0.0 as a dict key)
     t = _CONSTS.get(key)
     if t is None:
+        if len(_CONSTS) >= MAX_CONSTS:
+            _CONSTS.clear()
         t = _CONSTS[key] = torch.full((), value, dtype=like.dtype, device=like.device)
     return t
 
@@ -305,24 +310,21 @@ def loop_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: 
     count separately: a dispatch and a host read per tensor). The bias corrections are torch's
     Python-float arithmetic on the count it reads (float32, exact below 2**24). On float32 and float64
     tensors the in-place multiplies by `1 - lr * weight_decay` and `beta2` and the add of `eps` take
-    cached 0-d tensors of the tensor's dtype (`_loop_factors`), the values torch makes of the numbers on
-    each call, without making them again for every tensor."""
+    cached 0-d tensors of the tensor's dtype (`const`), the values torch makes of the numbers on each
+    call, without making them again for every tensor; on the other dtypes torch computes with the number
+    in float32, so the numbers stay."""
     torch._foreach_add_(steps, 1)
     counts = torch.stack(steps).tolist()  # (0-d CPU tensors: a read, no device wait)
     memo: dict[float, tuple[float, float]] = {}
     factors: dict[torch.dtype, tuple] = {}
     decay = 1 - lr * weight_decay
-    signs = (math.copysign(1.0, decay), math.copysign(1.0, beta2), math.copysign(1.0, eps))  # (-0.0 == 0.0)
     for i, param in enumerate(params):
         grad = -grads[i] if maximize else grads[i]  # (out of place, as torch: the gradients stay the caller's)
         exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
         f = factors.get(param.dtype)
         if f is None:
-            key = (param.dtype, decay, beta2, eps, signs)
-            f = _FACTORS.get(key)
-            if f is None:
-                f = _loop_factors(key, param)
-            factors[param.dtype] = f
+            f = factors[param.dtype] = ((const(decay, param), const(beta2, param), const(eps, param))
+                                        if param.dtype in (torch.float32, torch.float64) else (decay, beta2, eps))
         wd_factor, b2, e = f
         if weight_decay != 0:
             if decoupled:
@@ -343,28 +345,6 @@ def loop_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: 
             denom = exp_avg_sq.sqrt()
         denom.div_(bias_correction2_sqrt).add_(e)
         param.addcdiv_(exp_avg, denom, value=-step_size)
-
-
-#: `_loop_factors`' answers by `(dtype, 1 - lr * weight_decay, beta2, eps, their signs)`: looked up in
-#: `loop_adam_` without a call; a few entries (a scheduled learning rate makes one a step: cleared past 64)
-_FACTORS: dict[tuple, tuple] = {}
-
-
-def _loop_factors(key: tuple, like: torch.Tensor) -> tuple:
-    """`loop_adam_`'s multipliers `1 - lr * weight_decay`, `beta2` and its `eps` for CPU tensors of `like`'s
-    dtype (`key`, as `_FACTORS` files them): 0-d tensors of that dtype for float32 and float64, the values
-    the numbers take there (an in-place multiply or add by a number makes it such a tensor on each call,
-    about 1.5 us), and the numbers themselves for the other dtypes (where torch computes with a number in
-    float32, not in the tensor's dtype)."""
-    dtype, decay, beta2, eps, _ = key
-    if dtype in (torch.float32, torch.float64):
-        out: tuple = tuple(torch.full((), x, dtype=dtype, device=like.device) for x in (decay, beta2, eps))
-    else:
-        out = (decay, beta2, eps)
-    if len(_FACTORS) >= 64:
-        _FACTORS.clear()
-    _FACTORS[key] = out
-    return out
 
 
 def torch_adam_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, max_exp_avg_sqs: Tensors,
