@@ -202,7 +202,8 @@ def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Ten
     """1-D tensor of the p-norm of each tensor, in `acc`."""
     if not tensors:
         return torch.zeros(0, dtype=acc)
-    return torch.stack(foreach_pnorm(tensors, p)).to(acc)
+    out = torch.stack(foreach_pnorm(tensors, p))
+    return out if out.dtype == acc else out.to(acc)
 
 
 def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:

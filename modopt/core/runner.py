@@ -531,42 +531,42 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
         if shape is None or shape[0] is not transforms:
             shape = _run_shape(transforms, parent, final, cache=True)
     _, keys, end, first = shape
-    states = list(map(TransformState, repeat(step, n), keys))
     written: list[int] = []
     for i, t in enumerate(transforms):
+        st = TransformState(step, keys[i])  # (made as it runs: a transform that stops the step spares the rest)
         if final and first <= i < end:  # a routed branch before the last: its optimizer writes its parameters
             step.flush_(updates)
-            idx = t.write_branch(step, states[i], updates)
+            idx = t.write_branch(step, st, updates)
             if idx is None:  # it stopped the step before anything moved (only the first may stop)
                 return None
             written += idx
-            if states[i].key not in step.cancelled:
+            if st.key not in step.cancelled:
                 step.memo.close()
             continue
         if final and i == end and written:  # the last routed branch, then the parameters no branch owns
             step.flush_(updates)
-            chosen = set(written).union(t.write_branch(step, states[i], updates))
+            chosen = set(written).union(t.write_branch(step, st, updates))
             rest = [j for j in range(len(step.params)) if j not in chosen]
             if rest:
                 step.write_updates([updates[j] for j in rest], [step.params[j] for j in rest])
             for j in range(i + 1, n):
-                transforms[j].apply(step, states[j], updates)
+                transforms[j].apply(step, TransformState(step, keys[j]), updates)
             return True
         if final and i == end:
-            if not t.apply_final(step, states[i], updates):  # (a fused kernel may take a pending scale)
+            if not t.apply_final(step, st, updates):  # (a fused kernel may take a pending scale)
                 step.flush_(updates)
-                out = t.apply(step, states[i], updates)
+                out = t.apply(step, st, updates)
                 if out is not None:
                     step.write_updates(out)
             for j in range(i + 1, n):  # they touch no update: run them for their own sake
-                transforms[j].apply(step, states[j], updates)
+                transforms[j].apply(step, TransformState(step, keys[j]), updates)
             return True
         if t.update_access != "none" and step.pending is not None:
             step.flush_(updates)
-        updates = t.apply(step, states[i], updates)
+        updates = t.apply(step, st, updates)
         if updates is None:
             return None
-        if t.update_access == "write" and states[i].key not in step.cancelled:
+        if t.update_access == "write" and st.key not in step.cancelled:
             step.memo.close()
     return updates
 
@@ -859,7 +859,7 @@ def drive(host: Any, groups: list[dict[str, Any]], transforms: Sequence[Any], po
         return ctx, False, None
     for key, t in weights:  # (the weight stage reads the weights before this step's write)
         t.prepare_weights(ctx, TransformState(ctx, key))
-    out = run_step(transforms, ctx, write=write)
+    out = run_step(transforms, ctx, grads, write=write)  # (the checked list: the same tensors, in place)
     if out and weights:
         for key, t in weights:
             t.apply_weights(ctx, TransformState(ctx, key))
