@@ -28,7 +28,8 @@ Python's garbage collector is paused). After the warm-up, a repeat reports the m
 each side and the median of the per-iteration ratios modopt/torch (a paired statistic: a slow phase
 of the machine hits both members of a pair). Each repeat builds fresh models and optimizers; the
 table gives every repeat's ratio and their median. For `Accumulate(4)` a timed step is the four
-`step` calls of one cycle, each after its own backward.
+`step` calls of one cycle, each after its own backward. On the sweep's models of fewer than 512
+tensors a repeat times (and warms up) 512/N times as many steps (`steps_for`).
 
 Memory. `extra` is the peak, during one more (untimed) step, of the bytes of tensors the step
 allocated and still holds, in % of the parameter bytes, seen by a dispatch mode that sees every aten
@@ -97,6 +98,17 @@ SWEEP_SIZE = 256
 SWEEP_TENSORS = (8, 64, 512, 2048, 4096)
 SWEEP_PIPELINES = ("ClipNorm(1.0), Adam()", "ClipNormByEMA(), Normalize(), Adam()",
                    "Accumulate(4), ClipNorm(1.0), Adam()")
+#: a sweep repeat at N tensors times (and warms up) `steps * SWEEP_EVEN // N` steps when that is more:
+#: as many tensor-steps as `steps` steps at 512 tensors. A step of 8 small tensors takes tens of
+#: microseconds, so ten of them are a sample of the machine's noise, not of the step.
+SWEEP_EVEN = 512
+
+
+def steps_for(model_name: str, steps: int, warmup: int) -> tuple[int, int]:
+    """`(warmup, steps)` of one repeat on `model_name`: scaled up on the sweep's small models (`SWEEP_EVEN`)."""
+    m = re.fullmatch(r"tensors-(\d+)", model_name)
+    k = max(1, SWEEP_EVEN // int(m.group(1))) if m else 1
+    return warmup * k, steps * k
 
 
 class ManyTensors(nn.Module):
@@ -748,8 +760,9 @@ def run_one(pipe: Pipeline, model_name: str, nonfinite: str | None, args) -> Row
             builders["torchzero"] = torchzero_side(pipe.torchzero)
         sides = {n: b(copy.deepcopy(base)) for n, b in builders.items()}
         g = torch.Generator().manual_seed(1000 + rep)
-        batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((args.warmup + args.steps) * pipe.calls)]
-        times = _timed_steps(sides, batches, args.warmup, pipe.calls)
+        warmup, steps = (args.warmup, args.steps) if args.quick else steps_for(model_name, args.steps, args.warmup)
+        batches = [tuple(t.to(DEVICE) for t in make_batch(g)) for _ in range((warmup + steps) * pipe.calls)]
+        times = _timed_steps(sides, batches, warmup, pipe.calls)
         ratios.append(statistics.median(a / b for a, b in zip(times["modopt"], times["torch"])))
         t_mo.append(statistics.median(times["modopt"]))
         t_to.append(statistics.median(times["torch"]))
@@ -1108,6 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"modopt bench: torch {torch.__version__}, {where}, "
           f"{args.repeats} repeat(s) of {args.steps} timed steps after {args.warmup} warm-up"
+          f"{f' (x {SWEEP_EVEN}/N at N < {SWEEP_EVEN} tensors)' if args.sweep and not args.quick else ''}"
           f"{', torchzero ' + _version('torchzero') if tz else ''}{', rows in separate processes' if isolate else ''}"
           f"{' (quick)' if args.quick else ''}",
           flush=True)

@@ -146,6 +146,19 @@ def test_every_pipeline_is_the_same_algorithm_on_both_sides(bench):
         assert row.diff < 1e-5, (pipe.name, row.diff)
 
 
+def test_the_sweep_times_as_many_tensor_steps_at_every_count(bench):
+    """Small sweep models get more steps (a step of 8 small tensors is tens of microseconds); the bench
+    models and the sweep's large counts keep the asked-for numbers."""
+    assert bench.steps_for("mlp", 30, 5) == (5, 30)
+    assert bench.steps_for("transformer", 30, 5) == (5, 30)
+    assert bench.steps_for("tensors-8", 10, 2) == (128, 640)
+    assert bench.steps_for("tensors-64", 10, 2) == (16, 80)
+    for n in (512, 2048, 4096):
+        assert bench.steps_for(f"tensors-{n}", 10, 2) == (2, 10)
+    for n in (3, 8, 64, 100, 300, 511):  # about as many tensor-steps as 10 steps at 512 (less one rounding)
+        assert 10 * (bench.SWEEP_EVEN - n) < bench.steps_for(f"tensors-{n}", 10, 2)[1] * n <= 10 * bench.SWEEP_EVEN
+
+
 def test_the_careful_torch_side_skips_a_nonfinite_step_like_modopt(bench):
     torch.manual_seed(0)
     model, make = bench.build_model("mlp", quick=True)
