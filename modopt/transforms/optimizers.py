@@ -614,8 +614,8 @@ class Adam(_FusedOptimizer):
     def _apply_final_traced_fused(self, ctx, st, updates):
         """`apply_final` traced by `modopt.compile_step`: torch's fused kernel as one op of the graph
         (`compiled.fused_adam_op`), with the arguments the eager step gives it, so the same bits: the
-        step counts advanced by `~skip`, the skip as `found_inf`, the learning rate a float64 0-d tensor
-        (the CPU kernel reads it as a double, as the float). False (the traced formulas run instead)
+        step counts advanced by `~skip`, the skip as `found_inf`, the learning rate a 0-d tensor (float64
+        on the CPU, whose kernel reads it as a double, as the float; the kernel's math type on CUDA). False (the traced formulas run instead)
         wherever the eager step would not call the fused kernel plainly: a non-fused plan, a kernel of
         torch's own, a pending folded scale or a learning-rate factor asked by a transform before."""
         if self.torch_kernel() or ctx.pending is not None or ctx.moment_requests:
@@ -635,8 +635,13 @@ class Adam(_FusedOptimizer):
             params = ctx.params[a:b]
             _count_steps(steps, by)
             lr = g["lr"]
-            lr = (lr.to(device=params[0].device, dtype=torch.float64) if isinstance(lr, torch.Tensor)
-                  else torch.ones((), dtype=torch.float64, device=params[0].device) * lr)
+            # (the CPU kernel reads a tensor lr as a double, the same bits as the float; the CUDA kernel reads
+            # it in float32 but for float64 parameters, as the eager step's scaled lr, and refuses another
+            # dtype: there a float lr becomes a float32 tensor, rounded where the eager step's is not)
+            wide = params[0].device.type == "cpu" or params[0].dtype == torch.float64
+            lr_dtype = torch.float64 if wide else torch.float32
+            lr = (lr.to(device=params[0].device, dtype=lr_dtype) if isinstance(lr, torch.Tensor)
+                  else torch.ones((), dtype=lr_dtype, device=params[0].device) * lr)
             beta1, beta2 = g["betas"]
             op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
                float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
