@@ -51,7 +51,9 @@ _LIB: Any = None
 def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
     (declared to mutate the parameters and moments, so it is written in place; the step counts are
-    only read). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
+    only read). With `grad_mul` (a 0-d tensor) it first multiplies the gradients by it in place, the
+    eager step's `_foreach_mul_` of a global clip: inside the op the graph keeps no copy of the clipped
+    gradients (a mutation of graph inputs that functionalization would write to a new buffer and back). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
     global FUSED_ADAM, _LIB
     if FUSED_ADAM is not None:
         return FUSED_ADAM
@@ -59,13 +61,16 @@ def fused_adam_op() -> Callable[..., None]:
     # the kernel through the dispatcher straight to one Python function (no Python autograd wrapper,
     # default filling and version bumps in Python around it: about a third of a small step's call)
     lib = torch.library.Library("modopt", "FRAGMENT")
-    lib.define("fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-               "Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, float beta2, "
-               "float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf) -> ()")
+    lib.define("fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] exp_avgs, "
+               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, "
+               "float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, "
+               "Tensor? found_inf, Tensor? grad_mul) -> ()")
 
     def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-            amsgrad, maximize, decoupled, found_inf):
+            amsgrad, maximize, decoupled, found_inf, grad_mul):
         # (the step counts are read, not written: the caller increments them before, as torch.optim does)
+        if grad_mul is not None:  # the clip's scale, multiplied in place as the eager step's transform does
+            torch._foreach_mul_(grads, grad_mul)
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                             grad_scale=None, found_inf=found_inf, maximize=maximize)

@@ -70,6 +70,9 @@ class Plan:
     #: the process group of the pipeline-parallel stages whose parameters the global statistics and the
     #: non-finite decision span (`Modular(..., stage_group=)`), or None: the optimizer's parameters are all
     stage_group: Any = None
+    #: key of the global scale right before the last optimizer (`deferrable_scale`): traced by
+    #: `compile_step`, the fused-kernel op multiplies the updates by it in place, as the eager step does
+    deferred: str | None = None
 
     def skips_on_device(self, groups: list[dict[str, Any]]) -> bool:
         """Whether this step's skip is decided on the device (`groups`: the param groups as they are now)."""
@@ -105,7 +108,7 @@ def make_plan(transforms: Sequence[Transform], nonfinite: str, groups: list[dict
         routes=find_routes(transforms), device_skip=device_skip, updates=transforms[:n_updates],
         weights=tuple((f"{i}:{type(t).__name__}", t) for i, t in enumerate(transforms) if i >= n_updates),
         swaps=swaps, host_on_cpu=not any(t.decides_skip for _, t in walk(transforms)),
-        stage_group=stage_group,
+        stage_group=stage_group, deferred=deferrable_scale(head),
     )
 
 
@@ -287,6 +290,20 @@ def cancelled_scales(transforms: Sequence[Transform], nonfinite: str) -> frozens
         if sets_norm(n) is not None:
             out.update(key for key, _ in list(cancelled_by(flat, j))[:1])
     return frozenset(out)
+
+
+def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
+    """The key of the transform right before the last one (through those with `update_access = "none"`)
+    when it declares one positive scale for all parameters (`positive_scale()`, global scope), else None.
+    `compile_step`'s graph hands that scale to the fused optimizer op, which multiplies the updates in
+    place before its kernel: the eager step's two calls, without a functionalized copy of the gradients."""
+    flat = flatten(transforms)
+    for key, t in reversed(flat[:-1]):
+        if t.update_access == "none":
+            continue
+        seg = positive_scale(t)
+        return key if seg is not None and seg[0] == "global" and seg[1] is None else None
+    return None
 
 
 def folded_scale(transforms: Sequence[Transform]) -> str | None:

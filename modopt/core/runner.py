@@ -104,7 +104,8 @@ class Step:
     """
 
     __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
-                 "memo", "cancelled", "folded", "pending", "loss", "moment_requests", "checked", "_states")
+                 "memo", "cancelled", "folded", "deferred", "pending", "loss", "moment_requests", "checked",
+                 "_states")
     layout: Layout
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -121,6 +122,7 @@ class Step:
     memo: NormMemo
     cancelled: frozenset[str]
     folded: str | None
+    deferred: str | None
     pending: tuple[Any, torch.Tensor] | None
     loss: Any
     moment_requests: dict[str, dict[str, Any]]
@@ -153,6 +155,9 @@ class Step:
         #: the key of the transform whose global scale the final optimizer's fused kernel takes as its
         #: `grad_scale` (the host's plan's, `modopt.core.plan.folded_scale`; `Adam(fold_clip=True)`)
         self.folded = plan.folded if plan is not None else None
+        #: the key of the global scale a traced `compile_step` leaves to the fused optimizer op (the plan's
+        #: `deferred`): kept as `pending` there only, and multiplied in place by the op
+        self.deferred = plan.deferred if plan is not None else None
         #: that transform's `(segments, scale)` on this step, not yet applied (`TransformState.scale_`);
         #: whatever runs next applies it (`flush_`) unless it is the optimizer kernel that folds it
         self.pending = None
@@ -285,7 +290,7 @@ class Step:
             self.layout.cache[cache_key] = layout
         sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
         sub.proceed, sub.checked, sub.cancelled = self.proceed, self.checked, frozenset()  # (the linter does not look inside Masked)
-        sub.folded, sub.loss = None, self.loss
+        sub.folded, sub.deferred, sub.loss = None, None, self.loss
         sub.moment_requests = self.moment_requests
         return sub
 
@@ -401,6 +406,10 @@ class TransformState:
             return
         if self.key == self.step.folded and seg.kind == "global":
             self.step.pending = (seg, scale)  # the optimizer's kernel takes it (or the next transform applies it)
+            return
+        if (self.key == self.step.deferred and seg.kind == "global" and compile_marks.KEEP_EAGER_KERNELS
+                and torch.compiler.is_compiling()):
+            self.step.pending = (seg, scale)  # the fused op multiplies in place (or the next transform applies it)
             return
         seg.mul_(updates, scale)
 

@@ -617,15 +617,24 @@ class Adam(_FusedOptimizer):
         step counts advanced by `~skip`, the skip as `found_inf`, the learning rate a 0-d tensor (float64
         on the CPU, whose kernel reads it as a double, as the float; the kernel's math type on CUDA). False (the traced formulas run instead)
         wherever the eager step would not call the fused kernel plainly: a non-fused plan, a kernel of
-        torch's own, a pending folded scale or a learning-rate factor asked by a transform before."""
-        if self.torch_kernel() or ctx.pending is not None or ctx.moment_requests:
+        torch's own, a pending folded scale or a learning-rate factor asked by a transform before. A
+        pending global scale the plan defers to it (`Plan.deferred`) the op multiplies in place first."""
+        if self.torch_kernel() or ctx.moment_requests:
             return False
+        grad_mul = None
+        if ctx.pending is not None:  # the global scale the plan left to this op (`Plan.deferred`), not a fold
+            seg, scale = ctx.pending
+            n = len(updates)
+            if ctx.folded is not None or seg.kind != "global" or list(seg.ranges) != [(0, n)] or not seg.active[0]:
+                return False
+            grad_mul = scale.reshape(()).to(ctx.params[0].device)  # (reduce's `mul_` takes the same 0-d value)
         plans = [(g, a, b, _plan(ctx, a, b, self.kernel, self.fused is True)) for g, a, b in ctx.per_group()]
         if not all(len(pl) == 1 and pl[0][1] for _, _, _, pl in plans):
             return False
         op = compiled.FUSED_ADAM
         if op is None:
             return False
+        ctx.pending = None
         skip = ctx.skip
         found_inf = None if skip is None else skip.to(torch.float32)
         by = None if skip is None else (ctx.proceed if ctx.proceed is not None else ~skip).to(torch.float32)
@@ -645,7 +654,7 @@ class Adam(_FusedOptimizer):
             beta1, beta2 = g["betas"]
             op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
                float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
-               found_inf)
+               found_inf, grad_mul)
         return True
 
     def _torch_step(self, ctx, st, updates):
