@@ -1108,12 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compiled:
         import warnings
-
-        import torch._inductor.config as inductor_config
         warnings.filterwarnings("ignore")
-        # compile in this process: a pool of compile workers goes on using the CPU after the graphs are
-        # built, inside the timed steps (repeats read 2.4x and 1.2x in one run with it)
-        inductor_config.compile_threads = 1
         crows = [compiled_row(PIPELINES[i], m, args) for i in chosen if PIPELINES[i].name in COMPILED_PIPELINES
                  for m in args.models]
         print(compiled_table(crows))
