@@ -129,3 +129,18 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     p = torch.nn.Parameter(torch.zeros(3))
     assert make_plan([Halve(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])
     assert not make_plan([Declared(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])
+
+
+@pytest.mark.parametrize("pipeline,deferred", [
+    ([mo.ClipNorm(1.0), mo.Adam()], "0:ClipNorm"),
+    ([mo.ClipNormByEMA(), mo.AdamW()], "0:ClipNormByEMA"),
+    ([mo.ClipNorm(1.0), mo.Identity(), mo.Adam()], "0:ClipNorm"),  # (looked through: it touches no update)
+    ([mo.ClipNorm(1.0, scope="tensor"), mo.Adam()], None),  # one factor per tensor: not one scale
+    ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], None),  # Normalize declares no positive scale
+    ([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], None),  # the scale is not the one right before
+    ([mo.Adam()], None),
+])
+def test_the_plan_defers_only_the_global_scale_right_before_the_optimizer(pipeline, deferred):
+    """`Plan.deferred`: the scale `compile_step`'s fused op multiplies in place (one positive factor for all
+    parameters, declared, right before the last transform); the eager step never reads it."""
+    assert make_plan(pipeline, "skip").deferred == deferred
