@@ -138,6 +138,8 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     ([mo.ClipNorm(1.0, scope="tensor"), mo.Adam()], None),  # one factor per tensor: not one scale
     ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], None),  # Normalize declares no positive scale
     ([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], None),  # the scale is not the one right before
+    ([mo.ZClip(), mo.AdamW()], "0:ZClip"),  # (ends_with_scale: its factor can be 0, not a positive scale)
+    ([mo.HistClip(), mo.AdamW()], None),  # (it declares neither)
     ([mo.Adam()], None),
 ])
 def test_the_plan_defers_only_the_global_scale_right_before_the_optimizer(pipeline, deferred):

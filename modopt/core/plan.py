@@ -294,14 +294,15 @@ def cancelled_scales(transforms: Sequence[Transform], nonfinite: str) -> frozens
 
 def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
     """The key of the transform right before the last one (through those with `update_access = "none"`)
-    when it declares one positive scale for all parameters (`positive_scale()`, global scope), else None.
+    when it declares that it ends with one scale for all parameters (`positive_scale()` or
+    `ends_with_scale()`, global scope), else None.
     `compile_step`'s graph hands that scale to the fused optimizer op, which multiplies the updates in
     place before its kernel: the eager step's two calls, without a functionalized copy of the gradients."""
     flat = flatten(transforms)
     for key, t in reversed(flat[:-1]):
         if t.update_access == "none":
             continue
-        seg = positive_scale(t)
+        seg = positive_scale(t) or (t.ends_with_scale() if _declared_with_apply(t, "ends_with_scale") else None)
         return key if seg is not None and seg[0] == "global" and seg[1] is None else None
     return None
 

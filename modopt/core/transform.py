@@ -504,6 +504,15 @@ class Transform(BaseModel):
         """
         return None
 
+    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
+        """`(scope, dim, inverse_dims)` when this transform's last touch of the updates is one multiply of each
+        segment of that scope by a factor, through `st.scale_`, with nothing read from the updates after
+        it (the factor need not be positive); None otherwise. A transform that declares `positive_scale()`
+        needs not declare it too. `modopt.compile_step` reads it (`modopt.core.plan.deferrable_scale`): a
+        global one right before the final fused `Adam`/`AdamW` is multiplied inside the kernel's op.
+        """
+        return None
+
     def sets_norm(self) -> tuple[str, Any, bool] | None:
         """`(scope, dim, inverse_dims)` when this transform sets each segment of that scope to one norm
         whatever positive factor multiplied it before (`Normalize` with `eps=0`); None otherwise.

@@ -136,7 +136,7 @@ def _welford(n, mean, m2, g, ok):
 def _finish(st, seg, updates, g, scale, saved: dict, **telemetry):
     """The end of a history clipper's step: scale, save the per-segment statistics,
     record telemetry (the statistics included)."""
-    seg.mul_(updates, scale)
+    st.scale_(seg, updates, scale)  # (left out, folded or deferred only for a transform that declares it)
     for name, value in saved.items():
         st.seg_set(seg, name, value)
     st.record_clip(g, scale, **telemetry, **{k: v for k, v in saved.items() if k != "count"})
@@ -390,6 +390,12 @@ class ZClip(Scoped):
             n, mu, var = torch.stack((n, mu, var)).unbind(0)  # without a copy (`_packed_step`)
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 
+    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
+        """`(scope, dim, inverse_dims)`: its last touch of the updates is `st.scale_` (the statistics and the
+        telemetry after it read no update). Not `positive_scale()`: a steady-phase threshold of 0 (every
+        earlier norm 0) gives a factor of 0."""
+        return (self.scope, self.dim, self.inverse_dims)
+
     def _constants(self, st: TransformState, dt: torch.dtype, device: torch.device) -> torch.Tensor:
         """The constants of `_packed_step`, one column per phase (warm-up, its last step, after it), on
         `device` in `dt`: made once per step layout (a tensor made from Python numbers, no op)."""
@@ -475,7 +481,7 @@ class ZClip(Scoped):
             ok = ok > spike
         new = torch.where(ok, new, P)
         kept = new if ctx.skip is None else torch.where(ctx.proceed if ctx.proceed is not None else ~ctx.skip, new, P)
-        seg.mul_(updates, scale)
+        st.scale_(seg, updates, scale)
         for i, name in enumerate(("count", "mu", "var")):
             st.seg_set(seg, name, kept[i], kept=True)
         st.record_clip(g, scale, spike=spike, mu=new[1], var=new[2])
