@@ -140,6 +140,9 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     ([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], None),  # the scale is not the one right before
     ([mo.ZClip(), mo.AdamW()], "0:ZClip"),  # (ends_with_scale: its factor can be 0, not a positive scale)
     ([mo.HistClip(), mo.AdamW()], None),  # (it declares neither)
+    ([mo.ClipNorm(1.0), mo.SGD(lr=0.1)], None),  # (its traced step is the runner's write: nothing to take it)
+    ([mo.ClipNorm(1.0), mo.Lookahead(mo.Adam())], None),  # (a wrapper last: the runner's multiply)
+    ([mo.ClipNorm(1.0), mo.Chain(mo.Adam())], "0:ClipNorm"),  # (a chain runs on the same updates)
     ([mo.Adam()], None),
 ])
 def test_the_plan_defers_only_the_global_scale_right_before_the_optimizer(pipeline, deferred):

@@ -299,6 +299,8 @@ def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
     `compile_step`'s graph hands that scale to the fused optimizer op, which multiplies the updates in
     place before its kernel: the eager step's two calls, without a functionalized copy of the gradients."""
     flat = flatten(transforms)
+    if not flat or not flat[-1][1].takes_scale:  # (a wrapper, SGD, a torch optimizer: the runner's multiply)
+        return None
     for key, t in reversed(flat[:-1]):
         if t.update_access == "none":
             continue

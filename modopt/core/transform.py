@@ -263,6 +263,10 @@ class Transform(BaseModel):
     must_be_last: ClassVar[bool] = False
     #: True for a transform that may skip the whole step (`SkipStep`): it must come first, before any state
     decides_skip: ClassVar[bool] = False
+    #: True for a last transform whose `apply_final`, traced by `modopt.compile_step`, multiplies the updates
+    #: by a scale the step left pending (`Step.pending`) itself, or applies it (`Step.flush_`) before anything
+    #: else reads them (`Adam`, `AdamW`; `modopt.core.plan.deferrable_scale`)
+    takes_scale: ClassVar[bool] = False
     #: True when `skips_on_device` reads param-group values (which a scheduler may change): the plan then
     #: asks it every step instead of once (`modopt.core.plan`)
     skip_reads_groups: ClassVar[bool] = False

@@ -480,6 +480,7 @@ class Adam(_FusedOptimizer):
     """
 
     positional: ClassVar[str | None] = "lr"
+    takes_scale: ClassVar[bool] = True  # (`_apply_final_traced_fused` multiplies a deferred scale in its op)
     device_skip = True  # keeps its state on a step the device skips
 
     lr: NonNegativeFloat = 1e-3
