@@ -53,7 +53,8 @@ def fused_adam_op() -> Callable[..., None]:
     (declared to mutate the parameters and moments, so it is written in place; the step counts are
     only read). With `grad_mul` (a 0-d tensor) it first multiplies the gradients by it in place, the
     eager step's `_foreach_mul_` of a global clip: inside the op the graph keeps no copy of the clipped
-    gradients (a mutation of graph inputs that functionalization would write to a new buffer and back). Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
+    gradients (a mutation of graph inputs that functionalization would write to a new buffer and back).
+    Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
     global FUSED_ADAM, _LIB
     if FUSED_ADAM is not None:
         return FUSED_ADAM

@@ -616,10 +616,11 @@ class Adam(_FusedOptimizer):
         """`apply_final` traced by `modopt.compile_step`: torch's fused kernel as one op of the graph
         (`compiled.fused_adam_op`), with the arguments the eager step gives it, so the same bits: the
         step counts advanced by `~skip`, the skip as `found_inf`, the learning rate a 0-d tensor (float64
-        on the CPU, whose kernel reads it as a double, as the float; the kernel's math type on CUDA). False (the traced formulas run instead)
-        wherever the eager step would not call the fused kernel plainly: a non-fused plan, a kernel of
-        torch's own, a pending folded scale or a learning-rate factor asked by a transform before. A
-        pending global scale the plan defers to it (`Plan.deferred`) the op multiplies in place first."""
+        on the CPU, whose kernel reads it as a double, as the float; the kernel's math type on CUDA).
+        False (the traced formulas run instead) wherever the eager step would not call the fused kernel
+        plainly: a non-fused plan, a kernel of torch's own, a pending folded scale or a learning-rate
+        factor asked by a transform before. A pending global scale the plan defers to it (`Plan.deferred`)
+        the op multiplies in place first."""
         if self.torch_kernel() or ctx.moment_requests:
             return False
         grad_mul = None
