@@ -301,12 +301,26 @@ def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
     flat = flatten(transforms)
     if not flat or not flat[-1][1].takes_scale:  # (a wrapper, SGD, a torch optimizer: the runner's multiply)
         return None
+    before = _before_last(flat)
+    if before is None:
+        return None
+    key, t = before
+    seg = positive_scale(t) or (t.ends_with_scale() if _declared_with_apply(t, "ends_with_scale") else None)
+    return key if _one_factor(seg) else None
+
+
+def _before_last(flat: list[tuple[str, Transform]]) -> tuple[str, Transform] | None:
+    """`(key, transform)` of the transform right before the last one, looking through those with
+    `update_access = "none"`; None when there is none."""
     for key, t in reversed(flat[:-1]):
-        if t.update_access == "none":
-            continue
-        seg = positive_scale(t) or (t.ends_with_scale() if _declared_with_apply(t, "ends_with_scale") else None)
-        return key if seg is not None and seg[0] == "global" and seg[1] is None else None
+        if t.update_access != "none":
+            return key, t
     return None
+
+
+def _one_factor(seg: tuple | None) -> bool:
+    """Whether a declared `(scope, dim, inverse_dims)` is one factor for all parameters (global, no dim)."""
+    return seg is not None and seg[0] == "global" and seg[1] is None
 
 
 def folded_scale(transforms: Sequence[Transform]) -> str | None:
@@ -325,15 +339,14 @@ def folded_scale(transforms: Sequence[Transform]) -> str | None:
     if not flat or not flat[-1][1].folds_clip:
         return None
     okey, _ = flat[-1]
-    for key, t in reversed(flat[:-1]):
-        if t.update_access == "none":
-            continue
-        seg = positive_scale(t)
-        if seg is not None and seg[0] == "global" and seg[1] is None:
-            return key
-        raise ValueError(
-            f"{okey}.fold_clip: the transform before it, {key}, does not declare one positive scale for "
-            f"all parameters (positive_scale() with scope='global'), so there is no scale to fold; use a "
-            f"global-scope ClipNorm (or ClipNormByRMS, ClipNormByEMA, ...) right before it, or fold_clip=False"
-        )
-    raise ValueError(f"{okey}.fold_clip: no transform before it has a scale to fold; set fold_clip=False")
+    before = _before_last(flat)
+    if before is None:
+        raise ValueError(f"{okey}.fold_clip: no transform before it has a scale to fold; set fold_clip=False")
+    key, t = before
+    if _one_factor(positive_scale(t)):
+        return key
+    raise ValueError(
+        f"{okey}.fold_clip: the transform before it, {key}, does not declare one positive scale for "
+        f"all parameters (positive_scale() with scope='global'), so there is no scale to fold; use a "
+        f"global-scope ClipNorm (or ClipNormByRMS, ClipNormByEMA, ...) right before it, or fold_clip=False"
+    )
