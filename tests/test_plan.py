@@ -135,9 +135,12 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     ([mo.ClipNorm(1.0), mo.Adam()], "0:ClipNorm"),
     ([mo.ClipNormByEMA(), mo.AdamW()], "0:ClipNormByEMA"),
     ([mo.ClipNorm(1.0), mo.Identity(), mo.Adam()], "0:ClipNorm"),  # (looked through: it touches no update)
-    ([mo.ClipNorm(1.0, scope="tensor"), mo.Adam()], None),  # one factor per tensor: not one scale
-    ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], None),  # Normalize declares no positive scale
-    ([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], None),  # the scale is not the one right before
+    ([mo.ClipNorm(1.0, scope="tensor"), mo.Adam()], "0:ClipNorm"),  # (one factor per tensor)
+    ([mo.ClipNorm(1.0, scope="tensor", dim=0), mo.Adam()], None),  # (per slice: not one factor per tensor)
+    ([mo.ClipNorm(1.0, scope="group"), mo.Adam()], None),  # (one factor per group)
+    ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], "1:Normalize"),  # (ends_with_scale, per tensor)
+    ([mo.Normalize(dim=0), mo.Adam()], None),
+    ([mo.ClipNorm(1.0), mo.Normalize(), mo.SGD(lr=0.1)], None),
     ([mo.ZClip(), mo.AdamW()], "0:ZClip"),  # (ends_with_scale: its factor can be 0, not a positive scale)
     ([mo.HistClip(), mo.AdamW()], None),  # (it declares neither)
     ([mo.ClipNorm(1.0), mo.SGD(lr=0.1)], None),  # (its traced step is the runner's write: nothing to take it)
@@ -145,7 +148,7 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     ([mo.ClipNorm(1.0), mo.Chain(mo.Adam())], "0:ClipNorm"),  # (a chain runs on the same updates)
     ([mo.Adam()], None),
 ])
-def test_the_plan_defers_only_the_global_scale_right_before_the_optimizer(pipeline, deferred):
-    """`Plan.deferred`: the scale `compile_step`'s fused op multiplies in place (one positive factor for all
-    parameters, declared, right before the last transform); the eager step never reads it."""
+def test_the_plan_defers_only_a_global_or_per_tensor_scale_right_before_the_optimizer(pipeline, deferred):
+    """`Plan.deferred`: the scale `compile_step`'s fused op multiplies in place (one factor for all
+    parameters or one per tensor, declared, right before the last transform); the eager step never reads it."""
     assert make_plan(pipeline, "skip").deferred == deferred

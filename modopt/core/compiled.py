@@ -51,9 +51,10 @@ _LIB: Any = None
 def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
     (declared to mutate the parameters and moments, so it is written in place; the step counts are
-    only read). With `grad_mul` (a 0-d tensor) it first multiplies the gradients by it in place, the
-    eager step's `_foreach_mul_` of a global clip: inside the op the graph keeps no copy of the clipped
-    gradients (a mutation of graph inputs that functionalization would write to a new buffer and back).
+    only read). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
+    by it in place, the eager step's `_foreach_mul_` of a global clip or a per-tensor scale: inside the op
+    the graph keeps no copy of the scaled gradients (a mutation of graph inputs that functionalization
+    would write to a new buffer and back).
     Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
     global FUSED_ADAM, _LIB
     if FUSED_ADAM is not None:
@@ -70,8 +71,8 @@ def fused_adam_op() -> Callable[..., None]:
     def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
             amsgrad, maximize, decoupled, found_inf, grad_mul):
         # (the step counts are read, not written: the caller increments them before, as torch.optim does)
-        if grad_mul is not None:  # the clip's scale, multiplied in place as the eager step's transform does
-            torch._foreach_mul_(grads, grad_mul)
+        if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does
+            torch._foreach_mul_(grads, grad_mul if grad_mul.dim() == 0 else grad_mul.unbind(0))
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                             grad_scale=None, found_inf=found_inf, maximize=maximize)

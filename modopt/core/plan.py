@@ -294,8 +294,8 @@ def cancelled_scales(transforms: Sequence[Transform], nonfinite: str) -> frozens
 
 def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
     """The key of the transform right before the last one (through those with `update_access = "none"`)
-    when it declares that it ends with one scale for all parameters (`positive_scale()` or
-    `ends_with_scale()`, global scope), else None.
+    when it declares that it ends with a scale (`positive_scale()` or `ends_with_scale()`) of one factor
+    for all parameters (global scope) or one per whole tensor (tensor scope, no slices), else None.
     `compile_step`'s graph hands that scale to the fused optimizer op, which multiplies the updates in
     place before its kernel: the eager step's two calls, without a functionalized copy of the gradients."""
     flat = flatten(transforms)
@@ -306,7 +306,7 @@ def deferrable_scale(transforms: Sequence[Transform]) -> str | None:
         return None
     key, t = before
     seg = positive_scale(t) or (t.ends_with_scale() if _declared_with_apply(t, "ends_with_scale") else None)
-    return key if _one_factor(seg) else None
+    return key if _one_factor(seg) or _per_tensor(seg) else None
 
 
 def _before_last(flat: list[tuple[str, Transform]]) -> tuple[str, Transform] | None:
@@ -321,6 +321,11 @@ def _before_last(flat: list[tuple[str, Transform]]) -> tuple[str, Transform] | N
 def _one_factor(seg: tuple | None) -> bool:
     """Whether a declared `(scope, dim, inverse_dims)` is one factor for all parameters (global, no dim)."""
     return seg is not None and seg[0] == "global" and seg[1] is None
+
+
+def _per_tensor(seg: tuple | None) -> bool:
+    """Whether a declared `(scope, dim, inverse_dims)` is one factor per whole tensor (tensor scope, no slices)."""
+    return seg is not None and seg[0] == "tensor" and seg[1] is None and not seg[2]
 
 
 def folded_scale(transforms: Sequence[Transform]) -> str | None:

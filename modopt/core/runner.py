@@ -234,6 +234,16 @@ class Step:
                 torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
             keep_memo()
 
+    def cleaned(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The updates for a state update to read, weighed by `weights()`: `updates` themselves, cleaned in
+        place (`clean_`). Traced by `torch.compile`, on a step the device decides, a select per tensor
+        instead (all 0 on a skipped step) that fuses into the read, and `updates` stay as they are: a write
+        into the gradients would be a mutation of the graph's inputs, made on a copy and written back."""
+        if self.skip is not None and torch.compiler.is_compiling():
+            return [torch.where(self.skip, 0.0, u) for u in updates]
+        self.clean_(updates)
+        return updates
+
     def weights(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """`~skip` as a 0-d number per tensor of `like` (in its dtype): 1 where the step goes ahead,
         0 where the device skips it; weigh cleaned updates by it (`_foreach_addcmul_`: `x * 1` is
@@ -395,7 +405,9 @@ class TransformState:
         Deferred when the final optimizer folds it into its fused kernel (the step's `folded`,
         `modopt.core.plan.folded_scale`, a global scale only): the step keeps it as `pending`, and
         the kernel divides by its reciprocal (`grad_scale`) instead of a multiply here; any
-        other transform that runs first applies it (`Step.flush_`).
+        other transform that runs first applies it (`Step.flush_`). Under `compile_step`, the scale the plan
+        defers (the step's `deferred`, `modopt.core.plan.deferrable_scale`: global or one per whole tensor)
+        is kept `pending` the same way, for the fused optimizer op to multiply in place.
         """
         if self.key in self.step.cancelled:  # telemetry says so (its `clipped` etc. are what it would have done)
             cache = self.step.layout.cache
@@ -407,8 +419,8 @@ class TransformState:
         if self.key == self.step.folded and seg.kind == "global":
             self.step.pending = (seg, scale)  # the optimizer's kernel takes it (or the next transform applies it)
             return
-        if (self.key == self.step.deferred and seg.kind == "global" and compile_marks.KEEP_EAGER_KERNELS
-                and torch.compiler.is_compiling()):
+        if (self.key == self.step.deferred and (seg.kind == "global" or (seg.kind == "tensor" and seg.all_active))
+                and compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling()):
             self.step.pending = (seg, scale)  # the fused op multiplies in place (or the next transform applies it)
             return
         seg.mul_(updates, scale)

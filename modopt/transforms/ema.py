@@ -53,7 +53,7 @@ class _NormEMA(Scoped, abstract=True):
         signed = self.ord == "sum"  # every other ord is >= 0 already
         nu = seg.reduce(updates, self.ord)
         nu = nu.abs() if signed else nu
-        ctx.clean_(updates)  # a step the device skips: zeros, weighed by 0 below (one pass, only then)
+        reads = ctx.cleaned(updates)  # a step the device skips: zeros, weighed by 0 below (one pass, only then)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
         # `nu < inf` is "finite" for a norm (NaN compares false)
@@ -65,7 +65,7 @@ class _NormEMA(Scoped, abstract=True):
         if self.ema_init == "zeros":
             m = st.buffers("ema", lambda i, p: torch.zeros_like(updates[i]))
         else:
-            m, flags, fresh = _ema_from_update(ctx, st, updates, lambda i: torch.where(ok_t[i], updates[i], 0))
+            m, flags, fresh = _ema_from_update(ctx, st, reads, lambda i: torch.where(ok_t[i], reads[i], 0))
         # (the weight is a tensor in m's dtype, as lerp requires: exact for float32/64, rounded for half;
         # built once per segment vector and dtype, so many small tensors cost no per-tensor ops)
         w = 1.0 - self.beta
@@ -81,10 +81,10 @@ class _NormEMA(Scoped, abstract=True):
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
         if torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
-            for mi, ui, wi in zip(m, updates, weights):
+            for mi, ui, wi in zip(m, reads, weights):
                 mi.lerp_(ui, wi)
         else:
-            torch._foreach_lerp_(m, updates, weights)
+            torch._foreach_lerp_(m, reads, weights)
         if flags is not None:
             settle_flags(st, "ema", ctx.param_states(), flags, proceed_flag(ctx), fresh)
         nm = seg.reduce(m, self.ord)

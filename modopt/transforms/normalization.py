@@ -66,10 +66,14 @@ class Normalize(Scoped):
         seg = st.segments(self)
         norm = seg.reduce(updates, self.ord)
         scale = normalize_scale(norm, self.norm_value, self.eps, signed=self.ord == "sum")
-        seg.mul_(updates, scale)
+        st.scale_(seg, updates, scale)  # (deferred into a compiled step's fused optimizer op: `ends_with_scale`)
         st.record("norm", norm)
         st.record("scale", scale)
         return updates
+
+    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
+        """`(scope, dim, inverse_dims)`: its last touch of the updates is the multiply by its scale."""
+        return (self.scope, self.dim, self.inverse_dims)
 
     def sets_norm(self) -> tuple[str, Any, bool] | None:
         """With `eps=0`, `min_size=1` and a p-norm `ord` (p > 0), each segment's norm becomes `norm_value`

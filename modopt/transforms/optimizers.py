@@ -619,17 +619,22 @@ class Adam(_FusedOptimizer):
         on the CPU, whose kernel reads it as a double, as the float; the kernel's math type on CUDA).
         False (the traced formulas run instead) wherever the eager step would not call the fused kernel
         plainly: a non-fused plan, a kernel of torch's own, a pending folded scale or a learning-rate
-        factor asked by a transform before. A pending global scale the plan defers to it (`Plan.deferred`)
-        the op multiplies in place first."""
+        factor asked by a transform before. A pending global or per-tensor scale the plan defers to it
+        (`Plan.deferred`) the op multiplies in place first."""
         if self.torch_kernel() or ctx.moment_requests:
             return False
         grad_mul = None
-        if ctx.pending is not None:  # the global scale the plan left to this op (`Plan.deferred`), not a fold
+        if ctx.pending is not None:  # the scale the plan left to this op (`Plan.deferred`), not a fold
             seg, scale = ctx.pending
             n = len(updates)
-            if ctx.folded is not None or seg.kind != "global" or list(seg.ranges) != [(0, n)] or not seg.active[0]:
+            if ctx.folded is not None:
                 return False
-            grad_mul = scale.reshape(()).to(ctx.params[0].device)  # (reduce's `mul_` takes the same 0-d value)
+            if seg.kind == "global" and list(seg.ranges) == [(0, n)] and seg.active[0]:
+                grad_mul = scale.reshape(()).to(ctx.params[0].device)  # (reduce's `mul_` takes the same 0-d value)
+            elif seg.kind == "tensor" and seg.all_active and scale.shape == (n,):
+                grad_mul = scale  # one per tensor, sliced per group below (reduce's `mul_` unbinds the same)
+            else:
+                return False
         plans = [(g, a, b, _plan(ctx, a, b, self.kernel, self.fused is True)) for g, a, b in ctx.per_group()]
         if not all(len(pl) == 1 and pl[0][1] for _, _, _, pl in plans):
             return False
@@ -638,6 +643,8 @@ class Adam(_FusedOptimizer):
             return False
         ctx.pending = None
         skip = ctx.skip
+        if grad_mul is not None and skip is not None:  # a skipped step leaves the gradients as they came
+            grad_mul = torch.where(skip, 1.0, grad_mul)
         found_inf = None if skip is None else skip.to(torch.float32)
         by = None if skip is None else (ctx.proceed if ctx.proceed is not None else ~skip).to(torch.float32)
         for g, a, b, _ in plans:
@@ -656,7 +663,7 @@ class Adam(_FusedOptimizer):
             beta1, beta2 = g["betas"]
             op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
                float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
-               found_inf, grad_mul)
+               found_inf, grad_mul if grad_mul is None or grad_mul.dim() == 0 else grad_mul[a:b])
         return True
 
     def _torch_step(self, ctx, st, updates):
