@@ -239,7 +239,9 @@ class Step:
         place (`clean_`). Traced by `torch.compile`, on a step the device decides, a select per tensor
         instead (all 0 on a skipped step) that fuses into the read, and `updates` stay as they are: a write
         into the gradients would be a mutation of the graph's inputs, made on a copy and written back."""
-        if self.skip is not None and torch.compiler.is_compiling():
+        if self.skip is None:  # (the host decided: nothing to clean)
+            return updates
+        if torch.compiler.is_compiling():
             return [torch.where(self.skip, 0.0, u) for u in updates]
         self.clean_(updates)
         return updates
