@@ -23,6 +23,10 @@ import torch
 #: traced code: dynamo guards on it.
 KEEP_EAGER_KERNELS = False
 
+#: `modopt::norms` (`compiled.stacked_norms`) once `compile_step` declared its ops, else None: the per-tensor
+#: norms as one op that returns them stacked (one graph output where `_foreach_norm` gave one per tensor)
+NORMS: Any = None
+
 #: name -> (function, how to mark it): filled at import by the modules that own the functions
 _PENDING: dict[str, tuple[Callable[..., Any], Callable[[Callable[..., Any]], Callable[..., Any]]]] = {}
 

@@ -43,20 +43,24 @@ def _keeping_fused(on: bool) -> Iterator[None]:
         compile_marks.KEEP_EAGER_KERNELS = was
 
 
-#: the custom op, once `fused_adam_op()` declared it (before any trace: dynamo cannot trace the declaration)
+#: the custom ops, once `fused_adam_op()` declared them (before any trace: dynamo cannot trace the declaration)
 FUSED_ADAM: Callable[..., None] | None = None
+LERP: Callable[..., None] | None = None
 _LIB: Any = None
 
 
 def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
-    (declared to mutate the parameters and moments, so it is written in place; the step counts are
-    only read). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
+    (declared to mutate the parameters and moments, so it is written in place). The step counts come
+    either as `steps`, already advanced by the graph and only read, or as `packed`, the one 1-D tensor
+    the eager step keeps them in (`_bump_steps`), which the op advances by `step_by` (1 when None) and
+    unbinds: the graph then takes one step input where it took one view per parameter (views of one
+    storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
     by it in place, the eager step's `_foreach_mul_` of a global clip or a per-tensor scale: inside the op
     the graph keeps no copy of the scaled gradients (a mutation of graph inputs that functionalization
     would write to a new buffer and back).
     Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
-    global FUSED_ADAM, _LIB
+    global FUSED_ADAM, LERP, _LIB
     if FUSED_ADAM is not None:
         return FUSED_ADAM
     # declared with `torch.library.Library` rather than `torch.library.custom_op`: the graph then calls
@@ -64,13 +68,15 @@ def fused_adam_op() -> Callable[..., None]:
     # default filling and version bumps in Python around it: about a third of a small step's call)
     lib = torch.library.Library("modopt", "FRAGMENT")
     lib.define("fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] exp_avgs, "
-               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, "
-               "float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, "
-               "Tensor? found_inf, Tensor? grad_mul) -> ()")
+               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor(f!)? packed, "
+               "Tensor? step_by, Tensor lr, float beta1, float beta2, float weight_decay, float eps, bool amsgrad, "
+               "bool maximize, bool decoupled, Tensor? found_inf, Tensor? grad_mul) -> ()")
 
-    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-            amsgrad, maximize, decoupled, found_inf, grad_mul):
-        # (the step counts are read, not written: the caller increments them before, as torch.optim does)
+    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, packed, step_by, lr, beta1, beta2,
+            weight_decay, eps, amsgrad, maximize, decoupled, found_inf, grad_mul):
+        if packed is not None:  # advanced here, before the kernel reads them, as the eager `_bump_steps`
+            packed.add_(1 if step_by is None else step_by)
+            steps = list(packed.unbind(0))
         if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does
             torch._foreach_mul_(grads, grad_mul if grad_mul.dim() == 0 else grad_mul.unbind(0))
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
@@ -82,9 +88,48 @@ def fused_adam_op() -> Callable[..., None]:
 
     lib.impl("fused_adam_", _op, "CompositeExplicitAutograd")
     torch.library.register_fake("modopt::fused_adam_", _fake, lib=lib)
+
+    # an EMA's `lerp_` as the eager step runs it (see `ema_lerp_`)
+    lib.define("lerp_(Tensor(a!)[] m, Tensor[] u, Tensor[] weights, Tensor? skip) -> ()")
+    lib.impl("lerp_", ema_lerp_, "CompositeExplicitAutograd")
+    torch.library.register_fake("modopt::lerp_", _fake, lib=lib)
+    # the per-tensor norms stacked, as `reduce.pnorms` computes them eagerly (see `stacked_norms`)
+    lib.define("norms(Tensor[] xs, float p) -> Tensor")
+    lib.impl("norms", stacked_norms, "CompositeExplicitAutograd")
+    torch.library.register_fake("modopt::norms", lambda xs, p: xs[0].new_empty((len(xs),)), lib=lib)
     _LIB = lib  # (a Library unregisters its definitions when collected)
     FUSED_ADAM = torch.ops.modopt.fused_adam_.default
+    LERP = torch.ops.modopt.lerp_.default
+    compile_marks.NORMS = torch.ops.modopt.norms.default
     return FUSED_ADAM
+
+
+def stacked_norms(xs: list[torch.Tensor], p: float) -> torch.Tensor:
+    """`torch.stack(torch._foreach_norm(xs, p))` for tensors of one float32 or float64 dtype, the eager
+    step's kernels: traced by `compile_step` as one op (`modopt::norms`) with one output, where
+    `_foreach_norm` gave the graph one output per tensor (each checked and stacked by the graph's
+    Python on every call: a cost per tensor)."""
+    return torch.stack(torch._foreach_norm(xs, p))
+
+
+def ema_lerp_(m: list[torch.Tensor], u: list[torch.Tensor], weights: list[torch.Tensor],
+              skip: torch.Tensor | None) -> None:
+    """`m[i].lerp_(u[i], weights[i])` with aten's multi-tensor kernel, the eager step's, in place: traced by
+    `compile_step` as one op (`modopt::lerp_`), so the EMA rounds as the eager one does and is written
+    into its own tensor (inductor's lerp, read by the opaque norm that follows, lived in a fresh
+    full-size block each call). `skip` is the step's device-side decision; on a skipped step every
+    weight is 0, and `u` may hold inf or NaN (`m + 0 * (u - m)` is `m` only for finite `u`): on the
+    CPU, where reading the decision costs nothing (`hostdata.reads_on_host`), the EMA is then left
+    alone, as the eager step, which decides there on the host, does not run at all; on the device path
+    (a GPU's) the inf/NaN elements read as 0, the eager device path's cleaning, out of place (no sync,
+    the gradients left as they are)."""
+    if skip is not None:
+        if hostdata.reads_on_host(skip):
+            if bool(skip):
+                return
+        else:
+            u = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in u]
+    torch._foreach_lerp_(m, u, weights)
 
 
 def tensor_hyperparams(opt: Any, keys: tuple[str, ...] = ("lr",), device: torch.device | str | None = None,

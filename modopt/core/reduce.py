@@ -202,6 +202,10 @@ def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Ten
     """1-D tensor of the p-norm of each tensor, in `acc`."""
     if not tensors:
         return torch.zeros(0, dtype=acc)
+    if compile_marks.NORMS is not None and compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling():
+        dtypes = dtypes_of(tensors)
+        if len(dtypes) == 1 and acc in dtypes and not math.isinf(p) and all(t.numel() for t in tensors):
+            return compile_marks.NORMS(tensors, float(p))  # (`foreach_pnorm`'s one call, stacked in the op)
     out = torch.stack(foreach_pnorm(tensors, p))
     return out if out.dtype == acc else out.to(acc)
 
