@@ -1,10 +1,11 @@
 """What `mo.compile_step(opt)` buys over the eager step, `torch.compile(opt.step)` and hand-written steps.
 
-    python benchmarks/compile_whole.py [--steps 40] [--warmup 8] [--cases 8,64,512,mlp,transformer]
+    python benchmarks/compile_whole.py [--steps 40] [--warmup 8] [--cases 8,64,512,64x16,mlp,transformer]
                                        [--pipeline clipnorm|mission|zclip]
 
-`ClipNorm(1.0) + Adam()` (the defaults: `nonfinite="skip"`) on 8 or 64 tensors of 256x256, or on the
-bench MLP (8 tensors, 5.8M parameters), every side in one process on the same gradients, in a rotating
+`ClipNorm(1.0) + Adam()` (the defaults: `nonfinite="skip"`) on 8 or 64 tensors of 256x256, on N tensors
+of S elements (a case `NxS`: `64x16` measures the fixed cost of a call), or on the bench MLP (8 tensors,
+5.8M parameters), every side in one process on the same gradients, in a rotating
 order, one thread. Sides:
 
 * `eager`: `opt.step()`;
@@ -50,6 +51,9 @@ def tensors(case: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     if case in ("mlp", "transformer"):
         return [p.detach().clone() for p in build_model(case, quick=False)[0].parameters()]
+    if "x" in case:  # N tensors of S elements: the fixed cost per call where the kernels cost little
+        n, size = map(int, case.split("x"))
+        return [torch.randn(size) for _ in range(n)]
     return [torch.randn(256, 256) for _ in range(int(case))]
 
 
@@ -132,7 +136,8 @@ def run_case(case: str, steps: int, warmup: int) -> None:
                 cpu[n].append(c1 - c0)
     ew, ec = statistics.median(wall["eager"]), statistics.median(cpu["eager"])
     ref = runs["eager"][0]
-    label = {"mlp": "bench MLP", "transformer": "bench transformer"}.get(case, f"{case} tensors of 256x256")
+    label = {"mlp": "bench MLP", "transformer": "bench transformer"}.get(
+        case, f"{case.split('x')[0]} tensors of {case.split('x')[1]} elements" if "x" in case else f"{case} tensors of 256x256")
     print(f"\n{PIPELINE}, {label} ({len(base)} tensors, {sum(b.numel() for b in base) / 1e6:.2f}M parameters)")
     print("| side | wall ms | CPU ms | wall / eager | CPU / eager | max diff from eager |")
     print("|---|---:|---:|---:|---:|---:|")
