@@ -227,6 +227,42 @@ def test_the_device_path_keeps_the_eager_bits_of_the_ema(name):
     assert int(oc.stats["skipped_steps"]) == int(oe.stats["skipped_steps"]) == len(BAD_STEPS)
 
 
+@pytest.mark.parametrize("guards", ["full", "own"])
+def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(guards):
+    """A step tensor replaced by hand (the eager step keeps the counts as views of one packed tensor, which
+    a graph must not assume) and a loaded state dict: the compiled step counts on from the new values,
+    parameters and counts bit for bit with eager, under dynamo's guards and under modopt's key."""
+    import copy
+
+    def grads(ps, it):
+        g = torch.Generator().manual_seed(100 + it)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    eager, comp, other = _params(3), _params(3), _params(3)
+    oe, oc, ox = (_quiet(mo.Modular, ps, mo.ClipNorm(1.0), mo.Adam(lr=1e-2)) for ps in (eager, comp, other))
+    step = mo.compile_step(oc, guards=guards)
+    for it in range(7):
+        grads(other, it)
+        _quiet(ox.step)
+    for it in range(8):
+        if it == 4:
+            saved = ox.state_dict()
+            oe.load_state_dict(copy.deepcopy(saved))
+            oc.load_state_dict(copy.deepcopy(saved))
+        if it == 2:
+            for o, ps in ((oe, eager), (oc, comp)):
+                key = next(k for k in o.state[ps[0]] if k.endswith("step"))
+                o.state[ps[0]][key] = torch.tensor(20.0)
+        grads(eager, it)
+        grads(comp, it)
+        _quiet(oe.step)
+        _quiet(step)
+        assert all(_bitwise(p, q) for p, q in zip(eager, comp)), it
+    counts = [oc.state[p][k] for p in comp for k in oc.state[p] if k.endswith("step")]
+    assert [float(c) for c in counts] == [7.0 + 4.0] * 3
+
+
 def _bitwise(a, b):
     """Bit for bit, NaNs included (float32)."""
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))

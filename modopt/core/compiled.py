@@ -51,11 +51,8 @@ _LIB: Any = None
 
 def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
-    (declared to mutate the parameters and moments, so it is written in place). The step counts come
-    either as `steps`, already advanced by the graph and only read, or as `packed`, the one 1-D tensor
-    the eager step keeps them in (`_bump_steps`), which the op advances by `step_by` (1 when None) and
-    unbinds: the graph then takes one step input where it took one view per parameter (views of one
-    storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
+    (declared to mutate the parameters and moments, so it is written in place; the step counts are
+    only read). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
     by it in place, the eager step's `_foreach_mul_` of a global clip or a per-tensor scale: inside the op
     the graph keeps no copy of the scaled gradients (a mutation of graph inputs that functionalization
     would write to a new buffer and back).
@@ -68,15 +65,13 @@ def fused_adam_op() -> Callable[..., None]:
     # default filling and version bumps in Python around it: about a third of a small step's call)
     lib = torch.library.Library("modopt", "FRAGMENT")
     lib.define("fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] exp_avgs, "
-               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor(f!)? packed, "
-               "Tensor? step_by, Tensor lr, float beta1, float beta2, float weight_decay, float eps, bool amsgrad, "
-               "bool maximize, bool decoupled, Tensor? found_inf, Tensor? grad_mul) -> ()")
+               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, "
+               "float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, "
+               "Tensor? found_inf, Tensor? grad_mul) -> ()")
 
-    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, packed, step_by, lr, beta1, beta2,
-            weight_decay, eps, amsgrad, maximize, decoupled, found_inf, grad_mul):
-        if packed is not None:  # advanced here, before the kernel reads them, as the eager `_bump_steps`
-            packed.add_(1 if step_by is None else step_by)
-            steps = list(packed.unbind(0))
+    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
+            amsgrad, maximize, decoupled, found_inf, grad_mul):
+        # (the step counts are read, not written: the caller increments them before, as torch.optim does)
         if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does
             torch._foreach_mul_(grads, grad_mul if grad_mul.dim() == 0 else grad_mul.unbind(0))
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,

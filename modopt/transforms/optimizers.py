@@ -651,12 +651,7 @@ class Adam(_FusedOptimizer):
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
             params = ctx.params[a:b]
-            packed = st.runtime.get(("packed_steps", a, b, None))
-            if packed is not None and len(packed[1]) == len(steps) and all(map(operator.is_, packed[1], steps)):
-                packed, steps = packed[0], []  # (the op advances the packed counts: one graph input, no views)
-            else:
-                packed = None
-                _count_steps(steps, by)
+            _count_steps(steps, by)
             lr = g["lr"]
             # (the CPU kernel reads a tensor lr as a double, the same bits as the float; the CUDA kernel reads
             # it in float32 but for float64 parameters, as the eager step's scaled lr, and refuses another
@@ -666,7 +661,7 @@ class Adam(_FusedOptimizer):
             lr = (lr.to(device=params[0].device, dtype=lr_dtype) if isinstance(lr, torch.Tensor)
                   else torch.ones((), dtype=lr_dtype, device=params[0].device) * lr)
             beta1, beta2 = g["betas"]
-            op(params, list(updates[a:b]), m, v, vmax, steps, packed, by, lr, float(beta1), float(beta2),
+            op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
                float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
                found_inf, grad_mul if grad_mul is None or grad_mul.dim() == 0 else grad_mul[a:b])
         return True
