@@ -227,12 +227,26 @@ def test_the_device_path_keeps_the_eager_bits_of_the_ema(name):
     assert int(oc.stats["skipped_steps"]) == int(oe.stats["skipped_steps"]) == len(BAD_STEPS)
 
 
-@pytest.mark.parametrize("guards", ["full", "own"])
-def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(guards):
-    """A step tensor replaced by hand (the eager step keeps the counts as views of one packed tensor, which
-    a graph must not assume) and a loaded state dict: the compiled step counts on from the new values,
-    parameters and counts bit for bit with eager, under dynamo's guards and under modopt's key."""
+@pytest.mark.parametrize("guards", ["full", "own", "tensors"])
+def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(monkeypatch, guards):
+    """The graph advances the step counts the eager step packed into one tensor. A step tensor replaced by
+    hand and a loaded state dict (new tensors, no longer views of the packed one): the compiled step
+    counts on from the new values, parameters and counts bit for bit with eager, under each kind of
+    guard (`CompiledStep` runs such a call eagerly, which packs them again), and the calls after run
+    the graph again."""
     import copy
+    import inspect
+
+    from modopt.core import kernels
+
+    callers = []
+    real = kernels.fused_adam_
+
+    def spy(*a, **k):
+        callers.append(inspect.stack()[1].function)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "fused_adam_", spy)
 
     def grads(ps, it):
         g = torch.Generator().manual_seed(100 + it)
@@ -245,6 +259,7 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(guards
     for it in range(7):
         grads(other, it)
         _quiet(ox.step)
+    graph = []
     for it in range(8):
         if it == 4:
             saved = ox.state_dict()
@@ -257,8 +272,12 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(guards
         grads(eager, it)
         grads(comp, it)
         _quiet(oe.step)
+        callers.clear()
         _quiet(step)
         assert all(_bitwise(p, q) for p, q in zip(eager, comp)), it
+        graph.append("_op" in callers)
+    # (the warm-up and the calls right after the state changed run eagerly; every other call the graph)
+    assert graph == [False, True, False, True, False, True, True, True], graph
     counts = [oc.state[p][k] for p in comp for k in oc.state[p] if k.endswith("step")]
     assert [float(c) for c in counts] == [7.0 + 4.0] * 3
 

@@ -43,6 +43,11 @@ def _keeping_fused(on: bool) -> Iterator[None]:
         compile_marks.KEEP_EAGER_KERNELS = was
 
 
+#: functions `f(opt) -> int` that say how much of what a traced step may have assumed about the state still
+#: holds (`optimizers.packed_steps_hold`: the packed step counts); a call that finds less than after the
+#: last eager call (-1 where something no longer holds) runs eagerly, which makes it hold again
+HOLDS: list[Callable[[Any], int]] = []
+
 #: the custom ops, once `fused_adam_op()` declared them (before any trace: dynamo cannot trace the declaration)
 FUSED_ADAM: Callable[..., None] | None = None
 LERP: Callable[..., None] | None = None
@@ -51,8 +56,11 @@ _LIB: Any = None
 
 def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
-    (declared to mutate the parameters and moments, so it is written in place; the step counts are
-    only read). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
+    (declared to mutate the parameters and moments, so it is written in place). The step counts come
+    either as `steps`, already advanced by the graph and only read, or as `packed`, the one 1-D tensor
+    the eager step keeps them in (`_bump_steps`), which the op advances by `step_by` (1 when None) and
+    unbinds: the graph then takes one step input where it took one view per parameter (views of one
+    storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
     by it in place, the eager step's `_foreach_mul_` of a global clip or a per-tensor scale: inside the op
     the graph keeps no copy of the scaled gradients (a mutation of graph inputs that functionalization
     would write to a new buffer and back).
@@ -65,13 +73,15 @@ def fused_adam_op() -> Callable[..., None]:
     # default filling and version bumps in Python around it: about a third of a small step's call)
     lib = torch.library.Library("modopt", "FRAGMENT")
     lib.define("fused_adam_(Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] exp_avgs, "
-               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, "
-               "float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, bool decoupled, "
-               "Tensor? found_inf, Tensor? grad_mul) -> ()")
+               "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor[] steps, Tensor(f!)? packed, "
+               "Tensor? step_by, Tensor lr, float beta1, float beta2, float weight_decay, float eps, bool amsgrad, "
+               "bool maximize, bool decoupled, Tensor? found_inf, Tensor? grad_mul) -> ()")
 
-    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-            amsgrad, maximize, decoupled, found_inf, grad_mul):
-        # (the step counts are read, not written: the caller increments them before, as torch.optim does)
+    def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, packed, step_by, lr, beta1, beta2,
+            weight_decay, eps, amsgrad, maximize, decoupled, found_inf, grad_mul):
+        if packed is not None:  # advanced here, before the kernel reads them, as the eager `_bump_steps`
+            packed.add_(1 if step_by is None else step_by)
+            steps = list(packed.unbind(0))
         if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does
             torch._foreach_mul_(grads, grad_mul if grad_mul.dim() == 0 else grad_mul.unbind(0))
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
@@ -148,8 +158,10 @@ class CompiledStep:
     """`compile_step(opt)`'s result: call it as `opt.step` (`step()`, `step(loss=...)`).
 
     The first `warmup` calls run `opt.step()` eagerly (they create the state, so the graph sees
-    it as it will stay); later calls run the compiled step. `opt.stats` and `state_dict()` are the
-    optimizer's as usual."""
+    it as it will stay); later calls run the compiled step, except a call that finds the state no
+    longer as a graph may have assumed (`HOLDS`: step counts loaded or replaced by hand, which the
+    graph reads packed), which runs eagerly and so makes it hold again. `opt.stats` and
+    `state_dict()` are the optimizer's as usual."""
 
     def __init__(self, opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> None:
         if guards not in ("full", "tensors", "own"):
@@ -169,19 +181,26 @@ class CompiledStep:
         self._seen: tuple | None = None
         self._fast_options = {**options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         self._compile_kwargs = compile_kwargs
+        #: what each of `HOLDS` gave after the last eager call
+        self._held: tuple[int, ...] = ()
 
     def __call__(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
         self.calls += 1
         if self.calls <= self.warmup:
-            return self.opt.step(closure, loss=loss)
+            return self._eager(closure, loss)
         if closure is not None:  # (the closure's backward runs outside the graph)
             with torch.enable_grad():
                 loss = closure()
-        with _keeping_fused(True):
-            if self.guards != "own":
+        if self.guards != "own":
+            if self._lost():
+                return self._eager(None, loss)
+            with _keeping_fused(True):
                 return self._compiled(loss)
-            key = own_key(self.opt, loss)
-            fast = self._fast.get(key)
+        key = own_key(self.opt, loss)
+        fast = self._fast.get(key)
+        if fast is None and self._lost():  # (a changed state changes the key: checked only then)
+            return self._eager(None, loss)
+        with _keeping_fused(True):
             if fast is None:
                 if key != self._seen or len(self._fast) >= MAX_FAST:  # new, or too many: dynamo's guards decide
                     self._seen = key
@@ -191,6 +210,15 @@ class CompiledStep:
                 fast = self._fast[key] = torch.compile(_own_step(self.opt), options=self._fast_options,
                                                        **self._compile_kwargs)
             return fast(loss)
+
+    def _eager(self, closure: Callable[[], Any] | None, loss: Any) -> Any:
+        out = self.opt.step(closure, loss=loss)
+        self._held = tuple(hold(self.opt) for hold in HOLDS)
+        return out
+
+    def _lost(self) -> bool:
+        """Whether something a traced step may have assumed about the state no longer holds (`HOLDS`)."""
+        return any(hold(self.opt) < held for hold, held in zip(HOLDS, self._held))
 
 
 #: guards="own": at most this many guard-free graphs per CompiledStep (then every call runs dynamo's guards)

@@ -130,8 +130,8 @@ def _pick(xs: list, idx: list[int] | None) -> list:
     return xs if idx is None else [xs[i] for i in idx]
 
 
-def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict], by=1,
-                device: torch.device | None = None) -> None:
+def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[dict], params: list[torch.Tensor],
+                by=1, device: torch.device | None = None) -> None:
     """`step += by` (1, or a 0-d tensor: 0 on a step the device skips) for every step tensor of a
     sub-group, as one kernel.
 
@@ -162,8 +162,29 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
     for s, view in zip(param_states, views):
         s[k] = view
     steps[:] = views
-    rt[key] = (flat, views)
+    rt[key] = (flat, views, params, k)
     flat.add_(by)
+
+
+def packed_steps_hold(opt: Any) -> int:
+    """The number of packed step-count entries (`_bump_steps`) whose views are still the state's step
+    tensors, or -1 when one is not (a step tensor or a state dict replaced by hand). A compiled step
+    whose graph advances the packed tensor (`Adam._apply_final_traced_fused`) decided at trace time
+    that they are; `CompiledStep` runs a call eagerly, which packs the counts again, whenever this is
+    below what it was after the last eager call (-1, or fewer entries: a state dict loaded)."""
+    state, n = opt.state, 0
+    for store in opt._runtime.values():
+        for key, ent in store.items():
+            if type(key) is tuple and key[:1] == ("packed_steps",):
+                _, views, params, k = ent
+                if not all(map(operator.is_, views, [state.get(p, _NO_STATE).get(k) for p in params])):
+                    return -1
+                n += 1
+    return n
+
+
+_NO_STATE: dict = {}
+compiled.HOLDS.append(packed_steps_hold)
 
 
 class LR(Transform):
@@ -591,7 +612,7 @@ class Adam(_FusedOptimizer):
                     )
                     continue
                 states = _pick(ctx.param_states()[a:b], idx)
-                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states, 1 if by is None else by,
+                _bump_steps(st, (a, b, None if idx is None else idx[0]), sub_steps, states, params, 1 if by is None else by,
                             params[0].device)
                 # (the kernel reads a tensor lr in float64 for float64 parameters, in float32 for the others)
                 lr = g["lr"] if scaled is None else (scaled * g["lr"]).to(
@@ -651,7 +672,14 @@ class Adam(_FusedOptimizer):
             amsgrad = g["amsgrad"]
             steps, m, v, vmax = self._state(st, a, b, amsgrad)
             params = ctx.params[a:b]
-            _count_steps(steps, by)
+            packed = st.runtime.get(("packed_steps", a, b, None))
+            if packed is not None and len(packed[1]) == len(steps) and all(map(operator.is_, packed[1], steps)):
+                # (the op advances the packed counts: one graph input, no views; `packed_steps_hold` sees to it
+                # that a call whose state no longer holds them runs eagerly, which packs them again)
+                packed, steps = packed[0], []
+            else:
+                packed = None
+                _count_steps(steps, by)
             lr = g["lr"]
             # (the CPU kernel reads a tensor lr as a double, the same bits as the float; the CUDA kernel reads
             # it in float32 but for float64 parameters, as the eager step's scaled lr, and refuses another
@@ -661,7 +689,7 @@ class Adam(_FusedOptimizer):
             lr = (lr.to(device=params[0].device, dtype=lr_dtype) if isinstance(lr, torch.Tensor)
                   else torch.ones((), dtype=lr_dtype, device=params[0].device) * lr)
             beta1, beta2 = g["betas"]
-            op(params, list(updates[a:b]), m, v, vmax, steps, lr, float(beta1), float(beta2),
+            op(params, list(updates[a:b]), m, v, vmax, steps, packed, by, lr, float(beta1), float(beta2),
                float(g["weight_decay"]), float(g["eps"]), bool(amsgrad), bool(g["maximize"]), self.decoupled,
                found_inf, grad_mul if grad_mul is None or grad_mul.dim() == 0 else grad_mul[a:b])
         return True
