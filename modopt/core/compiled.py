@@ -43,9 +43,9 @@ def _keeping_fused(on: bool) -> Iterator[None]:
         compile_marks.KEEP_EAGER_KERNELS = was
 
 
-#: functions `f(opt) -> int` that say how much of what a traced step may have assumed about the state still
-#: holds (`optimizers.packed_steps_hold`: the packed step counts); a call that finds less than after the
-#: last eager call (-1 where something no longer holds) runs eagerly, which makes it hold again
+#: functions `f(opt) -> int` that count what a traced step may have assumed about the state and still holds
+#: (`optimizers.packed_steps_hold`: the packed step counts); a call that finds less than after the last
+#: eager call runs eagerly, which makes it hold again
 HOLDS: list[Callable[[Any], int]] = []
 
 #: the custom ops, once `fused_adam_op()` declared them (before any trace: dynamo cannot trace the declaration)
@@ -60,10 +60,10 @@ def fused_adam_op() -> Callable[..., None]:
     either as `steps`, already advanced by the graph and only read, or as `packed`, the one 1-D tensor
     the eager step keeps them in (`_bump_steps`), which the op advances by `step_by` (1 when None) and
     unbinds: the graph then takes one step input where it took one view per parameter (views of one
-    storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value per gradient) it first multiplies the gradients
-    by it in place, the eager step's `_foreach_mul_` of a global clip or a per-tensor scale: inside the op
-    the graph keeps no copy of the scaled gradients (a mutation of graph inputs that functionalization
-    would write to a new buffer and back).
+    storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value
+    per gradient) it first multiplies the gradients by it in place, the eager step's `_foreach_mul_` of
+    a global clip or a per-tensor scale: inside the op the graph keeps no copy of the scaled gradients
+    (a mutation of graph inputs that functionalization would write to a new buffer and back).
     Declared on the first call, outside any trace; traced code reads `FUSED_ADAM`."""
     global FUSED_ADAM, LERP, _LIB
     if FUSED_ADAM is not None:

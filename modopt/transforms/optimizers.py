@@ -168,18 +168,16 @@ def _bump_steps(st, sub: tuple, steps: list[torch.Tensor], param_states: list[di
 
 def packed_steps_hold(opt: Any) -> int:
     """The number of packed step-count entries (`_bump_steps`) whose views are still the state's step
-    tensors, or -1 when one is not (a step tensor or a state dict replaced by hand). A compiled step
-    whose graph advances the packed tensor (`Adam._apply_final_traced_fused`) decided at trace time
-    that they are; `CompiledStep` runs a call eagerly, which packs the counts again, whenever this is
-    below what it was after the last eager call (-1, or fewer entries: a state dict loaded)."""
+    tensors. A compiled step whose graph advances the packed tensor (`Adam._apply_final_traced_fused`)
+    decided at trace time that they are; `CompiledStep` runs a call eagerly, which packs the counts
+    again, whenever fewer hold than after the last eager call (a step tensor or a state dict replaced
+    by hand; a state dict loaded, which drops the entries)."""
     state, n = opt.state, 0
     for store in opt._runtime.values():
         for key, ent in store.items():
             if type(key) is tuple and key[:1] == ("packed_steps",):
                 _, views, params, k = ent
-                if not all(map(operator.is_, views, [state.get(p, _NO_STATE).get(k) for p in params])):
-                    return -1
-                n += 1
+                n += all(map(operator.is_, views, [state.get(p, _NO_STATE).get(k) for p in params]))
     return n
 
 
