@@ -282,6 +282,42 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(monkey
     assert [float(c) for c in counts] == [7.0 + 4.0] * 3
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device_path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["mission", "NormalizeByEMA+Adam"])
+def test_the_ema_op_gives_the_eager_bits_in_every_dtype(name, dtype, device_path):
+    """`modopt::lerp_` (the EMA of `ClipNormByEMA` / `NormalizeByEMA`) in float32, float64 and bfloat16,
+    on the CPU's path and the device path: parameters and every state tensor equal to eager's, the NaN
+    step skipped alike."""
+    import contextlib
+
+    from modopt.core import hostdata
+
+    pipelines = {"mission": DEFERRED["mission"][0],
+                 "NormalizeByEMA+Adam": lambda: [mo.NormalizeByEMA(), mo.Adam(lr=1e-2)]}
+    sides = []
+    for compiled in (False, True):
+        ps = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+        opt = _quiet(mo.Modular, ps, *pipelines[name]())
+        step = mo.compile_step(opt) if compiled else opt.step
+        with hostdata.device_path() if device_path else contextlib.nullcontext():
+            for it in range(6):
+                like = _params()
+                _grads(like, it)  # (float32, then each parameter's dtype: NaN at the same place)
+                for p, q in zip(ps, like):
+                    p.grad = q.grad.to(dtype)
+                _quiet(step)
+        sides.append((ps, opt))
+    (pe, oe), (pc, oc) = sides
+    assert all(torch.equal(a, b) for a, b in zip(pe, pc))
+    se, sc = oe.state_dict()["state"], oc.state_dict()["state"]
+    for i in se:
+        for k, v in se[i].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(sc[i][k], v), (i, k)
+    assert int(oc.stats["skipped_steps"]) == int(oe.stats["skipped_steps"]) == len(BAD_STEPS)
+
+
 def _bitwise(a, b):
     """Bit for bit, NaNs included (float32)."""
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
