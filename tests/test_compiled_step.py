@@ -112,15 +112,13 @@ def test_compile_step_refuses_unknown_guards():
         mo.compile_step(opt, guards="none")
 
 
-def test_the_compiled_graph_calls_the_fused_kernel_through_its_op(monkeypatch):
-    """After the eager warm-up, Adam's update comes from the custom op inside the graph (its body is
-    the only caller of `kernels.fused_adam_` then), once per param group and call, never from the
-    eager path (`_run_fused_adam`) nor replaced by inductor's own loops."""
+def _kernel_callers(monkeypatch) -> list[str]:
+    """The names of the functions that call `kernels.fused_adam_` from now on (`_op`: the graph's op)."""
     import inspect
 
     from modopt.core import kernels
 
-    callers = []
+    callers: list[str] = []
     real = kernels.fused_adam_
 
     def spy(*a, **k):
@@ -128,6 +126,14 @@ def test_the_compiled_graph_calls_the_fused_kernel_through_its_op(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(kernels, "fused_adam_", spy)
+    return callers
+
+
+def test_the_compiled_graph_calls_the_fused_kernel_through_its_op(monkeypatch):
+    """After the eager warm-up, Adam's update comes from the custom op inside the graph (its body is
+    the only caller of `kernels.fused_adam_` then), once per param group and call, never from the
+    eager path (`_run_fused_adam`) nor replaced by inductor's own loops."""
+    callers = _kernel_callers(monkeypatch)
     ps = _params()
     opt = mo.Modular([{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3}], mo.ClipNorm(1.0), mo.Adam())
     step = mo.compile_step(opt)
@@ -235,18 +241,8 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(monkey
     guard (`CompiledStep` runs such a call eagerly, which packs them again), and the calls after run
     the graph again."""
     import copy
-    import inspect
 
-    from modopt.core import kernels
-
-    callers = []
-    real = kernels.fused_adam_
-
-    def spy(*a, **k):
-        callers.append(inspect.stack()[1].function)
-        return real(*a, **k)
-
-    monkeypatch.setattr(kernels, "fused_adam_", spy)
+    callers = _kernel_callers(monkeypatch)
 
     def grads(ps, it):
         g = torch.Generator().manual_seed(100 + it)
