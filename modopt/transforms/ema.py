@@ -80,7 +80,8 @@ class _NormEMA(Scoped, abstract=True):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
-        if torch.compiler.is_compiling() and flags is None and compiled.keeps_fused() and compiled.LERP is not None:
+        if (torch.compiler.is_compiling() and flags is None and compiled.keeps_fused() and compiled.LERP is not None
+                and not distributed.any_sharded(m)):  # (a custom op has no DTensor sharding rule)
             compiled.LERP(m, updates, weights, ctx.skip)  # aten's lerp in place, as eager (`compiled.ema_lerp_`)
         elif torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
             for mi, ui, wi in zip(m, reads, weights):
