@@ -53,7 +53,12 @@ class _NormEMA(Scoped, abstract=True):
         signed = self.ord == "sum"  # every other ord is >= 0 already
         nu = seg.reduce(updates, self.ord)
         nu = nu.abs() if signed else nu
-        reads = ctx.cleaned(updates)  # a step the device skips: zeros, weighed by 0 below (one pass, only then)
+        # compiled by `compile_step`: aten's lerp in place inside one op (`compiled.ema_lerp_`), which cleans
+        # what it reads itself (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp)
+        in_op = (self.ema_init == "zeros" and torch.compiler.is_compiling() and compiled.keeps_fused()
+                 and compiled.LERP is not None and not distributed.any_sharded(updates))
+        # a step the device skips: zeros, weighed by 0 below (one pass, only then)
+        reads = updates if in_op else ctx.cleaned(updates)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
         # `nu < inf` is "finite" for a norm (NaN compares false)
@@ -80,9 +85,8 @@ class _NormEMA(Scoped, abstract=True):
             # an EMA that has not started (zeros) takes the update where the segment is ok: weight 1,
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
-        if (torch.compiler.is_compiling() and flags is None and compiled.keeps_fused() and compiled.LERP is not None
-                and not distributed.any_sharded(m)):  # (a custom op has no DTensor sharding rule)
-            compiled.LERP(m, updates, weights, ctx.skip)  # aten's lerp in place, as eager (`compiled.ema_lerp_`)
+        if in_op:
+            compiled.LERP(m, updates, weights, ctx.skip)
         elif torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
             for mi, ui, wi in zip(m, reads, weights):
                 mi.lerp_(ui, wi)
