@@ -438,6 +438,21 @@ def test_own_key_changes_with_what_the_graph_reads():
     opt.state[ps[0]]["extra"] = torch.zeros(())
     assert own_key(opt) != k0  # a new state entry
     del opt.state[ps[0]]["extra"]
+    # what inductor's size asserts would check, which the guard-free graphs leave out: a parameter given another
+    # shape or layout through `.data` (the same object), a state tensor resized in place
+    data = ps[0].data
+    ps[0].data = data.reshape(-1)
+    assert own_key(opt) != k0
+    ps[0].data = data.t().contiguous().t()
+    assert own_key(opt) != k0
+    ps[0].data = data
+    assert own_key(opt) == k0
+    moment = next(v for v in opt.state[ps[0]].values() if v.dim() > 0)
+    kept = moment.clone()
+    moment.resize_(moment.numel() + 1)
+    assert own_key(opt) != k0
+    moment.resize_(kept.shape).copy_(kept)
+    assert own_key(opt) == k0
     assert own_key(opt, loss=torch.tensor(1.0)) != own_key(opt)
     # numbers count by value, never by id: a freed float's id can come back as another value's
     opt.param_groups[0]["lr"] = float(repr(lr))  # another object, the same value
@@ -450,3 +465,53 @@ def test_own_key_changes_with_what_the_graph_reads():
     k1 = own_key(opt)
     opt.param_groups[0]["lr"] = 1.0
     assert own_key(opt) != k1
+
+
+@pytest.mark.parametrize("guards", ["full", "own"])
+def test_the_graph_takes_each_state_by_its_position(guards):
+    """The traced step reaches a parameter's state through the rows `CompiledStep` fills before each call
+    (`runner.STATE_ROWS`): one index each, where `opt.state[p]` made dynamo walk the state dict's keys to
+    p's position on every call (`dict_keys_getitem`, quadratic in the parameters). Counted with a profile
+    hook over the compiled calls; bit for bit with eager along the way."""
+    import sys
+
+    (eager, comp), step = _twins(OWN_PIPELINES["mission"], lr_tensor=False)
+    if guards == "full":
+        step = mo.compile_step(comp[1])
+    walks = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "dict_keys_getitem":
+            walks.append(1)
+
+    for it in range(5):
+        for ps, _ in (eager, comp):
+            _grads(ps, it)
+        _quiet(eager[1].step)
+        sys.setprofile(hook)
+        try:
+            _quiet(step)
+        finally:
+            sys.setprofile(None)
+        _same_now(eager, comp)
+    assert walks == []
+
+
+@pytest.mark.parametrize("guards", ["full", "own"])
+def test_compile_step_with_parameters_without_a_gradient_and_a_state_replaced(guards):
+    """Parameters without a gradient on some steps (the traced step's states are taken by their position
+    among all the parameters) and a parameter's state dict replaced by a copy by hand: bit for bit with
+    eager, state included."""
+    (eager, comp), step = _twins(OWN_PIPELINES["mission"], lr_tensor=False)
+    if guards == "full":
+        step = mo.compile_step(comp[1])
+    for it in range(9):
+        for ps, opt in (eager, comp):
+            _grads(ps, it)
+            if it % 3 == 1:
+                ps[1].grad = ps[4].grad = None
+            if it == 5:
+                opt.state[ps[2]] = {k: v.clone() for k, v in opt.state[ps[2]].items()}
+        _quiet(eager[1].step)
+        _quiet(step)
+        _same_now(eager, comp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import types
+import weakref
 from itertools import chain, compress, repeat
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import compile_marks, hostdata, kernels
+from .runner import STATE_ROWS
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
 
@@ -81,7 +83,7 @@ def fused_adam_op() -> Callable[..., None]:
             weight_decay, eps, amsgrad, maximize, decoupled, found_inf, grad_mul):
         if packed is not None:  # advanced here, before the kernel reads them, as the eager `_bump_steps`
             packed.add_(1 if step_by is None else step_by)
-            steps = list(packed.unbind(0))
+            steps = _views_of(packed)
         if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does
             torch._foreach_mul_(grads, grad_mul if grad_mul.dim() == 0 else grad_mul.unbind(0))
         kernels.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, decoupled=decoupled,
@@ -107,6 +109,21 @@ def fused_adam_op() -> Callable[..., None]:
     LERP = torch.ops.modopt.lerp_.default
     compile_marks.NORMS = torch.ops.modopt.norms.default
     return FUSED_ADAM
+
+
+#: id(packed) -> (a weak reference to it, its rows as views): made once, not on every call (a view costs
+#: about 0.5 us: 0.25 ms a call at 512 parameters)
+_VIEWS: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+
+
+def _views_of(packed: torch.Tensor) -> list[torch.Tensor]:
+    """`list(packed.unbind(0))`, kept for as long as `packed` lives."""
+    hit = _VIEWS.get(id(packed))
+    if hit is None or hit[0]() is not packed:
+        if len(_VIEWS) >= 64:  # (entries of tensors since freed)
+            _VIEWS.clear()
+        hit = _VIEWS[id(packed)] = (weakref.ref(packed), list(packed.unbind(0)))
+    return hit[1]
 
 
 def stacked_norms(xs: list[torch.Tensor], p: float) -> torch.Tensor:
@@ -179,7 +196,10 @@ class CompiledStep:
         #: guards="own": the graphs compiled without dynamo's guards, by the key they were traced under
         self._fast: dict[tuple, Callable[..., Any]] = {}
         self._seen: tuple | None = None
-        self._fast_options = {**options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        # (without inductor's size assert on each input, 0.4 us a tensor: a guard-free graph runs only while the
+        # key holds, and the key holds what the asserts check, see `own_key`)
+        self._fast_options = {**options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                              "size_asserts": False}
         self._compile_kwargs = compile_kwargs
         #: what each of `HOLDS` gave after the last eager call
         self._held: tuple[int, ...] = ()
@@ -191,6 +211,9 @@ class CompiledStep:
         if closure is not None:  # (the closure's backward runs outside the graph)
             with torch.enable_grad():
                 loss = closure()
+        opt = self.opt
+        rows = opt.runtime_store(STATE_ROWS).setdefault("rows", [])  # (the trace's states: see STATE_ROWS)
+        rows[:] = map(opt.state.get, chain.from_iterable(map(_params_of, opt.param_groups)))
         if self.guards != "own":
             if self._lost():
                 return self._eager(None, loss)
@@ -225,6 +248,7 @@ class CompiledStep:
 MAX_FAST = 4
 
 _grad_of = operator.attrgetter("grad")
+_params_of = operator.itemgetter("params")
 _dtype_of = operator.attrgetter("dtype")
 
 
@@ -260,28 +284,38 @@ def _entries(store: dict[str, Any]) -> tuple:
     return tuple(out)
 
 
+def _numels(values: list[Any]) -> tuple:
+    """Each value's element count if it is a tensor (one resized in place keeps its identity), else None."""
+    if all(map(isinstance, values, repeat(torch.Tensor))):  # (C-level: the usual case)
+        return tuple(map(torch.Tensor.numel, values))
+    return tuple(v.numel() if isinstance(v, torch.Tensor) else None for v in values)
+
+
 def own_key(opt: Any, loss: Any = None) -> tuple:
     """What `compile_step(opt, guards="own")`'s guard-free graphs are keyed by: everything the traced step
     reads from Python, by identity. The pipeline (`opt.plan`, `opt.transforms`), every param group's
     dict, its values and parameters (a float learning rate a scheduler rebinds is a new object: a new key;
     a tensor one written in place is not), which parameters have a gradient and whether each is
-    contiguous, the parameters' dtypes, every state entry (`opt.state`, the transforms' stores and
-    caches, two levels deep, with the lengths of lists there), the skip counter, the step hooks and
-    taps, the non-finite path (`hostdata.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag,
-    and whether a loss is given. Shapes and strides of the tensors the graph reads are checked by the
-    graph itself (inductor's size asserts): a mismatch raises, it never runs stale."""
+    contiguous, the parameters' dtypes, shapes and whether they are contiguous (a gradient has its
+    parameter's shape and dtype: torch checks that), every state entry (`opt.state`, the transforms'
+    stores and caches, two levels deep, with the lengths of lists there; a state tensor by identity and
+    its element count, which a resize in place changes), the skip counter, the step hooks and taps, the
+    non-finite path (`hostdata.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag, and
+    whether a loss is given. That is what inductor's size assert on each input checks, which the
+    guard-free graphs leave out (0.4 us a tensor). Not seen: a state tensor given another shape of the
+    same size or another dtype through `.data` (load a state dict instead)."""
     groups = opt.param_groups
-    params = list(chain.from_iterable(map(operator.itemgetter("params"), groups)))
+    params = list(chain.from_iterable(map(_params_of, groups)))
     grads = list(map(_grad_of, params))
     has = tuple(map(operator.is_not, grads, repeat(None)))
     state = opt.state
+    values = list(chain.from_iterable(map(dict.values, state.values())))
     return (
         id(opt.plan), id(opt.transforms), id(groups), len(groups),
         tuple(chain.from_iterable((id(g), len(g), *g.keys(), *map(_value, g.values())) for g in groups)),
         tuple(map(id, params)), has, all(map(torch.Tensor.is_contiguous, compress(grads, has))),
-        tuple(map(_dtype_of, params)),
-        id(state), len(state), tuple(map(id, state.values())),
-        tuple(map(id, chain.from_iterable(map(dict.values, state.values())))),
+        tuple(map(_dtype_of, params)), tuple(map(torch.Tensor.size, params)), all(map(torch.Tensor.is_contiguous, params)),
+        id(state), len(state), tuple(map(id, state.values())), tuple(map(id, values)), _numels(values),
         _entries(opt._store), _entries(opt._runtime), id(opt._skipped_steps),
         len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
         len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks), len(opt.__dict__.get("_step_taps", ())),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
-from itertools import repeat
+from itertools import accumulate, compress, count, repeat
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Literal
@@ -50,9 +50,10 @@ class Layout:
     (and their groups) are the same objects, so per-layout work (segment tables,
     kernel plans) runs once. `cache` is free for transforms; keys name their owner. `on_cpu`: every
     parameter is on the CPU (where the non-finite decision may be read on the host: `Plan.host_on_cpu`).
+    `positions[i]`: where `params[i]` stands among all the parameters of the param groups, in order.
     """
 
-    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "on_cpu")
+    __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "on_cpu", "positions")
     key: Hashable
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -61,14 +62,23 @@ class Layout:
     names: list[str | None]
     cache: dict[Hashable, Any]
     on_cpu: bool
+    positions: list[int]
 
     def __init__(self, key: Hashable, params: list[torch.Tensor], groups: list[dict[str, Any]], group_ids: list[int],
-                 ranges: list[tuple[int, int]], names: list[str | None]) -> None:
+                 ranges: list[tuple[int, int]], names: list[str | None], positions: list[int] | None = None) -> None:
         self.key, self.params, self.groups, self.group_ids = key, params, groups, group_ids
         self.ranges, self.names = ranges, names
+        self.positions = list(range(len(params))) if positions is None else positions
         self.cache = {}
         self.on_cpu = all(p.device.type == "cpu" for p in params)
 
+
+#: the runtime store whose "rows" `compile_step` fills before each call of its graph with `state.get(p)` for
+#: every parameter of the param groups in order (None where `p` has no state yet), and from which its trace
+#: takes the parameters' states: dynamo reaches a dict value keyed by a parameter through the dict's keys in
+#: order (`dict_keys_getitem`, a walk to the key's position), so `state[p]` for n parameters costs the
+#: graph's every call O(n^2) steps (8 ms a call at 2048 parameters); `rows[i]` is one index
+STATE_ROWS = "__state_rows__"
 
 #: tensors of at most this many elements are cleaned together (`Step.clean_`): one `nan_to_num_` over their
 #: concatenation, copied back, instead of one call each; a call costs more than moving a few thousand elements
@@ -184,7 +194,14 @@ class Step:
     def param_states(self) -> list[dict[str, Any]]:
         """`host.state[p]` for every parameter of the step (looked up once per step)."""
         if self._states is None:
-            self._states = list(map(self.host.state.__getitem__, self.params))  # (C-level loop)
+            rows = (self.host.runtime_store(STATE_ROWS).get("rows")
+                    if compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling() else None)
+            if rows:  # (`compile_step`'s trace: see STATE_ROWS)
+                state = self.host.state
+                self._states = [s if s is not None else state[p]
+                                for s, p in zip(map(rows.__getitem__, self.layout.positions), self.params)]
+            else:
+                self._states = list(map(self.host.state.__getitem__, self.params))  # (C-level loop)
         return self._states
 
     def per_group(self) -> Iterator[tuple[dict[str, Any], int, int]]:
@@ -660,7 +677,10 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
         _check_params(params, names, group_ids, ranges)
         if len(layouts) >= 16:  # many distinct grad patterns: keep the cache small
             layouts.clear()
-        layout = layouts[key] = Layout(key, params, groups, group_ids, ranges, names)
+        starts = list(accumulate((len(g["params"]) for g in param_groups), initial=0))
+        positions = [starts[gi] + j for gi, mask in zip(group_ids, masks)
+                     for j in (range(len(param_groups[gi]["params"])) if mask is None else compress(count(), mask))]
+        layout = layouts[key] = Layout(key, params, groups, group_ids, ranges, names, positions)
     grads = [p.grad for p in params] if compiling else list(map(_grad_of, params))  # (dynamo traces the first)
     if compiling or any(map(_is_sparse, grads)) or not all(map(_is_contiguous, grads)):  # (an expanded one is not)
         for p, g in zip(params, grads):  # (the scans above run at C level: no Python call per tensor)
