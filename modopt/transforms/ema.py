@@ -247,6 +247,10 @@ class NormalizeByEMA(_NormEMA):
     normalize: ClassVar[bool] = True
 
 
+#: dtypes whose 0-d weight tensor is the same weight as the float (lerp computes half types in float32)
+_EXACT_WEIGHT = (torch.float32, torch.float64)
+
+
 class ClipValueByEMA(Transform):
     r"""Clamp every element to the EMA of past magnitudes.
 
@@ -289,6 +293,16 @@ class ClipValueByEMA(Transform):
             if any(f is not None for f in flags):
                 self._from_update(ctx, st, updates, m, flags, fresh)
                 return self._clamp(st, updates, m)
+        if (torch.compiler.is_compiling() and compiled.keeps_fused() and compiled.LERP is not None
+                and not distributed.any_sharded(updates) and all(mi.dtype in _EXACT_WEIGHT for mi in m)):
+            # compiled by `compile_step`: aten's lerp in place inside one op, as eager rounds it (`ema_lerp_`);
+            # a 0-d weight of m's dtype is the eager scalar's (exact in float32/64), 0 on a skipped step
+            w = 1.0 - self.beta
+            by = {mi.dtype: torch.full((), w, dtype=mi.dtype, device=mi.device) for mi in m}
+            if ctx.skip is not None:
+                by = {dt: torch.where(ctx.skip, 0.0, t) for dt, t in by.items()}
+            compiled.LERP(m, torch._foreach_abs(updates), [by[mi.dtype] for mi in m], ctx.skip)
+            return self._clamp(st, updates, m)
         if ctx.skip is None:
             torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)
         else:  # the same lerp on copies (the same rounding in every dtype), then the old m on a skipped step
