@@ -519,3 +519,21 @@ def test_compile_step_with_parameters_without_a_gradient_and_a_state_replaced(gu
         _quiet(eager[1].step)
         _quiet(step)
         _same_now(eager, comp)
+
+
+@pytest.mark.parametrize("guards", ["full", "own"])
+def test_compile_step_with_a_masked_selection(guards):
+    """A `Masked` selection (the 1-D parameters, which do not stand first) runs a sub-step over its own
+    layout: the traced sub-step takes its parameters' states by their positions among all the
+    parameters, bit for bit with eager, state included."""
+    pipeline = lambda: [mo.Masked(mo.ClipValueByEMA(), mo.ClipNormByEMA(), where=mo.Select(max_ndim=1)),
+                        mo.ClipNorm(1.0), mo.Adam(lr=1e-2)]  # noqa: E731
+    (eager, comp), step = _twins(pipeline, lr_tensor=False)
+    if guards == "full":
+        step = mo.compile_step(comp[1])
+    for it in range(6):
+        for ps, _ in (eager, comp):
+            _grads(ps, it)
+        _quiet(eager[1].step)
+        _quiet(step)
+        _same_now(eager, comp)

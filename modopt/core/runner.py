@@ -50,7 +50,8 @@ class Layout:
     (and their groups) are the same objects, so per-layout work (segment tables,
     kernel plans) runs once. `cache` is free for transforms; keys name their owner. `on_cpu`: every
     parameter is on the CPU (where the non-finite decision may be read on the host: `Plan.host_on_cpu`).
-    `positions[i]`: where `params[i]` stands among all the parameters of the param groups, in order.
+    `positions[i]`: where `params[i]` stands among all the parameters of the param groups, in order
+    (None for a step over tensors outside an optimizer's groups).
     """
 
     __slots__ = ("key", "params", "groups", "group_ids", "ranges", "names", "cache", "on_cpu", "positions")
@@ -62,13 +63,13 @@ class Layout:
     names: list[str | None]
     cache: dict[Hashable, Any]
     on_cpu: bool
-    positions: list[int]
+    positions: list[int] | None
 
     def __init__(self, key: Hashable, params: list[torch.Tensor], groups: list[dict[str, Any]], group_ids: list[int],
                  ranges: list[tuple[int, int]], names: list[str | None], positions: list[int] | None = None) -> None:
         self.key, self.params, self.groups, self.group_ids = key, params, groups, group_ids
         self.ranges, self.names = ranges, names
-        self.positions = list(range(len(params))) if positions is None else positions
+        self.positions = positions
         self.cache = {}
         self.on_cpu = all(p.device.type == "cpu" for p in params)
 
@@ -196,7 +197,7 @@ class Step:
         if self._states is None:
             rows = (self.host.runtime_store(STATE_ROWS).get("rows")
                     if compile_marks.KEEP_EAGER_KERNELS and torch.compiler.is_compiling() else None)
-            if rows:  # (`compile_step`'s trace: see STATE_ROWS)
+            if rows and self.layout.positions is not None:  # (`compile_step`'s trace: see STATE_ROWS)
                 state = self.host.state
                 self._states = [s if s is not None else state[p]
                                 for s, p in zip(map(rows.__getitem__, self.layout.positions), self.params)]
@@ -314,8 +315,9 @@ class Step:
                     groups.append(g)
                     group_ids.append(gid)
                     ranges.append((start, start + n))
+            at = self.layout.positions
             layout = Layout((self.layout.key, cache_key), [self.params[i] for i in idx], groups, group_ids, ranges,
-                            [self.names[i] for i in idx])
+                            [self.names[i] for i in idx], None if at is None else [at[i] for i in idx])
             self.layout.cache[cache_key] = layout
         sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
         sub.proceed, sub.checked, sub.cancelled = self.proceed, self.checked, frozenset()  # (the linter does not look inside Masked)
