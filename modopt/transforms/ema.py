@@ -34,10 +34,10 @@ EmaInit = Literal["zeros", "update"]
 
 
 def _lerp_op(updates: list[torch.Tensor]) -> bool:
-    """Whether `compile_step` is tracing with the EMA op declared (`compiled.LERP`, aten's lerp as eager runs
-    it) for these plain tensors (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp)."""
-    return (torch.compiler.is_compiling() and compiled.keeps_fused() and compiled.LERP is not None
-            and not distributed.any_sharded(updates))
+    """Whether a trace (the caller checked `torch.compiler.is_compiling()`, so the eager step makes no call
+    here) is `compile_step`'s with the EMA op declared (`compiled.LERP`, aten's lerp as eager runs it) for
+    these plain tensors (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp)."""
+    return compiled.keeps_fused() and compiled.LERP is not None and not distributed.any_sharded(updates)
 
 
 class _NormEMA(Scoped, abstract=True):
@@ -62,7 +62,7 @@ class _NormEMA(Scoped, abstract=True):
         nu = nu.abs() if signed else nu
         # compiled by `compile_step`: aten's lerp in place inside one op (`compiled.ema_lerp_`), which cleans
         # what it reads itself (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp)
-        in_op = self.ema_init == "zeros" and _lerp_op(updates)
+        in_op = self.ema_init == "zeros" and torch.compiler.is_compiling() and _lerp_op(updates)
         # a step the device skips: zeros, weighed by 0 below (one pass, only then)
         reads = updates if in_op else ctx.cleaned(updates)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
@@ -299,7 +299,7 @@ class ClipValueByEMA(Transform):
             if any(f is not None for f in flags):
                 self._from_update(ctx, st, updates, m, flags, fresh)
                 return self._clamp(st, updates, m)
-        if _lerp_op(updates) and all(mi.dtype in _EXACT_WEIGHT for mi in m):
+        if torch.compiler.is_compiling() and _lerp_op(updates) and all(mi.dtype in _EXACT_WEIGHT for mi in m):
             # compiled by `compile_step`: aten's lerp in place inside one op, as eager rounds it (`ema_lerp_`);
             # a 0-d weight of m's dtype is the eager scalar's (exact in float32/64), 0 on a skipped step
             w = 1.0 - self.beta
