@@ -280,11 +280,12 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(monkey
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device_path"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["mission", "NormalizeByEMA+Adam", "ClipValueByEMA+Adam"])
+@pytest.mark.parametrize("name", ["mission", "NormalizeByEMA+Adam", "ClipValueByEMA+Adam",
+                                  "ClipNormByEMA(ema_init='update')+Adam"])
 def test_the_ema_op_gives_the_eager_bits_in_every_dtype(name, dtype, device_path):
-    """`modopt::lerp_` (the EMA of `ClipNormByEMA` / `NormalizeByEMA` / `ClipValueByEMA`) in float32, float64
-    and bfloat16, on the CPU's path and the device path: parameters and every state tensor equal to
-    eager's, the NaN step skipped alike."""
+    """`modopt::lerp_` (the EMA of `ClipNormByEMA` / `NormalizeByEMA` / `ClipValueByEMA`, and an EMA that starts
+    at the first update) in float32, float64 and bfloat16, on the CPU's path and the device path:
+    parameters and every state tensor equal to eager's, the NaN step skipped alike."""
     import contextlib
 
     from modopt.core import hostdata
@@ -294,7 +295,9 @@ def test_the_ema_op_gives_the_eager_bits_in_every_dtype(name, dtype, device_path
                     "EMA's dtype is another number, so the compiled step keeps inductor's lerp there")
     pipelines = {"mission": DEFERRED["mission"][0],
                  "NormalizeByEMA+Adam": lambda: [mo.NormalizeByEMA(), mo.Adam(lr=1e-2)],
-                 "ClipValueByEMA+Adam": lambda: [mo.ClipValueByEMA(), mo.Adam(lr=1e-2)]}
+                 "ClipValueByEMA+Adam": lambda: [mo.ClipValueByEMA(), mo.Adam(lr=1e-2)],
+                 "ClipNormByEMA(ema_init='update')+Adam": lambda: [mo.ClipNormByEMA(ema_init="update"),
+                                                                   mo.Adam(lr=1e-2)]}
     sides = []
     for compiled in (False, True):
         ps = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]

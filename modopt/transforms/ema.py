@@ -61,10 +61,11 @@ class _NormEMA(Scoped, abstract=True):
         nu = seg.reduce(updates, self.ord)
         nu = nu.abs() if signed else nu
         # compiled by `compile_step`: aten's lerp in place inside one op (`compiled.ema_lerp_`), which cleans
-        # what it reads itself (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp)
-        in_op = self.ema_init == "zeros" and torch.compiler.is_compiling() and _lerp_op(updates)
+        # what it reads itself (a custom op has no DTensor sharding rule: sharded EMAs take the traced lerp);
+        # ema_init="update" cleans first all the same: its first EMA is the update itself
+        in_op = torch.compiler.is_compiling() and _lerp_op(updates)
         # a step the device skips: zeros, weighed by 0 below (one pass, only then)
-        reads = updates if in_op else ctx.cleaned(updates)
+        reads = updates if in_op and self.ema_init == "zeros" else ctx.cleaned(updates)
         # a segment whose norm overflowed (or is non-finite, possible only with nonfinite="ignore")
         # leaves the EMA as it is: its lerp weight is 0, chosen on device (no host sync);
         # `nu < inf` is "finite" for a norm (NaN compares false)
@@ -92,7 +93,7 @@ class _NormEMA(Scoped, abstract=True):
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
         if in_op:
-            compiled.LERP(m, updates, weights, ctx.skip)
+            compiled.LERP(m, reads, weights, ctx.skip)
         elif torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
             for mi, ui, wi in zip(m, reads, weights):
                 mi.lerp_(ui, wi)
