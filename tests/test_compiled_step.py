@@ -59,6 +59,9 @@ PIPELINES = {
     "ClipNorm+Adam": lambda: [mo.ClipNorm(1.0), mo.Adam(lr=1e-2)],
     "ClipNorm+AdamW(amsgrad)": lambda: [mo.ClipNorm(0.5), mo.AdamW(lr=1e-2, amsgrad=True, weight_decay=0.1)],
     "Adam": lambda: [mo.Adam(lr=1e-2, weight_decay=0.01)],
+    "ClipValue+Adam": lambda: [mo.ClipValue(0.5), mo.Adam(lr=1e-2)],
+    "Normalize+Adam": lambda: [mo.Normalize(), mo.Adam(lr=1e-2)],
+    "ClipNormByRMS+AdamW": lambda: [mo.ClipNormByRMS(1.0), mo.AdamW(lr=1e-2)],
 }
 
 

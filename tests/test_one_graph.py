@@ -1,6 +1,7 @@
 """One graph: a scheduler that changes hyperparameters reruns the compiled step, it does
-not recompile it. One compile here (compiles are slow on a CPU); `tests/test_device_skip.py` checks that
-`fullgraph=True` equals eager for the benchmark pipelines."""
+not recompile it; every conformance example compiled to one graph, by `torch.compile` and by
+`mo.compile_step`, equal to eager. One compile per case (compiles are slow on a CPU);
+`tests/test_device_skip.py` checks that `fullgraph=True` equals eager for the benchmark pipelines."""
 
 from __future__ import annotations
 
@@ -80,19 +81,22 @@ def _examples():
     return [(n, t) for n, t in base_examples() if n != "TorchOptimizer" and t.skips_on_device()]
 
 
+@pytest.mark.parametrize("how", ["torch.compile", "compile_step"])
 @pytest.mark.parametrize("name,t", _examples(), ids=[n for n, _ in _examples()])
-def test_every_transform_compiles_to_one_graph_equal_to_eager(name, t):
-    """`torch.compile(opt.step, fullgraph=True)` with the defaults, for each conformance example: equal to
-    eager within rounding over 8 steps with a StepLR scheduler, two NaN steps (one element of one tensor)
-    skipped on the device, and a skipped step leaves the compiled optimizer's whole state bit for bit."""
+def test_every_transform_compiles_to_one_graph_equal_to_eager(name, t, how):
+    """`torch.compile(opt.step, fullgraph=True)` with the defaults, and `mo.compile_step(opt)` (the eager
+    kernels kept as ops, each state by its position), for each conformance example: equal to eager within
+    rounding over 8 steps with a StepLR scheduler, two NaN steps (one element of one tensor) skipped on
+    the device, and a skipped step leaves the compiled optimizer's whole state bit for bit."""
     from checks import assert_same
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     counts_every_call = any(type(x).on_host_skip is not mo.Transform.on_host_skip for _, x in walk([t]))
     a, b = _model(), _model()
     eager = mo.Modular(list(a.named_parameters()), *_pipeline(t))
     comp = mo.Modular(list(b.named_parameters()), *_pipeline(t))
-    step = torch.compile(comp.step, fullgraph=True)
+    step = torch.compile(comp.step, fullgraph=True) if how == "torch.compile" else mo.compile_step(comp)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (eager, comp)]
     for k in range(8):
         _backward(a, k)
@@ -108,6 +112,7 @@ def test_every_transform_compiles_to_one_graph_equal_to_eager(name, t):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert int(comp.stats["skipped_steps"]) == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # (a graph ran, not eager code)
 
 
 def test_torch_optimizer_steps_outside_the_graph_and_says_so_under_fullgraph():

@@ -31,9 +31,8 @@ TIMEOUT_S = 240
 REDUCED = ("Orthogonalize-bf16-ClipNorm-SGD", "Orthogonalize-NorMuon-SGD", "Orthogonalize-NorMuon-larger-SGD",
            "AdaMuon-float32")
 
-#: cases without a DTensor path to compare: AdaMuon's flattens each orthogonalized DTensor, which DTensor refuses
-#: for an unevenly sharded matrix (the 5x8 one)
-OWNER_ONLY = ("AdaMuon-float32",)
+#: cases without a DTensor path to compare
+OWNER_ONLY: tuple[str, ...] = ()
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
