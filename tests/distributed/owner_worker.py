@@ -195,9 +195,20 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
             "params": [full(p) for p in model.parameters()], "error": None}
 
 
-def run_dcp(mesh, rank: int, ckpt_dir: str) -> dict:
-    """Muon (owner path) under FSDP2: 2 steps, dcp.save, 2 more (straight); a fresh model and optimizer load
-    the checkpoint and take the same 2 (resumed). The momentum buffers are sharded DTensors."""
+#: the pipelines `run_dcp` saves and resumes (owner path): Muon's momentum, NorMuon's per-row second moments,
+#: AdaMuon's elementwise ones
+DCP_PIPELINES = {
+    "Muon": lambda: [mo.Muon(0.05, sharded="owner")],
+    "NorMuon": lambda: [mo.Momentum(0.95), mo.Orthogonalize(ns_dtype="float32", sharded="owner"), mo.NorMuon(),
+                        mo.SGD(lr=0.05)],
+    "AdaMuon": lambda: [mo.AdaMuon(0.05, ns_dtype="float32", sharded="owner")],
+}
+
+
+def run_dcp(mesh, rank: int, ckpt_dir: str, pipeline: str = "Muon") -> dict:
+    """A pipeline of `DCP_PIPELINES` (owner path) under FSDP2: 2 steps, dcp.save, 2 more (straight); a fresh
+    model and optimizer load the checkpoint and take the same 2 (resumed). The state buffers of a sharded
+    parameter are sharded DTensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import distribute_tensor
@@ -212,7 +223,7 @@ def run_dcp(mesh, rank: int, ckpt_dir: str) -> dict:
     def fresh():
         model = make_model()
         shard(model, mesh)
-        return model, mo.Modular(param_groups(model), mo.Muon(0.05, sharded="owner"))
+        return model, mo.Modular(param_groups(model), *DCP_PIPELINES[pipeline]())
 
     model, opt = fresh()
     steps(model, opt, range(2))
@@ -254,7 +265,8 @@ def run_all(mode: str, mesh=None, rank: int = 0, dp_rank: int = 0, dp_size: int 
                                   for n, p in model.named_parameters() if p.dim() >= 2}
         for key, fn in (("__skip__/owner", lambda: run_skip(mode, mesh, rank, "owner")),
                         ("__skip__/dtensor", lambda: run_skip(mode, mesh, rank, "dtensor")),
-                        ("__dcp__", lambda: run_dcp(mesh, rank, ckpt))):
+                        *((f"__dcp__/{name}", lambda name=name: run_dcp(mesh, rank, f"{ckpt}-{name}", name))
+                          for name in DCP_PIPELINES)):
             try:
                 results[key] = fn()
             except Exception:

@@ -120,11 +120,13 @@ def test_skipped_step_changes_nothing_without_a_sync(job):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-2)  # (bfloat16 Newton-Schulz: see above)
 
 
-def test_dcp_resume_is_bit_for_bit(job):
-    """Muon's momentum buffers are sharded DTensors: saved and loaded with torch.distributed.checkpoint, the
-    resumed run takes the same steps as the straight one, bit for bit."""
+@pytest.mark.parametrize("pipeline", list(w.DCP_PIPELINES))
+def test_dcp_resume_is_bit_for_bit(job, pipeline):
+    """The state buffers of Muon (momentum), NorMuon (momentum and per-row second moments) and AdaMuon
+    (momentum and elementwise second moments) are sharded DTensors: saved and loaded with
+    torch.distributed.checkpoint, the resumed run takes the same steps as the straight one, bit for bit."""
     mode, results = job
-    got = results["__dcp__"]
+    got = results[f"__dcp__/{pipeline}"]
     assert got["error"] is None, got["error"]
     assert got["sharded_buffers"] > 0
     for a, b in zip(got["straight"], got["resumed"]):
