@@ -991,8 +991,8 @@ class AdaMuon(_OwnerRank):
                 if i in owned:
                     o, v = owned[i], local(v)
                 else:  # row-major, as the reference's flattened copy: the norm below adds up in its order
-                    # (a copy, not `reshape(-1)`: DTensor refuses to flatten a matrix sharded unevenly; laid out
-                    # as the moment it is written into, which DTensor's in-place ops require)
+                    # (row-major by `contiguous()`, not `reshape(-1)`: DTensor refuses to flatten a matrix sharded
+                    # unevenly; laid out as the moment it is written into, as DTensor's in-place ops require)
                     o = placed_like(self.orthogonalized(mat).contiguous().view(p.shape), v)
                 new_v = v * beta2 if skip is not None else v.mul_(beta2)
                 new_v.addcmul_(o, o, value=1 - beta2)
