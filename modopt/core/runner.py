@@ -688,7 +688,8 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
         for p, g in zip(params, grads):  # (the scans above run at C level: no Python call per tensor)
             if g.is_sparse:
                 raise RuntimeError(f"modopt does not support sparse gradients (parameter {_where(layout, p)})")
-            if 0 in g.stride() and torch._debug_has_internal_overlap(g) == 1:
+            # (a DTensor's gradient is FSDP2's or DTensor's own, never expanded; dynamo cannot trace its strides)
+            if not distributed.is_sharded(g) and 0 in g.stride() and torch._debug_has_internal_overlap(g) == 1:
                 # an expanded gradient (`t.expand(...)`): elements share memory, so no transform could write it
                 # in place; the step works on a copy of its own, as torch's kernels read such a gradient whole
                 p.grad = g.contiguous()

@@ -1,7 +1,8 @@
 """Worker of the distributed tests: ``python dist_worker.py MODE PORT OUT`` spawns 2 gloo ranks on 127.0.0.1.
 
 MODE is ``ddp``, ``fsdp``, ``fsdp-dcp`` (checkpoint and resume with
-torch.distributed.checkpoint, see :func:`run_dcp`) or ``single`` (the
+torch.distributed.checkpoint, see :func:`run_dcp`), ``fsdp-compiled`` (the step compiled, see
+:func:`run_compiled`) or ``single`` (the
 single-process reference, no process group). Every case of :data:`CASES` trains the same small model for
 ``STEPS`` steps on the same data; under DDP/FSDP each rank sees its half of the
 batch and the wrapper averages the gradients, so the full-batch gradient (and
@@ -341,8 +342,48 @@ def run_dcp(rank: int, ckpt_dir: str) -> dict:
     return results
 
 
+#: pipelines whose step is compiled under FSDP2 (mode ``fsdp-compiled``), each by both ways of compiling
+COMPILED_CASES = {
+    "ClipNorm-Adam": skip_pipeline,
+    "mission": lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=0.01)],
+}
+
+
+def run_compiled(rank: int) -> dict:
+    """FSDP2 with the step compiled (`torch.compile(opt.step, fullgraph=True)`, `mo.compile_step(opt)`), the
+    default policy: at NAN_STEP rank 1 alone puts a NaN into its local shard of a gradient, and every rank
+    must skip that step, as `run_skip`'s eager step does."""
+    results: dict = {}
+    for name, pipeline in COMPILED_CASES.items():
+        for how in ("torch.compile", "compile_step"):
+            try:
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                model, opt = _sharded(pipeline())
+                step = torch.compile(opt.step, fullgraph=True) if how == "torch.compile" else mo.compile_step(opt)
+                skipped = []
+                for k in range(SKIP_STEPS):
+                    x, y = rank_batch(k, rank)
+                    opt.zero_grad()
+                    (model(x) - y).pow(2).mean().backward()
+                    if k == NAN_STEP and rank == 1:
+                        local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
+                        local.view(-1)[0] = float("nan")
+                    step()
+                    skipped.append(bool(opt.stats["skipped"]))
+                results[f"{name}/{how}"] = {
+                    "params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,
+                    "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "error": None}
+            except Exception:
+                results[f"{name}/{how}"] = {"error": traceback.format_exc()}
+    return results
+
+
 def _rank_main(rank: int, mode: str, out: str) -> None:
-    results = run_dcp(rank, out + ".dcp") if mode == "fsdp-dcp" else run_all(mode, rank)
+    if mode == "fsdp-compiled":
+        results = run_compiled(rank)
+    else:
+        results = run_dcp(rank, out + ".dcp") if mode == "fsdp-dcp" else run_all(mode, rank)
     if rank == 0:
         torch.save(results, out)
 

@@ -183,3 +183,31 @@ def test_fsdp2_dcp_save_load_resumes_bit_exactly(fsdp_dcp, case):
     assert got["sharded_buffers"] > 0, "the per-parameter buffers must be DTensors (sharded), or FSDP2 was not exercised"
     for i, (a, b) in enumerate(zip(got["straight"], got["resumed"])):
         assert torch.equal(a, b), f"{case}, parameter {i}: max diff {(a - b).abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_compiled(tmp_path_factory):
+    return run_mode("fsdp-compiled", tmp_path_factory.mktemp("fsdp-compiled"))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "compile_step"])
+@pytest.mark.parametrize("case", list(dist_worker.COMPILED_CASES))
+def test_fsdp2_compiled_step_skips_on_every_rank_and_matches_eager(fsdp_compiled, case, how):
+    """The step compiled under FSDP2 (a DTensor's gradient: its sharded statistics and the device-side skip
+    traced into the graph): a NaN in one rank's shard skips that step on both ranks, and the run ends, within
+    rounding, where the single-process eager run without that step ends."""
+    got = fsdp_compiled[f"{case}/{how}"]
+    assert got["error"] is None, got["error"]
+    assert got["graphs"] >= 1  # (a graph ran, not the eager step)
+    assert got["skipped"] == [k == dist_worker.NAN_STEP for k in range(dist_worker.SKIP_STEPS)]
+    model = dist_worker.make_model()
+    opt = mo.Modular(dist_worker.param_groups(model), *dist_worker.COMPILED_CASES[case]())
+    for step in range(dist_worker.SKIP_STEPS):
+        if step == dist_worker.NAN_STEP:
+            continue
+        x, y = dist_worker.batch(step)
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    for i, (a, b) in enumerate(zip(model.parameters(), got["params"])):
+        torch.testing.assert_close(b, a.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"parameter {i}: {m}")
