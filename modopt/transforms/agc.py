@@ -107,8 +107,11 @@ class AGC(Transform):
                 continue
             dims = unit_dims(u)
             acc = acc_dtype(u.dtype)
-            nu = torch.linalg.vector_norm(u, 2, dim=dims, keepdim=True, dtype=acc)
-            nw = torch.linalg.vector_norm(p.detach(), 2, dim=dims, keepdim=True, dtype=acc_dtype(p.dtype)).to(acc)
+            # a whole-tensor unit's factor is 0-d (a DTensor shard is scaled by a replicated scalar in place; a
+            # replicated 1-element factor would need the shard's placement, which DTensor refuses)
+            keep = dims is not None
+            nu = torch.linalg.vector_norm(u, 2, dim=dims, keepdim=keep, dtype=acc)
+            nw = torch.linalg.vector_norm(p.detach(), 2, dim=dims, keepdim=keep, dtype=acc_dtype(p.dtype)).to(acc)
             allowed = nw.clamp(min=self.eps) * self.clipping
             over = nu > allowed
             scale = torch.where(over, allowed / nu.clamp(min=1e-6), const(1.0, nu))

@@ -61,6 +61,9 @@ def cases() -> dict[str, list]:
         "Cautious-c_optim-SGD": [mo.SGD(lr=0.1, momentum=0.9), mo.Cautious("c_optim")],
         "Cautious-heavyball-CautiousWeightDecay": [mo.Adam(lr=0.01), mo.Cautious("heavyball"),
                                                    mo.CautiousWeightDecay(0.1)],
+        # per-unit norms (each row of a matrix, each element of a vector) of a parameter sharded on dim 0: local
+        # to a rank; 0.01 clips some units and not others
+        "AGC": [mo.AGC(0.01), mo.SGD(lr=0.1)],
         "Masked-routing": [
             mo.Masked(mo.SGD(lr=0.1, momentum=0.9), where=mo.Select(groups=[0])),
             mo.Masked(mo.ClipNorm(0.05, scope="group"), mo.Adam(lr=0.01), where=mo.Select(groups=[1])),
