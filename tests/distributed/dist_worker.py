@@ -271,19 +271,29 @@ def run_skip(rank: int) -> dict:
     from modopt.core import runner
 
     model, opt = _sharded(skip_pipeline())
-    skipped = []
-    for step in range(SKIP_STEPS):
-        x, y = rank_batch(step, rank)
-        opt.zero_grad()
-        (model(x) - y).pow(2).mean().backward()
-        if step == NAN_STEP and rank == 1:
-            local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
-            local.view(-1)[0] = float("nan")
+
+    def step() -> None:
         with runner.device_path(), Syncs():  # the device path (a GPU's): on a CPU the host reads the decision
             opt.step()
-        skipped.append(bool(opt.stats["skipped"]))
+    skipped = _steps_with_a_nan(model, opt, step, rank)
     return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,
             "syncs": Syncs.n, "on_device": opt._skip_on_device, "error": None}
+
+
+def _steps_with_a_nan(model, opt, step, rank: int) -> list[bool]:
+    """SKIP_STEPS steps of `step()` on FSDP2, rank 1 alone putting a NaN into its local shard of a gradient at
+    NAN_STEP; whether each step was skipped."""
+    skipped = []
+    for k in range(SKIP_STEPS):
+        x, y = rank_batch(k, rank)
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        if k == NAN_STEP and rank == 1:
+            local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
+            local.view(-1)[0] = float("nan")
+        step()
+        skipped.append(bool(opt.stats["skipped"]))
+    return skipped
 
 
 #: pipelines checkpointed with torch.distributed.checkpoint under FSDP2 (mode ``fsdp-dcp``)
@@ -364,16 +374,7 @@ def run_compiled(rank: int) -> dict:
                 torch._dynamo.utils.counters.clear()
                 model, opt = _sharded(pipeline())
                 step = torch.compile(opt.step, fullgraph=True) if how == "torch.compile" else mo.compile_step(opt)
-                skipped = []
-                for k in range(SKIP_STEPS):
-                    x, y = rank_batch(k, rank)
-                    opt.zero_grad()
-                    (model(x) - y).pow(2).mean().backward()
-                    if k == NAN_STEP and rank == 1:
-                        local = next(p.grad.to_local() for p in model.parameters() if p.grad.to_local().numel())
-                        local.view(-1)[0] = float("nan")
-                    step()
-                    skipped.append(bool(opt.stats["skipped"]))
+                skipped = _steps_with_a_nan(model, opt, step, rank)
                 results[f"{name}/{how}"] = {
                     "params": [p.full_tensor().detach().clone() for p in model.parameters()], "skipped": skipped,
                     "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "error": None}
