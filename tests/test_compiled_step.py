@@ -288,14 +288,15 @@ def test_the_compiled_step_counts_on_from_a_replaced_or_loaded_step_count(monkey
 def test_the_ema_op_gives_the_eager_bits_in_every_dtype(name, dtype, device_path):
     """`modopt::lerp_` (the EMA of `ClipNormByEMA` / `NormalizeByEMA` / `ClipValueByEMA`, and an EMA that starts
     at the first update) in float32, float64 and bfloat16, on the CPU's path and the device path:
-    parameters and every state tensor equal to eager's, the NaN step skipped alike."""
+    parameters and every state tensor equal to eager's, the NaN step skipped alike. One exception, within
+    bfloat16's rounding instead: `ClipValueByEMA` in bfloat16, whose eager lerp takes its weight as a float
+    that a 0-d bfloat16 weight cannot hold, so the compiled step keeps inductor's lerp there."""
     import contextlib
 
     from modopt.core import hostdata
 
-    if name == "ClipValueByEMA+Adam" and dtype == torch.bfloat16:
-        pytest.skip("ClipValueByEMA's eager lerp takes its weight as a float: in bfloat16 a 0-d weight of the "
-                    "EMA's dtype is another number, so the compiled step keeps inductor's lerp there")
+    exact = not (name == "ClipValueByEMA+Adam" and dtype == torch.bfloat16)
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-4))
     pipelines = {"mission": DEFERRED["mission"][0],
                  "NormalizeByEMA+Adam": lambda: [mo.NormalizeByEMA(), mo.Adam(lr=1e-2)],
                  "ClipValueByEMA+Adam": lambda: [mo.ClipValueByEMA(), mo.Adam(lr=1e-2)],
@@ -315,12 +316,12 @@ def test_the_ema_op_gives_the_eager_bits_in_every_dtype(name, dtype, device_path
                 _quiet(step)
         sides.append((ps, opt))
     (pe, oe), (pc, oc) = sides
-    assert all(torch.equal(a, b) for a, b in zip(pe, pc))
+    assert all(same(a, b) for a, b in zip(pe, pc))
     se, sc = oe.state_dict()["state"], oc.state_dict()["state"]
     for i in se:
         for k, v in se[i].items():
             if isinstance(v, torch.Tensor):
-                assert torch.equal(sc[i][k], v), (i, k)
+                assert same(sc[i][k], v), (i, k)
     assert int(oc.stats["skipped_steps"]) == int(oe.stats["skipped_steps"]) == len(BAD_STEPS)
 
 
