@@ -212,6 +212,33 @@ def test_bad_seed_or_baseline_options_run_nothing(tmp_path, capsys, extra, messa
     assert not out.exists()
 
 
+def single_config(path: Path, name: str, transforms: list, steps: int = 4) -> Path:
+    """One run of the teacher-student task (no variants)."""
+    path.write_text(yaml.safe_dump({"name": name, "task": TINY_TS, "optimizer": {"transforms": transforms},
+                                    "train": {"steps": steps, "batch_size": 8}}, sort_keys=False))
+    return path
+
+
+def test_baseline_may_be_named_by_the_config_argument_of_a_single_run(tmp_path, capsys):
+    sgd = single_config(tmp_path / "plain_sgd.yaml", "plain-sgd", [{"type": "SGD", "lr": 0.05}])
+    clip = single_config(tmp_path / "clipped.yaml", "clipped", [{"type": "ClipNorm", "max_norm": 0.5},
+                                                                 {"type": "SGD", "lr": 0.05}])
+    out = tmp_path / "cmp"
+    args = ["compare", str(sgd), str(clip), "--seeds", "0", "1", "--out", str(out), "--quiet", "--no-plots"]
+    assert main([*args, "--baseline", str(sgd)]) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert data["baseline"] == "plain-sgd"
+    assert [r["vs_baseline"] and r["vs_baseline"]["baseline"] for r in data["runs"]] == [None, "plain-sgd"]
+    assert "run - plain-sgd" in capsys.readouterr().out
+    # a config argument that makes several runs names none of them
+    multi = tiny_config(tmp_path / "ts.yaml", steps=4)
+    out2 = tmp_path / "cmp2"
+    assert main(["compare", str(multi), "--seeds", "0", "--out", str(out2), "--quiet", "--no-plots",
+                 "--baseline", str(multi)]) == 1
+    assert f"--baseline {multi}: no run is named so" in capsys.readouterr().err
+    assert not out2.exists()
+
+
 def test_train_seeds_are_validated(tmp_path, capsys):
     for seeds, message in (([], "train.seeds"), ([1, 1], "seeds must be distinct"), ([-1], "train.seeds.0")):
         cfg = tiny_config(tmp_path / "ts.yaml", steps=4, seeds=seeds)

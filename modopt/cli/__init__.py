@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="config files or shipped examples' names (modopt examples)")
     p.add_argument("--out", help="directory for the runs, the tables, the plot and report.html (default runs/compare-<time>)")
     _add_seed_args(p)
-    p.add_argument("--baseline", metavar="NAME", help="also give each run's paired difference to the run NAME over the same seeds")
+    p.add_argument("--baseline", metavar="NAME", help="also give each run's paired difference to the run NAME over the same seeds (a run's "
+                   "name as the tables show it, or the CONFIG argument of a config that makes one run)")
     p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
     _add_run_args(p)
 

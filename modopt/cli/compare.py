@@ -253,8 +253,10 @@ def footnote(spike: dict[str, Any], baseline: str | None = None) -> str:
 
 
 # --- compare -------------------------------------------------------------------------------
-def plan_compare(configs: list[str], overrides: Any, seeds: list[int] | None, trust_imports: bool) -> list[tuple[str, Experiment, list[int]]]:
-    """`(label, experiment, seeds)` of every config / variant; every name and seed checked, nothing run."""
+def plan_compare(configs: list[str], overrides: Any, seeds: list[int] | None, trust_imports: bool,
+                 sources: dict[str, list[str]] | None = None) -> list[tuple[str, Experiment, list[int]]]:
+    """`(label, experiment, seeds)` of every config / variant; every name and seed checked, nothing run.
+    `sources`, when given, receives each config argument's run labels."""
     check_seeds(seeds)
     runs = []
     labels: set[str] = set()
@@ -272,11 +274,18 @@ def plan_compare(configs: list[str], overrides: Any, seeds: list[int] | None, tr
                 raise ConfigError(f"two runs are named {label!r}; give the configs distinct names")
             labels.add(label)
             runs.append((label, one, seeds_of(one, seeds, getattr(overrides, "seed", None))))
+            if sources is not None:
+                sources.setdefault(path, []).append(label)
     return runs
 
 
-def _check_baseline(baseline: str, runs: list[tuple[str, Experiment, list[int]]]) -> None:
+def _check_baseline(baseline: str, runs: list[tuple[str, Experiment, list[int]]],
+                    sources: dict[str, list[str]]) -> str:
+    """The run `--baseline` names: a run's name as the table shows it, or the config argument (a path or
+    an example's name, as given) of a config that makes one run. Its seeds checked against every run's."""
     names = [label for label, _, _ in runs]
+    if baseline not in names and len(sources.get(baseline, ())) == 1:
+        baseline = sources[baseline][0]
     if baseline not in names:
         from ..core.transform import did_you_mean
 
@@ -286,6 +295,7 @@ def _check_baseline(baseline: str, runs: list[tuple[str, Experiment, list[int]]]
         if not base_seeds & set(s):
             raise ConfigError(f"--baseline {baseline}: {label} shares no seed with it ({label}: {s}, {baseline}: "
                               f"{sorted(base_seeds)}); a paired difference needs the same seeds (give --seeds)")
+    return baseline
 
 
 def compare(
@@ -303,9 +313,10 @@ def compare(
     command: str | None = None,
 ) -> str:
     """Run every experiment (every variant of each) over its seeds under `out`; write and return the tables."""
-    planned = plan_compare(configs, overrides, seeds, trust_imports)
+    sources: dict[str, list[str]] = {}
+    planned = plan_compare(configs, overrides, seeds, trust_imports, sources)
     if baseline is not None:
-        _check_baseline(baseline, planned)
+        baseline = _check_baseline(baseline, planned, sources)
     check_kind(out, "compare")
     prepare_dir(out, force=True)
     todo = [Job(label, s, seeded(exp, s), out / label / f"seed-{s}") for label, exp, ss in planned for s in ss]
