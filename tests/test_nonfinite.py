@@ -120,8 +120,9 @@ def test_zero_policy_equals_zeroing_the_gradient_first():
 def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
     """`Step.clean_`'s grouping (`runner._clean_small_together`): small plain tensors of one dtype and device
     are cleaned as one concatenation and copied back. Every tensor ends up as its own `nan_to_num_` would
-    leave it (NaN, +inf, -inf to 0; -0.0 and every finite value kept, as bits), non-contiguous ones included;
-    large tensors and groups of fewer than three are left to clean one by one."""
+    leave it (NaN, +inf, -inf to 0; -0.0 and every finite value kept, as bits), strided 1-D ones included;
+    large tensors, tensors of more dimensions that are not contiguous and groups of fewer than three are left
+    to clean one by one."""
     from modopt.core import runner
 
     g = torch.Generator().manual_seed(seed)
@@ -135,6 +136,10 @@ def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
         ts.append(t)
     ts.append(torch.randn(6, 4, generator=g).T)  # non-contiguous, float32
     ts[-1][1, 2] = float("nan")
+    ts.append(torch.randn(5, 3, generator=g))  # contiguous, float32
+    ts[-1][4, 0] = float("inf")
+    ts.append(torch.randn(40, generator=g)[::2])  # 1-D, strided, float32
+    ts[-1][7] = float("nan")
     want = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in ts]
     rest = runner._clean_small_together(ts)
     for t in rest:
@@ -142,10 +147,12 @@ def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
     for t, w in zip(ts, want):
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         assert torch.equal(t.contiguous().view(bits), w.contiguous().view(bits))
-    # grouped: the four small float32 tensors (the non-contiguous one among them) and the three small float64
-    # ones; left: the large ones and the small bfloat16 and float16 pairs (two of a dtype: not worth a group)
+    # grouped: the three small 1-D float32 tensors, the 2-D contiguous one, and the three small float64 ones;
+    # left: the large ones, the 2-D non-contiguous one (no 1-D alias) and the small bfloat16 and float16 pairs
+    # (two of a dtype: not worth a group)
     assert {id(t) for t in rest} == {id(t) for t in ts if t.numel() > runner.SMALL_CLEAN
-                                     or t.dtype in (torch.bfloat16, torch.float16)}
+                                     or t.dtype in (torch.bfloat16, torch.float16)
+                                     or (t.dim() > 1 and not t.is_contiguous())}
 
 
 # --- the default non-finite check -----------------------------------------------------

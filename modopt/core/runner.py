@@ -89,11 +89,16 @@ SMALL_CLEAN = 2048
 def _clean_small_together(updates: list[torch.Tensor]) -> list[torch.Tensor]:
     """Clean (`nan_to_num_` to 0) the small plain tensors of `updates` together, per dtype and device, when
     there are at least three of them; returns the tensors left to clean one by one. The same values as one
-    `nan_to_num_` each (elementwise), in three ops (a concatenation, the cleaning, a `_foreach_copy_`)."""
+    `nan_to_num_` each (elementwise), in three ops (a concatenation, the cleaning, a `_foreach_copy_`).
+    Each tensor takes part through a 1-D alias (itself when it is 1-D), which the concatenation reads and
+    the copy writes: no view of the cleaned pieces in the tensors' shapes (about 2 us each on a CPU, more
+    than cleaning 2048 elements). A tensor of more dimensions that is not contiguous has no such alias and
+    is left to clean alone."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     rest = []
     for u in updates:
-        if type(u) is torch.Tensor and u.numel() <= SMALL_CLEAN:  # (not a DTensor shard or a subclass)
+        # (a plain tensor: not a DTensor shard or a subclass)
+        if type(u) is torch.Tensor and u.numel() <= SMALL_CLEAN and (u.dim() == 1 or u.is_contiguous()):
             groups[(u.dtype, u.device)].append(u)
         else:
             rest.append(u)
@@ -101,8 +106,9 @@ def _clean_small_together(updates: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(small) < 3:
             rest += small
             continue
-        flat = torch.nan_to_num_(torch.cat([u.reshape(-1) for u in small]), nan=0.0, posinf=0.0, neginf=0.0)
-        torch._foreach_copy_(small, [f.view(u.shape) for f, u in zip(flat.split([u.numel() for u in small]), small)])
+        flats = [u if u.dim() == 1 else u.view(-1) for u in small]
+        flat = torch.nan_to_num_(torch.cat(flats), nan=0.0, posinf=0.0, neginf=0.0)
+        torch._foreach_copy_(flats, flat.split(list(map(torch.Tensor.numel, flats))))
     return rest
 
 

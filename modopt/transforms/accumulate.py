@@ -165,14 +165,19 @@ class Accumulate(Transform):
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for group in plan.groups:
-            pieces = [updates[i].reshape(-1) for i in group.index]
+            pieces = [u if u.dim() == 1 else u.reshape(-1) for u in map(updates.__getitem__, group.index)]
             if group.count:
                 pieces.append(plan.one)
             flat = torch.cat(pieces)
             if flat.dtype != group.dtype:
                 flat = flat.to(group.dtype)
             flat.masked_fill_(skip, 0)
-            src += map(torch.Tensor.view, flat.split(group.sizes), group.shapes)
+            parts = flat.split(group.sizes)
+            if group.reshaped:  # (a view only where the sum is not 1-D: about 2 us each on a CPU)
+                parts = list(parts)
+                for j in group.reshaped:
+                    parts[j] = parts[j].view(group.shapes[j])
+            src += parts
             dst += [sums[i] for i in group.index]
             if group.count:
                 dst.append(count)
@@ -261,10 +266,12 @@ def _existing_sums(ctx: Step, key: str) -> list[torch.Tensor] | None:
 class _Group:
     """Small plain tensors of one sum dtype and device, concatenated to be filled and added together."""
 
-    __slots__ = ("index", "dtype", "sizes", "shapes", "count")
+    __slots__ = ("index", "dtype", "sizes", "shapes", "count", "reshaped")
 
     def __init__(self, index: list[int], dtype: torch.dtype, sizes: list[int], shapes: list[tuple], count: bool):
         self.index, self.dtype, self.sizes, self.shapes, self.count = index, dtype, sizes, shapes, count
+        #: the pieces (by position) whose sum is not 1-D: the concatenation's piece is viewed in its shape
+        self.reshaped = [j for j, shape in enumerate(shapes) if len(shape) != 1]
 
 
 class _Plan:
