@@ -89,7 +89,7 @@ SMALL_CLEAN = 2048
 def _clean_small_together(updates: list[torch.Tensor]) -> list[torch.Tensor]:
     """Clean (`nan_to_num_` to 0) the small plain tensors of `updates` together, per dtype and device, when
     there are at least three of them; returns the tensors left to clean one by one. The same values as one
-    `nan_to_num_` each (elementwise), in three ops (a concatenation, the cleaning, a `_foreach_copy_`).
+    `nan_to_num_` each (elementwise), in three ops (a concatenation, the cleaning, a copy into the pieces).
     Each tensor takes part through a 1-D alias (itself when it is 1-D), which the concatenation reads and
     the copy writes: no view of the cleaned pieces in the tensors' shapes (about 2 us each on a CPU, more
     than cleaning 2048 elements). A tensor of more dimensions that is not contiguous has no such alias and
@@ -108,7 +108,7 @@ def _clean_small_together(updates: list[torch.Tensor]) -> list[torch.Tensor]:
             continue
         flats = [u if u.dim() == 1 else u.view(-1) for u in small]
         flat = torch.nan_to_num_(torch.cat(flats), nan=0.0, posinf=0.0, neginf=0.0)
-        torch._foreach_copy_(flats, flat.split(list(map(torch.Tensor.numel, flats))))
+        torch.split_with_sizes_copy(flat, list(map(torch.Tensor.numel, flats)), out=flats)
     return rest
 
 
