@@ -651,6 +651,22 @@ def test_compare_and_sweep_refuse_another_commands_output(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing removed or added
 
 
+def test_an_out_that_cannot_be_a_directory_is_refused_naming_it(tmp_path, capsys):
+    """`--out` under a file: run, compare and sweep each say which directory they cannot create, without a
+    traceback, and write nothing."""
+    cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = blocker / "r"
+    for cmd in (["run", str(cfg)], ["compare", str(cfg)], ["sweep", str(cfg), "--grid", "train.steps=2"]):
+        assert run_cli(*cmd, "--out", str(out), "--quiet", "--no-plots") == 1
+        err = capsys.readouterr().err
+        assert f"{out}: cannot create the output directory (Not a directory)" in err, (cmd, err)
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "exp.yaml"]
+    assert blocker.read_text() == "not a directory"
+
+
 def test_a_checkpoint_tmp_link_placed_in_the_run_dir_is_not_followed(tmp_path):
     cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=3)
     out = tmp_path / "r"

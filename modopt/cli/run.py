@@ -328,6 +328,15 @@ def check_kind(out: Path, kind: str) -> None:
                               "to continue it)")
 
 
+def make_dir(out: Path) -> None:
+    """Create the output directory `out` (and its parents); a path that cannot be one is a `ConfigError`
+    naming it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
+
+
 def prepare_dir(out: Path, force: bool) -> None:
     """Create `out`; refuse a non-empty directory unless `force` (then clear the run files)."""
     check_dir(out, force)
@@ -338,7 +347,7 @@ def prepare_dir(out: Path, force: bool) -> None:
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
 
 
 def load_run_config(out: Path, trust_imports: bool = False) -> Experiment:
@@ -670,7 +679,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         if not resume:
             wrote["dir"] = not out.exists()
             if force is None:
-                out.mkdir(parents=True, exist_ok=True)
+                make_dir(out)
             else:
                 prepare_dir(out, force)
             wrote["files"] = True

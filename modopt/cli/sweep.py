@@ -35,7 +35,7 @@ from .compare import (
     run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
 )
 from .experiment import INT64_MAX, NAME_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
-from .run import METRIC_FIELDS, check_experiment, check_kind, load_run_config, read_jsonl
+from .run import METRIC_FIELDS, check_experiment, check_kind, load_run_config, make_dir, read_jsonl
 from .stats import LEVEL, METHOD
 
 #: paths (and what is under them) a grid may not sweep, and why
@@ -227,7 +227,7 @@ def sweep(
     ss = seeds_of(exp, seeds, getattr(overrides, "seed", None))
     points = plan_sweep(exp, grid, trust_imports)
     check_kind(out, "sweep")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     todo, reused = [], 0
     for pt in points:
         for s in ss:
