@@ -33,21 +33,63 @@ Rows = tuple[torch.Tensor, int, int]
 
 
 class _Layer:
-    """One watched attention layer: its heads, its query and key rows, the running max per head, and (with
-    `keep_inputs`) the inputs of the forwards since the last step that consumed them."""
+    """One watched attention layer: its heads, its query and key rows, the maxima per head, and (with
+    `keep_inputs`) the inputs of the forwards since the last step that consumed them.
+
+    The maxima belong to the `opt.step()` call after their forwards: `QKClip` settles them at each call
+    before the chain runs (`settle`), dropping those of a call the non-finite policy skips (`drop_call` when
+    the host decides), and consumes the rest after a write (`consume`)."""
 
     def __init__(self, name: str, heads: int, query: list[Rows], key: list[Rows], device: torch.device,
                  logits_fn: Callable[..., torch.Tensor] | None = None, keep: bool = False) -> None:
         self.name, self.heads, self.query, self.key = name, heads, query, key
-        #: `[heads]` float32: the max logit of each head over the forwards since the last clip; -inf: none seen
+        #: `[heads]` float32: the max logit of each head over the forwards recorded since the last step call
+        #: that settled them; -inf: none seen
         self.max_logits = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
+        #: `[heads]` float32: the max over the forwards of the calls since the last write that went ahead
+        #: (`Accumulate`'s micro-batches; the weights have not moved since they were measured)
+        self.held = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
         #: `logits_fn(*inputs)`: `[heads]` max logits of one forward's `inputs` at the layer's current weights
         self.logits_fn, self.keep = logits_fn, keep
         #: the inputs of the forwards since the last step (tuples, as `record(..., inputs=)` got them)
         self.kept: list[tuple[Any, ...]] = []
-        #: `[heads]` float32: the max logits of forwards whose step the device skipped, measured at the
-        #: weights of that step (unchanged by it); -inf when the last step went ahead
+        #: one entry per settled `kept` entry (the first `len(kept_skip)`): None when its call went ahead, else
+        #: the 0-d bool by which the device skipped that call (its forward is then left out of the clip)
+        self.kept_skip: list[torch.Tensor | None] = []
+        #: `[heads]` float32: the max logits of the forwards of calls that went ahead before a write the device
+        #: skipped, measured at the weights of that step (unchanged by it); -inf when the last step went ahead
         self.carry = torch.full((heads,), -math.inf, dtype=torch.float32, device=device)
+        #: the kinds of inputs (shapes, dtypes, devices) `logits_fn` has answered well for (tried before a write)
+        self.fn_checked: set[tuple[Any, ...]] = set()
+        #: the function `fn_checked` was filled by (another one starts it afresh)
+        self.fn_checked_for: Callable[..., torch.Tensor] | None = logits_fn
+        #: `logits_fn` is modopt's own (`nn.MultiheadAttention`'s): nothing to try
+        self.fn_trusted = False
+
+    def settle(self, skip: torch.Tensor | None) -> None:
+        """A step call goes ahead (`skip` None) or the device decides it (`skip`): fold the maxima recorded since
+        the last call into `held` (-inf where `skip`: a skipped call's forwards are left out) and mark the
+        inputs kept since then with `skip`."""
+        m = self.max_logits
+        torch.maximum(self.held, m if skip is None else torch.where(skip, -math.inf, m), out=self.held)
+        m.fill_(-math.inf)
+        self.kept_skip.extend([skip] * (len(self.kept) - len(self.kept_skip)))
+
+    def drop_call(self) -> None:
+        """The host skipped a step call: forget the maxima and the inputs recorded since the last call."""
+        self.max_logits.fill_(-math.inf)
+        del self.kept[len(self.kept_skip):]
+
+    def consume(self, skip: torch.Tensor | None) -> None:
+        """After the clip: reset the maxima (kept where the device skipped the write: the weights did not move,
+        so they are still measurements of them) and let the kept inputs go."""
+        if skip is None:
+            self.held.fill_(-math.inf)
+        else:
+            self.held.copy_(torch.where(skip, self.held, -math.inf))
+        if self.kept:  # (consumed; in the default mode a provider that keeps inputs must not pile them up)
+            self.kept.clear()
+            self.kept_skip.clear()
 
 
 def _flag(value: Any, door: str) -> bool:
@@ -78,7 +120,9 @@ class AttentionLogits:
     For a user's attention: `stats.watch(name, heads, query=..., key=...)` once, then
     `stats.record(name, max_logits)` in each forward with a `[heads]` tensor. Only forwards under
     grad mode (training forwards) are recorded by the hooks; the maximum runs over every recorded forward
-    (the micro-batches of a step) until `QKClip` reads it after the optimizer's write and resets it.
+    (the micro-batches of a step) until `QKClip` reads it after the optimizer's write and resets it. The
+    forwards before an `opt.step()` call that the non-finite policy skips are dropped from it. Each query or
+    key row is watched by one layer of one provider: `watch` and `attach` refuse rows watched already.
 
     `keep_inputs=True` (for `QKClip(logits="rewritten")`): each recorded forward's inputs are kept too
     (references to its query and key inputs and masks, detached; no copy) until a step consumes them, and a
@@ -107,6 +151,7 @@ class AttentionLogits:
             raise ValueError(f"AttentionLogits: heads must be a positive int (got {heads!r})")
         q = [_rows(s, heads, "query") for s in (query if _is_list(query) else [query])]
         k = [_rows(s, heads, "key") for s in (key if _is_list(key) else [key])]
+        self._refuse_watched_rows(name, q + k)
         layer = _Layer(name, heads, q, k, q[0][0].device, logits_fn, self.keep_inputs and logits_fn is not None)
         self.layers[name] = layer
         for t, _, _ in q + k:
@@ -114,18 +159,47 @@ class AttentionLogits:
             if all(e is not layer for e in entries):
                 entries.append(layer)
 
+    def _refuse_watched_rows(self, name: str, rows: list[Rows]) -> None:
+        """A `ValueError` when rows of `rows` are watched already (by this provider or another): each head's
+        rows are scaled once per watching layer, so two watchers would clip it twice."""
+        for t, a, b in rows:
+            for other in t.__dict__.get(_ATTR, ()):
+                for u, c, d in other.query + other.key:
+                    if u is t and a < d and c < b:
+                        whose = ("this provider's layer" if self.layers.get(other.name) is other
+                                 else "the layer of another AttentionLogits provider")
+                        raise ValueError(
+                            f"AttentionLogits.watch({name!r}): rows {a}:{b} of a tensor of shape {tuple(t.shape)} "
+                            f"are watched already, rows {c}:{d} by {whose} {other.name!r}; two watchers would "
+                            f"clip those heads twice. Record through that provider, or call its detach() first "
+                            f"(nothing was watched)")
+
     def record(self, name: str, max_logits: torch.Tensor, inputs: tuple[Any, ...] | None = None) -> None:
-        """Fold a forward's `[heads]` max logits into layer `name`'s running maximum (on the device). With
-        `keep_inputs` and a layer watched with `logits_fn`, `inputs` (a tuple, `logits_fn`'s arguments) is
+        """Fold a forward's max logits, a real floating-point tensor of shape `[heads]`, into layer `name`'s
+        running maximum (on the device; the arguments are checked on the host, by their metadata: no sync).
+        With `keep_inputs` and a layer watched with `logits_fn`, `inputs` (a tuple, `logits_fn`'s arguments) is
         kept until a step consumes it; its tensors are kept detached, by reference: do not write into them
         before the step."""
-        layer = self.layers[name]
+        layer = self.layers.get(name) if isinstance(name, str) else None
+        if layer is None:
+            raise ValueError(f"AttentionLogits.record({name!r}): no watched layer has this name; the watched layers "
+                             f"are {list(self.layers)} (nothing was recorded)")
+        door = f"AttentionLogits.record({name!r})"
+        if not isinstance(max_logits, torch.Tensor):
+            raise TypeError(f"{door}: max_logits must be a tensor of shape [{layer.heads}] (the layer's heads), "
+                            f"got {type(max_logits).__name__} {max_logits!r} (nothing was recorded)")
+        if not max_logits.is_floating_point():  # (complex, bool, integer: not a logit)
+            raise TypeError(f"{door}: max_logits must be a real floating-point tensor, got dtype {max_logits.dtype} "
+                            f"(nothing was recorded)")
+        if tuple(max_logits.shape) != (layer.heads,):
+            raise ValueError(f"{door}: max_logits must have shape [{layer.heads}] (one max per head), got "
+                             f"{list(max_logits.shape)} (nothing was recorded)")
         if layer.keep:
             if not isinstance(inputs, tuple):
-                raise TypeError(f"AttentionLogits.record({name!r}): the provider keeps inputs (keep_inputs=True) "
-                                f"for QKClip(logits='rewritten'): pass inputs=(...), the arguments of its logits_fn")
+                raise TypeError(f"{door}: the provider keeps inputs (keep_inputs=True) for QKClip(logits='rewritten'): "
+                                f"pass inputs=(...), the arguments of its logits_fn (nothing was recorded)")
             layer.kept.append(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in inputs))
-        m = max_logits.detach().to(device=layer.max_logits.device, dtype=torch.float32).reshape(layer.heads)
+        m = max_logits.detach().to(device=layer.max_logits.device, dtype=torch.float32)
         torch.maximum(layer.max_logits, m, out=layer.max_logits)
 
     def kept_inputs(self) -> dict[str, int]:
@@ -133,15 +207,17 @@ class AttentionLogits:
         return {n: len(layer.kept) for n, layer in self.layers.items()}
 
     def max_logits(self) -> dict[str, torch.Tensor]:
-        """Each layer's running max logit per head (a copy), by name."""
-        return {n: layer.max_logits.clone() for n, layer in self.layers.items()}
+        """Each layer's running max logit per head (a new tensor), by name: over the forwards the next write
+        clips by (those of step calls skipped for non-finite gradients left out)."""
+        return {n: torch.maximum(layer.held, layer.max_logits) for n, layer in self.layers.items()}
 
     def reset(self) -> None:
         """Forget the recorded maxima (-inf: nothing seen) and the kept inputs."""
         for layer in self.layers.values():
-            layer.max_logits.fill_(-math.inf)
-            layer.carry.fill_(-math.inf)
+            for t in (layer.max_logits, layer.held, layer.carry):
+                t.fill_(-math.inf)
             layer.kept.clear()
+            layer.kept_skip.clear()
 
     def detach(self) -> None:
         """Remove the hooks and stop watching (the parameters are left as they are)."""
@@ -149,10 +225,15 @@ class AttentionLogits:
             h.remove()
         self._handles.clear()
         for layer in self.layers.values():
-            for t, _, _ in layer.query + layer.key:
-                entries = getattr(t, _ATTR, [])
-                entries[:] = [e for e in entries if e is not layer]
+            self._unwatch(layer)
         self.layers.clear()
+
+    @staticmethod
+    def _unwatch(layer: _Layer) -> None:
+        """Take `layer` off its query and key tensors."""
+        for t, _, _ in layer.query + layer.key:
+            entries = getattr(t, _ATTR, [])
+            entries[:] = [e for e in entries if e is not layer]
 
     # --- torch.nn.MultiheadAttention -------------------------------------------------------------------
     @classmethod
@@ -166,14 +247,22 @@ class AttentionLogits:
         if stats is not None and keep_inputs is not None and keep_inputs != stats.keep_inputs:
             raise ValueError("AttentionLogits.attach: keep_inputs differs from the given provider's")
         self = stats if stats is not None else cls(keep_inputs=bool(keep_inputs))
-        found = False
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.MultiheadAttention):
-                self.watch_mha(name or "attention", mod)
-                found = True
+        found = [(name or "attention", mod) for name, mod in model.named_modules()
+                 if isinstance(mod, torch.nn.MultiheadAttention)]
         if not found:
             raise ValueError("AttentionLogits.attach: the model holds no torch.nn.MultiheadAttention; for another "
                              "attention, call stats.watch(...) and stats.record(...) (docs/modules/weights.md)")
+        names, hooks = list(self.layers), len(self._handles)
+        try:
+            for name, mod in found:
+                self.watch_mha(name, mod)
+        except Exception:  # all or nothing: unwatch and unhook the layers this call added
+            for h in self._handles[hooks:]:
+                h.remove()
+            del self._handles[hooks:]
+            for name in [n for n in self.layers if n not in names]:
+                self._unwatch(self.layers.pop(name))
+            raise
         return self
 
     def watch_mha(self, name: str, mod: torch.nn.MultiheadAttention) -> None:
@@ -189,6 +278,7 @@ class AttentionLogits:
             query.append((mod.in_proj_bias, 0, e))
             key.append((mod.in_proj_bias, e, 2 * e))
         self.watch(name, h, query=query, key=key, logits_fn=functools.partial(_mha_logits_fn, mod))
+        self.layers[name].fn_trusted = True
         self._handles.append(mod.register_forward_hook(_mha_hook(self, name), with_kwargs=True))
 
 

@@ -89,7 +89,7 @@ NON_DEFAULT = {
     "ProjectNorm": [mo.ProjectNorm(), mo.ProjectNorm(2.0, min_ndim=1, eps=1e-8)],
     # the example models hold no attention: QKClip warns and changes nothing there (it takes part for its config,
     # state, skip and compile plumbing); tests/test_weights.py clips real heads (nn.MultiheadAttention, TinyTransformer)
-    "QKClip": mo.QKClip(50.0, alpha=0.3, eps=1e-3, logits="rewritten"),
+    "QKClip": mo.QKClip(50.0, alpha=0.3, eps=1e-3, eta_min=0.01, logits="rewritten"),
     # warm-up 2, so the 5-step checks cross its end; eps representable in fp16
     "ScheduleFreeSGD": mo.ScheduleFreeSGD(lr=0.05, momentum=0.8, weight_decay=1e-3, warmup_steps=2, r=0.5,
                                           weight_lr_power=1.0),

@@ -5,6 +5,7 @@ the skip, no sync, compile."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -342,7 +343,7 @@ def test_qk_clip_rewritten_matches_spec(kw):
     """float64 nn.MultiheadAttention (sequence first, biases), SGD at lr=0.1, two forwards per step (a causal
     float mask, a key padding mask): S' is the spec's max over both forwards at the written weights and
     biases, the query and key rows (biases too) are the spec's clip by S', the value rows the plain write;
-    the clipped weights give those inputs each head's max logit min(S', tau)."""
+    the clipped weights give those inputs each head's max logit min(S', tau), or eta_min S' where the floor holds."""
     t = mo.QKClip(logits="rewritten", **kw)
     m = _mha(scale=2.0, batch_first=False, dtype=torch.float64)
     stats = mo.AttentionLogits.attach(m, keep_inputs=True)
@@ -369,8 +370,8 @@ def test_qk_clip_rewritten_matches_spec(kw):
                                    rtol=1e-12, atol=1e-12)
         after = torch.maximum(mha_max_logits(m, seq[0], seq[0], float_causal, dtype=torch.float64),
                               mha_max_logits(m, seq[1], seq[1], None, pad, dtype=torch.float64)).detach()
-        torch.testing.assert_close(after, torch.tensor(s, dtype=torch.float64).clamp_max(t.tau), rtol=1e-12,
-                                   atol=1e-12)
+        s = torch.tensor(s, dtype=torch.float64)  # (one head here is 1000 tau: the floor holds it to s * eta_min)
+        torch.testing.assert_close(after, torch.maximum(s.clamp_max(t.tau), s * t.eta_min), rtol=1e-12, atol=1e-12)
         clipped += int(opt.stats["1:QKClip.clipped"])
         assert stats.kept_inputs() == {"attention": 0}
     assert clipped > 0
@@ -440,7 +441,7 @@ def test_rewritten_accumulate_clips_by_the_max_of_the_micro_batches_at_the_writt
 
 
 # --- the step's rules -----------------------------------------------------------------------------------
-def test_a_skipped_step_keeps_every_bit_and_the_maxima_without_a_sync():
+def test_a_skipped_step_keeps_every_bit_and_drops_its_forwards_maxima_without_a_sync():
     m = _mha(scale=3.0)
     stats = mo.AttentionLogits.attach(m)
     opt = mo.Modular(m.parameters(), mo.Adam(lr=1e-2), mo.QKClip(1.0))
@@ -454,12 +455,97 @@ def test_a_skipped_step_keeps_every_bit_and_the_maxima_without_a_sync():
         assert torch.isneginf(stats.max_logits()["attention"]).all()  # consumed: reset for the next step
     opt.zero_grad()
     m(x, x, x)[0].pow(2).sum().backward()
-    recorded = stats.max_logits()["attention"]
+    assert torch.isfinite(stats.max_logits()["attention"]).all()
     m.in_proj_weight.grad[0, 0] = math.nan
     syncs = Syncs()
     assert_step_changes_nothing(m, opt, syncs)
     assert syncs.n == 0 and bool(opt.stats["skipped"])
-    assert torch.equal(stats.max_logits()["attention"], recorded)  # still running: the next step clips by them
+    assert torch.isneginf(stats.max_logits()["attention"]).all()  # the skipped call's forward is dropped
+
+
+def _path(device_decides):
+    """The device path of the non-finite skip (what a GPU runs), or the CPU's default (the host reads it)."""
+    from modopt.core import runner
+
+    return runner.device_path() if device_decides else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("device_decides", [False, True])
+def test_an_overflowed_forward_whose_step_is_skipped_never_reaches_a_later_clip(device_decides):
+    """nn.MultiheadAttention, Adam, QKClip(100): a forward on inputs * 1e19 overflows (its gradients and its
+    logits are not finite: the step is skipped), then a step on sane inputs. The skipped call's maxima are
+    dropped, so the second step is, bit for bit, that of a run which never saw the overflowed forward (the
+    recorded +inf used to give eta = 0 and zero the query and key rows of every head for good)."""
+
+    def make():
+        torch.manual_seed(0)
+        a = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        mo.AttentionLogits.attach(a)
+        return a, mo.Modular(a.parameters(), mo.Adam(lr=1e-3), mo.QKClip(tau=100.0))
+
+    (a, opt), (b, ref) = make(), make()
+    x = _x(2, 5, 8)
+    big = x * 1e19
+    a(big, big, big)[0].sum().backward()
+    with _path(device_decides):
+        opt.step()
+    assert bool(opt.stats["skipped"])
+    for m, o in ((a, opt), (b, ref)):
+        o.zero_grad()
+        m(x, x, x)[0].sum().backward()
+        with _path(device_decides):
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert a.in_proj_weight[0:16].abs().amin(dim=1).gt(0).all()  # every query and key row alive
+    assert int(opt.stats["1:QKClip.clipped"]) == 0 and not bool(opt.stats["skipped"])
+
+
+def test_a_non_finite_logit_leaves_its_head_alone_and_a_huge_one_is_floored():
+    """Two heads of one row each, tau = 100, alpha = 1/2. +inf and NaN are no measurement: the head is left
+    alone (`nonfinite` counts it); a finite 1.5e38 would scale its head by 1e-36: the floor eta_min (1e-3)
+    holds it (`floored`); eta_min = 1 clips nothing. Against the spec's factor."""
+    for eta_min in (1e-3, 0.5, 1.0):
+        wq = torch.nn.Parameter(torch.tensor([[2.0], [3.0]], dtype=torch.float64))
+        wk = torch.nn.Parameter(torch.tensor([[4.0], [5.0]], dtype=torch.float64))
+        stats = mo.AttentionLogits()
+        stats.watch("attn", 2, query=wq, key=wk)
+        opt = mo.Modular([wq, wk], mo.SGD(lr=0.0), mo.QKClip(100.0, eta_min=eta_min))
+        wq.grad, wk.grad = torch.zeros_like(wq), torch.zeros_like(wk)
+        for s in ([math.inf, 400.0], [1.5e38, math.nan], [math.inf, 1e6]):
+            q0, k0 = wq.detach().clone(), wk.detach().clone()
+            stats.record("attn", torch.tensor(s))
+            opt.step()
+            s32 = torch.tensor(s).double().tolist()
+            eta = torch.tensor([qk_clip_factor(v, 100.0, 1e-6, eta_min) for v in s32], dtype=torch.float64)
+            torch.testing.assert_close(wq.detach(), q0 * eta.sqrt().unsqueeze(1), rtol=1e-15, atol=0)
+            torch.testing.assert_close(wk.detach(), k0 * eta.sqrt().unsqueeze(1), rtol=1e-15, atol=0)
+            assert (wq.detach() != 0).all() and (wk.detach() != 0).all()
+            assert int(opt.stats["1:QKClip.nonfinite"]) == 1
+            floored = sum(math.isfinite(v) and 100.0 / v < eta_min for v in s32)
+            assert int(opt.stats["1:QKClip.floored"]) == floored and (floored == 1 or s[0] == math.inf)
+            assert int(opt.stats["1:QKClip.clipped"]) == int((eta < 1).sum())
+
+
+@pytest.mark.parametrize("device_decides", [False, True])
+def test_accumulate_drops_only_the_maxima_of_the_call_it_skipped(device_decides):
+    """Accumulate(3), lr 0: the second micro-batch's step call is skipped (a NaN gradient): the cycle's clip
+    is by the max of the first and third micro-batches only, though the second's logits were the largest."""
+    m = _mha(scale=3.0)
+    mo.AttentionLogits.attach(m)
+    opt = mo.Modular(m.parameters(), mo.Accumulate(3), mo.SGD(lr=0.0), mo.QKClip(1.0))
+    xs = [_x(2, 4, 8, seed=1), _x(2, 4, 8, seed=2) * 5, _x(2, 4, 8, seed=3) * 2]
+    logits = [mha_max_logits(m, x, x).detach() for x in xs]
+    for k, x in enumerate(xs):
+        opt.zero_grad()
+        m(x, x, x)[0].sum().backward()
+        if k == 1:
+            m.in_proj_weight.grad[0, 0] = math.nan
+        with _path(device_decides):
+            opt.step()
+    want = torch.maximum(logits[0], logits[2])
+    torch.testing.assert_close(opt.stats["2:QKClip.max_logit"], want)
+    assert (logits[1] > want).all() and int(opt.stats["2:QKClip.clipped"]) > 0
 
 
 def test_accumulate_clips_once_per_cycle_by_the_max_of_its_micro_batches():
@@ -554,7 +640,7 @@ def test_the_provider_refuses_rows_that_do_not_split_into_heads():
 
 
 @pytest.mark.parametrize("kw", [{"tau": 0.0}, {"tau": math.inf}, {"alpha": 1.5}, {"alpha": -0.1}, {"eps": 0.0},
-                                {"eps": math.nan}])
+                                {"eps": math.nan}, {"eta_min": 0.0}, {"eta_min": 1.5}, {"eta_min": math.nan}])
 def test_qk_clip_refuses_fields_that_would_break_the_weights(kw):
     with pytest.raises(pydantic.ValidationError, match=f"QKClip.{next(iter(kw))}"):
         mo.QKClip(**kw)
@@ -608,13 +694,12 @@ def test_modopt_run_hooks_the_task_attention_for_the_example_config():
     assert s.shape == (4,) and torch.isfinite(s).all() and [k for k, _ in opt.plan.weights] == ["3:QKClip"]
 
 
-def test_rewritten_skipped_step_keeps_every_bit_and_its_forwards_without_a_sync():
-    """Device path (what a GPU runs; inside `Syncs`): no sync; a step skipped for a NaN gradient changes no
-    bit of the parameters and keeps the recorded maxima running; its forwards, measured at the unchanged
-    weights, are carried into the next step's S' (their inputs are let go: the host does not know the step
-    was skipped). The host path (the CPU's default) does not run the skipped step's weight stage at all:
-    the inputs stay kept and the next step measures both forwards at its written weights."""
-    x1, x2 = _x(2, 4, 8, seed=1), _x(2, 4, 8, seed=2) * 0.5
+def test_rewritten_skipped_step_keeps_every_bit_and_drops_its_forwards_without_a_sync():
+    """A step skipped for a NaN gradient changes no bit of the parameters and leaves its own forward out of
+    the next step's S': on the device path (what a GPU runs; inside `Syncs`: no sync) its kept inputs are
+    marked by the device's decision and let go, on the host path (the CPU's default) dropped. The next step
+    measures only its own forward, at its written weights: exact on both paths."""
+    x1, x2 = _x(2, 4, 8, seed=1) * 3, _x(2, 4, 8, seed=2) * 0.5
     for device_decides in (True, False):
         m = _mha(scale=3.0)
         stats = mo.AttentionLogits.attach(m, keep_inputs=True)
@@ -625,35 +710,26 @@ def test_rewritten_skipped_step_keeps_every_bit_and_its_forwards_without_a_sync(
         assert s.n == 0 and int(opt.stats["1:QKClip.clipped"]) > 0 and stats.kept_inputs() == {"attention": 0}
         opt.zero_grad()
         m(x1, x1, x1)[0].pow(2).sum().backward()
-        recorded = stats.max_logits()["attention"]
-        at_skip = mha_max_logits(m, x1, x1).detach()  # (the skipped step's weights are these)
         m.in_proj_weight.grad[0, 0] = math.nan
         syncs = Syncs()
         if device_decides:
             assert_step_changes_nothing(m, opt, syncs)
             assert syncs.n == 0 and bool(opt.stats["skipped"])
-            assert stats.kept_inputs() == {"attention": 0}
-            torch.testing.assert_close(stats.layers["attention"].carry, at_skip)
         else:
             before = [p.detach().clone() for p in m.parameters()]
             opt.step()
             assert bool(opt.stats["skipped"]) and all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
-            assert stats.kept_inputs() == {"attention": 1}
-        assert torch.equal(stats.max_logits()["attention"], recorded)  # still running
+        assert stats.kept_inputs() == {"attention": 0} and torch.isneginf(stats.layers["attention"].carry).all()
+        assert torch.isneginf(stats.max_logits()["attention"]).all()
         opt.zero_grad()
         m(x2, x2, x2)[0].pow(2).sum().backward()
         with Syncs() as s:
             opt.step()
         assert s.n == 0
-        now = torch.maximum(mha_max_logits(m, x1, x1), mha_max_logits(m, x2, x2)).detach()
         s_ = opt.stats["1:QKClip.max_logit"]
-        if device_decides:  # the skipped forward by its logits at the skipped step's weights (reactive)
-            assert torch.equal(stats.layers["attention"].carry, torch.full((2,), -math.inf))
-            assert (s_ >= at_skip).all()
-        else:  # both forwards measured at the written weights: exact
-            assert torch.isneginf(stats.layers["attention"].carry).all()
-            torch.testing.assert_close(now, s_.clamp_max(1.0), rtol=1e-5, atol=1e-6)
-        assert (now <= 1.0 + 1e-5).all() or device_decides
+        now = mha_max_logits(m, x2, x2).detach()
+        torch.testing.assert_close(now, s_.clamp_max(1.0), rtol=1e-5, atol=1e-6)  # x2 alone, measured after
+        assert (mha_max_logits(m, x1, x1) > 1.0).any()  # (x1 would have clipped harder)
 
 
 def test_rewritten_on_a_users_attention_takes_its_logits_fn_and_refuses_without_one():
@@ -712,6 +788,65 @@ def test_rewritten_on_a_users_attention_takes_its_logits_fn_and_refuses_without_
     m(x, x, x)[0].sum().backward()
     with pytest.raises(ValueError, match=r"'attention'.*attach\(model, keep_inputs=True\)"):
         mo.Modular(m.parameters(), mo.SGD(lr=0.1), mo.QKClip(logits="rewritten")).step()
+
+
+def test_a_logits_fn_that_fails_is_refused_before_the_write_with_nothing_changed():
+    """logits="rewritten" with a user's logits_fn that raises, or returns a [heads, 1] or an integer tensor:
+    the step raises (naming the layer) before the optimizer writes: parameters, Adam's state, the recorded
+    maxima and the kept inputs as they were; with a working logits_fn the same step then goes ahead."""
+    import io
+
+    from checks import assert_same
+
+    w = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)) * 3)
+    good = lambda x: ((x @ w[:4].T).view(-1, 2, 2) * (x @ w[4:].T).view(-1, 2, 2)).sum(-1).amax(0)  # noqa: E731
+
+    def boom(x):
+        raise RuntimeError("boom")
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for fn, error, match in ((boom, ValueError, "raised RuntimeError: boom"),
+                             (lambda x: good(x).unsqueeze(1), TypeError, r"shape \[2\], returned a tensor of dtype "
+                              r"torch.float32 and shape \[2, 1\]"),
+                             (lambda x: good(x).long(), TypeError, "dtype torch.int64")):
+        stats = mo.AttentionLogits(keep_inputs=True)
+        stats.watch("mine", 2, query=(w, 0, 4), key=(w, 4, 8), logits_fn=fn)
+        opt = mo.Modular([w], mo.Adam(lr=0.1), mo.QKClip(1.0, logits="rewritten"))
+        for _ in range(2):  # (the second step: Adam has state to keep)
+            w.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+            stats.record("mine", good(x).detach(), inputs=(x,))
+            before = io.BytesIO()
+            torch.save((w.detach().clone(), opt.state_dict(), stats.max_logits()), before)
+            with pytest.raises(error, match=f"logits_fn of the attention layer 'mine'.*{match}.*nothing was changed"):
+                opt.step()
+            before.seek(0)
+            assert_same(torch.load(before, weights_only=True), (w.detach(), opt.state_dict(), stats.max_logits()))
+            assert stats.kept_inputs() == {"mine": 1} and stats.layers["mine"].kept[0][0] is not None
+            stats.layers["mine"].logits_fn = good  # (the layer's function, mended)
+            opt.step()
+            assert stats.kept_inputs() == {"mine": 0} and torch.isfinite(opt.stats["1:QKClip.max_logit"]).all()
+            stats.layers["mine"].logits_fn = fn
+        stats.detach()
+
+
+def test_a_non_contiguous_watched_parameter_is_clipped_as_a_contiguous_one():
+    """Query and key weights stored transposed (non-contiguous, e.g. tied to another layer's weight.T): the
+    clip scales each head's rows through a view, bit for bit as for contiguous copies of them."""
+    g = torch.Generator().manual_seed(0)
+    raw = [torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    runs = []
+    for contiguous in (False, True):
+        wq, wk = (torch.nn.Parameter(r.t().contiguous() if contiguous else r.clone().t()) for r in raw[:2])
+        assert wq.is_contiguous() == contiguous
+        stats = mo.AttentionLogits()
+        stats.watch("attn", 2, query=wq, key=wk)
+        opt = mo.Modular([wq, wk], mo.SGD(lr=0.1), mo.QKClip(1.0, alpha=0.3))
+        wq.grad, wk.grad = raw[2].t().clone(), raw[2].t().clone()
+        stats.record("attn", torch.tensor([5.0, 0.5]))
+        opt.step()
+        assert int(opt.stats["1:QKClip.clipped"]) == 1
+        runs.append((wq.detach().clone(), wk.detach().clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_a_provider_that_keeps_inputs_lets_them_go_in_the_default_mode_and_on_reset():

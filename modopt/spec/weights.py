@@ -29,20 +29,21 @@ def frobenius(p: torch.Tensor) -> float:
     return math.sqrt(sum(v * v for v in p.detach().to(torch.float64).reshape(-1).tolist()))
 
 
-def qk_clip_factor(s: float, tau: float, eps: float) -> float:
-    """QK-Clip's `eta = min(1, tau / max(S, eps))`; 1 for a NaN `S` (nothing known: leave the head)."""
-    if math.isnan(s):
+def qk_clip_factor(s: float, tau: float, eps: float, eta_min: float = 1e-3) -> float:
+    """QK-Clip's `eta = min(1, max(eta_min, tau / max(S, eps)))`; 1 for a NaN or infinite `S` (no
+    measurement: leave the head)."""
+    if not math.isfinite(s):
         return 1.0
-    return min(1.0, tau / max(s, eps))
+    return min(1.0, max(eta_min, tau / max(s, eps)))
 
 
 def qk_clip(query: Sequence[torch.Tensor], key: Sequence[torch.Tensor], max_logits: Sequence[float], tau: float,
-            alpha: float, eps: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            alpha: float, eps: float, eta_min: float = 1e-3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`QKClip` on one layer: each tensor of `query` / `key` holds the layer's query / key rows, split in
     `len(max_logits)` equal blocks of rows (head h: block h); head h's query rows times `eta_h ** alpha`,
     key rows times `eta_h ** (1 - alpha)` (float64, one element at a time)."""
     heads = len(max_logits)
-    etas = [qk_clip_factor(s, tau, eps) for s in max_logits]
+    etas = [qk_clip_factor(s, tau, eps, eta_min) for s in max_logits]
 
     def scaled(t: torch.Tensor, power: float) -> torch.Tensor:
         rows = t.shape[0] // heads
@@ -74,8 +75,8 @@ def attention_max_logits(xq: torch.Tensor, xk: torch.Tensor, wq: torch.Tensor, b
 
 def qk_clip_rewritten(wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor, bk: torch.Tensor | None,
                       heads: int, forwards: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-                      tau: float, alpha: float, eps: float, carried: Sequence[float] | None = None
-                      ) -> tuple[list[float], list[torch.Tensor]]:
+                      tau: float, alpha: float, eps: float, carried: Sequence[float] | None = None,
+                      eta_min: float = 1e-3) -> tuple[list[float], list[torch.Tensor]]:
     """`QKClip(logits="rewritten")` on one layer whose written query / key weights and biases are `wq, bq, wk, bk`:
     `S'_h` is head h's max logit over `forwards` (each `(xq, xk, allowed)`, batch-first inputs and the
     positions kept, as `attention_max_logits`) at these weights, and over `carried` (maxima of forwards whose
@@ -85,5 +86,5 @@ def qk_clip_rewritten(wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tenso
         s = [max(a, b) for a, b in zip(s, attention_max_logits(xq, xk, wq, bq, wk, bk, heads, allowed))]
     q = [wq] + ([bq] if bq is not None else [])
     k = [wk] + ([bk] if bk is not None else [])
-    cq, ck = qk_clip(q, k, s, tau, alpha, eps)
+    cq, ck = qk_clip(q, k, s, tau, alpha, eps, eta_min)
     return s, [cq[0], cq[1] if bq is not None else None, ck[0], ck[1] if bk is not None else None]

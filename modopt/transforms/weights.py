@@ -108,30 +108,40 @@ class QKClip(Transform):
     key rows of each attention head whose largest pre-softmax logit over the step exceeded $\tau$.
 
     $$
-    \eta_h = \min\Big(1, \frac{\tau}{\max(S_h, \epsilon)}\Big), \qquad
+    \eta_h = \min\Big(1, \max\Big(\eta_{\min}, \frac{\tau}{\max(S_h, \epsilon)}\Big)\Big), \qquad
     W_q^{(h)} \leftarrow \eta_h^{\alpha}\, W_q^{(h)}, \qquad W_k^{(h)} \leftarrow \eta_h^{1-\alpha}\, W_k^{(h)}
     $$
 
     $S_h$ is head h's maximum of $q \cdot k / \sqrt{d}$ over the forwards since the last step, recorded by an
     `mo.AttentionLogits` provider (`mo.AttentionLogits.attach(model)` hooks `nn.MultiheadAttention`; a
     user's attention records its own). The floor $\epsilon$ keeps $S_h \le 0$ from making a NaN or a
-    negative factor; a NaN $S_h$ leaves the head alone. So the next forward's logit $\eta_h S_h \le \tau$
-    for the same inputs. Defaults: `tau=100`, `alpha=0.5` (Megatron's `qk_clip_threshold`,
-    `qk_clip_alpha`), `eps=1e-6`, `logits="recorded"`.
+    negative factor; a NaN or $+\infty$ $S_h$ is no measurement (an overflowed forward) and leaves the head
+    alone. So the next forward's logit $\eta_h S_h \le \tau$ for the same inputs, unless the floor
+    $\eta_{\min}$ holds: one step shrinks a head's logits by at most that factor (1000 by default), so one
+    absurd finite $S_h$ (1.5e38) cannot wipe a head out; a head really that far over $\tau$ is shrunk again
+    at the next steps, which measure it again. Defaults: `tau=100`, `alpha=0.5` (Megatron's
+    `qk_clip_threshold`, `qk_clip_alpha`), `eps=1e-6`, `eta_min=1e-3`, `logits="recorded"`.
 
     `logits="recorded"` (the default) is Kimi K2's rule: $S_h$ as the forwards recorded it, at the weights
     before the write, so the write itself can still raise the logits. `logits="rewritten"` (modopt's
     variant, not Kimi's) measures $S'_h$ after the write, on the inputs of the forwards since the last step
     (kept by a provider made with `keep_inputs=True`), and clips by it: on those inputs every head's max
     logit is then $\min(S'_h, \tau)$. Cost: the kept inputs stay in memory until the step, and the step
-    computes each kept forward's $QK^\top$ once more.
+    computes each kept forward's $QK^\top$ once more. A user's `logits_fn` is first tried on each new kind
+    of kept input (shapes, dtypes) before the write: one that raises, or returns anything but a real
+    floating-point `[heads]` tensor, makes the step raise a `ValueError` or `TypeError` naming the layer
+    with nothing changed.
 
     The transform holds no model: it finds the watched layers through the parameters its optimizer steps
     (the provider registers them; see `modopt.attention`), so its config is just its numbers. Only the
     rows of parameters stepped this step are scaled; the recorded maxima are reset after the clip. A step
-    the non-finite policy skips, or `Accumulate` stops, changes nothing (the maxima keep running). No
-    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip: $S_h$, or $S'_h$)
-    and `clipped` (how many heads were scaled).
+    call the non-finite policy skips changes nothing and drops the maxima (and kept inputs) of its own
+    forwards, those recorded since the previous call: the weights did not move, the next forward measures
+    them again, and an overflowed forward's logits never reach a later clip. A call `Accumulate` stops keeps
+    them running to the cycle's step, and a skipped write keeps those of the calls that went ahead. No
+    sync. Telemetry: `max_logit` (every watched head, layer by layer, before the clip: $S_h$, or $S'_h$),
+    `clipped` (how many heads were scaled), `floored` (how many of them by $\eta_{\min}$) and `nonfinite`
+    (how many heads had a NaN or $+\infty$ $S_h$, left alone).
 
     ```pycon
     >>> import torch, modopt as mo
@@ -150,6 +160,7 @@ class QKClip(Transform):
     tau: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 100.0
     alpha: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.5
     eps: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-6
+    eta_min: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1e-3  # (0 would let one logit zero a head)
     logits: Literal["recorded", "rewritten"] = "recorded"
 
     stage: ClassVar[str] = "weights"
@@ -170,10 +181,12 @@ class QKClip(Transform):
         return found
 
     def prepare_weights(self, ctx: Step, st: TransformState) -> None:
-        """Before the write: with `logits="rewritten"`, check that every watched layer keeps its inputs
-        (the default's maxima were recorded by the forwards: nothing to check)."""
+        """Before the write, on every call that is not skipped on the host: check what the clip needs (with
+        `logits="rewritten"`: every watched layer keeps its inputs, its `logits_fn` takes them), then settle
+        the maxima recorded since the last call (left out where the device skips this call)."""
+        targets = self._targets(ctx)
         if self.logits == "rewritten":
-            for layer, _, _ in self._targets(ctx):
+            for layer, _, _ in targets:
                 if not layer.keep:
                     how = ("make its provider with keep_inputs=True (for nn.MultiheadAttention: "
                            "mo.AttentionLogits.attach(model, keep_inputs=True))" if layer.logits_fn is not None
@@ -181,48 +194,87 @@ class QKClip(Transform):
                            "record(..., inputs=...)")
                     raise ValueError(f"QKClip(logits='rewritten'): the attention layer {layer.name!r} keeps no inputs "
                                      f"to measure its logits at the written weights; {how} (docs/modules/weights.md)")
+            if not torch.compiler.is_compiling():  # (traced, a raising logits_fn fails the trace, before any write)
+                for layer, _, _ in targets:
+                    _try_logits_fn(layer)
+        for layer, _, _ in targets:
+            layer.settle(ctx.skip)
+
+    def on_host_skip(self, ctx: Step, st: TransformState) -> None:
+        """The host skipped this call: drop the maxima and kept inputs of its forwards (the weights did not
+        move; the next forward measures them again)."""
+        for layer, _, _ in self._targets(ctx):
+            layer.drop_call()
 
     def apply_weights(self, ctx: Step, st: TransformState) -> None:
         """Scale each watched head's query rows by `eta ** alpha` and key rows by `eta ** (1 - alpha)`."""
         targets = self._targets(ctx)
         if not targets:
             return
-        maxima = [layer.max_logits for layer, _, _ in targets]
         acc = common_acc_dtype([ctx.params[i] for _, q, k in targets for i, _, _ in q + k])
         if self.logits == "rewritten":  # the logits of the kept inputs at the weights just written
             s = torch.cat([_rewritten(layer, acc, ctx.skip) for layer, _, _ in targets])
         else:
-            s = torch.cat(maxima).to(acc)  # (a copy: telemetry before the reset; the factors in at least float32)
-        eta = (self.tau / s.clamp_min(self.eps)).clamp_max(1.0)
-        eta = torch.where(torch.isnan(s), const(1.0, eta), eta)
-        if ctx.skip is not None:  # x * 1 is x, every bit
-            eta = torch.where(ctx.skip, const(1.0, eta), eta)
+            s = torch.cat([layer.held for layer, _, _ in targets]).to(acc)  # (a copy: telemetry before the reset)
+        raw = self.tau / s.clamp_min(self.eps)
+        # NaN or +inf: no measurement, no clip (-inf, no forward, gives 1 anyway); a skipped step: x * 1 is x
+        ok = torch.isfinite(s)
+        if ctx.skip is not None:
+            ok = ok & (ctx.proceed if ctx.proceed is not None else ~ctx.skip)
+        eta = torch.where(ok, raw.clamp(self.eta_min, 1.0), const(1.0, raw))
         st.record("max_logit", s)
         st.record("clipped", (eta < 1.0).sum())
+        st.record("floored", ((raw < self.eta_min) & ok).sum())
+        st.record("nonfinite", (torch.isnan(s) | torch.isposinf(s)).sum())
         fq, fk = eta.pow(self.alpha), eta.pow(1.0 - self.alpha)
         at = 0
-        for (layer, query, keys), m in zip(targets, maxima):
+        for layer, query, keys in targets:
             h = layer.heads
             for rows, f in ((query, fq[at:at + h]), (keys, fk[at:at + h])):
                 for i, start, stop in rows:
                     p = ctx.params[i]
-                    p[start:stop].view(h, -1).mul_(f.to(p.dtype).unsqueeze(1))
+                    block = p[start:stop].unflatten(0, (h, -1))  # (a view whatever the strides: no .view failure)
+                    block.mul_(f.to(p.dtype).reshape((h,) + (1,) * (block.dim() - 1)))
             at += h
-            if ctx.skip is None:
-                m.fill_(-math.inf)
-            else:  # a skipped step keeps them running
-                m.copy_(torch.where(ctx.skip, m, -math.inf))
-            if layer.kept:  # (consumed; in the default mode a provider that keeps inputs must not pile them up)
-                layer.kept.clear()
+            layer.consume(ctx.skip)
+
+
+def _try_logits_fn(layer: Any) -> None:
+    """Call a user's `logits_fn` on each new kind of kept input (at the weights before the write): raise, naming
+    the layer, when it raises or returns anything but a real floating-point `[heads]` tensor, so that the step
+    fails before it writes rather than after."""
+    if layer.fn_trusted:
+        return
+    if layer.fn_checked_for is not layer.logits_fn:  # (the kinds it answered for were another function's)
+        layer.fn_checked.clear()
+        layer.fn_checked_for = layer.logits_fn
+    for inputs in layer.kept:
+        kind = tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in inputs)
+        if kind in layer.fn_checked:
+            continue
+        door = f"QKClip(logits='rewritten'): the logits_fn of the attention layer {layer.name!r}"
+        try:
+            with torch.no_grad():
+                out = layer.logits_fn(*inputs)
+        except Exception as e:
+            raise ValueError(f"{door} raised {type(e).__name__}: {e}, on inputs kept for this step (tried before "
+                             f"the optimizer's write: nothing was changed)") from e
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or tuple(out.shape) != (layer.heads,):
+            got = (f"a tensor of dtype {out.dtype} and shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+                   else f"{type(out).__name__} {out!r}")
+            raise TypeError(f"{door} must return a real floating-point tensor of shape [{layer.heads}], returned "
+                            f"{got} (tried before the optimizer's write: nothing was changed)")
+        layer.fn_checked.add(kind)
 
 
 def _rewritten(layer: Any, acc: torch.dtype, skip: torch.Tensor | None) -> torch.Tensor:
-    """`[heads]` in `acc`: the layer's max logits over the inputs it kept, at its current (written) weights,
-    and over the carried maxima of forwards whose step the device skipped. Then the carry: -inf after a step
+    """`[heads]` in `acc`: the layer's max logits over the inputs it kept (but those of calls the device
+    skipped), at its current (written) weights, and over the carried maxima. Then the carry: -inf after a step
     that goes ahead; on a skipped step (the weights unchanged) these maxima, for the next step's clip."""
     s = layer.carry.to(acc, copy=True)  # (a copy: the carry is rewritten below)
-    for inputs in layer.kept:
-        s = torch.maximum(s, layer.logits_fn(*inputs).to(acc))
+    for inputs, dropped in zip(layer.kept, layer.kept_skip):
+        v = layer.logits_fn(*inputs).to(acc)
+        s = torch.maximum(s, v if dropped is None else torch.where(dropped, -math.inf, v))
     if skip is None:
         layer.carry.fill_(-math.inf)
     else:
