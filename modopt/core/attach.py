@@ -10,6 +10,7 @@ import torch
 
 from .pipeline_config import PipelineConfig
 from .runner import drive
+from .hyper import GroupGate
 from .plan import make_plan
 from .select import check_selections
 from .state import declared_buffers
@@ -63,6 +64,14 @@ class AttachHandle:
         self.nonfinite = nonfinite
         #: what is decided about the attached pipeline once (`modopt.core.plan`); the step reads it
         self.plan = make_plan(transforms, nonfinite)
+        # the transforms' values against the parameters' compute dtype, the bound every door holds them to
+        # (`modopt.core.hyper`; the optimizer's own values are its own constructor's to check)
+        gate = GroupGate(transforms)
+        try:
+            for i, g in enumerate(optimizer.param_groups):
+                gate.bound = gate.admit(g["params"], i)
+        except ValueError as e:
+            raise ValueError(f"mo.attach: {e}") from None
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         self._store: dict[str, dict] = {}
         self._runtime: dict[str, dict] = {}

@@ -161,13 +161,32 @@ def tensor_hyperparams(opt: Any, keys: tuple[str, ...] = ("lr",), device: torch.
     torch's schedulers then write them in place (`fill_`), so a compiled or captured step reads the new
     value from memory: no recompile, no new capture. Float64 by default on the CPU (the fused CPU kernel
     reads a tensor lr as a double: the same bits as the float); on CUDA float32 suffices (the kernel's
-    arithmetic is float32). A group value already a tensor is left as it is."""
+    arithmetic is float32). A group value already a tensor is left as it is. The step checks such a value
+    each time (`modopt.core.hyper`): read on the CPU, on the device elsewhere (a bad one skips the step).
+
+    Everything is checked before any group changes: `keys` a tuple or list of group keys that a
+    transform of `opt` reads and whose values are numbers (not `betas`' pair), `dtype` a floating dtype."""
+    if isinstance(keys, str) or not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"tensor_hyperparams: keys must be a tuple of group keys, e.g. ('lr',), got {keys!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(f"tensor_hyperparams: dtype must be a floating-point torch dtype, got {dtype!r} (an integer "
+                        "lr of 0.01 would be 0)")
+    readable = set(getattr(getattr(opt, "_gate", None), "live", ())) or None
+    for i, g in enumerate(opt.param_groups):
+        for k in keys:
+            if k not in g or (readable is not None and k not in readable):
+                raise ValueError(f"tensor_hyperparams: param group {i} has no key {k!r} that the optimizer reads "
+                                 f"(its keys: {', '.join(sorted(readable or g)) if readable or g else 'none'})")
+            v = g[k]
+            if not isinstance(v, torch.Tensor) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"tensor_hyperparams: param group {i}: {k!r} is {v!r}, not a number (only keys "
+                                "holding one number become tensors)")
     for g in opt.param_groups:
         dev = device if device is not None else (g["params"][0].device if g["params"] else "cpu")
         dt = dtype if torch.device(dev).type == "cpu" else torch.float32
         for k in keys:
-            v = g.get(k)
-            if v is not None and not isinstance(v, torch.Tensor):
+            v = g[k]
+            if not isinstance(v, torch.Tensor):
                 g[k] = torch.tensor(float(v), dtype=dt, device=dev)
 
 
@@ -181,11 +200,18 @@ class CompiledStep:
     `state_dict()` are the optimizer's as usual."""
 
     def __init__(self, opt: Any, *, warmup: int = 1, guards: str = "full", **compile_kwargs: Any) -> None:
+        from .modular import Modular
+
+        if not isinstance(opt, Modular):
+            raise TypeError(f"compile_step: opt must be a modopt.Modular, got {type(opt).__name__} (for a torch "
+                            "optimizer, torch.compile(opt.step) is torch's own recipe)")
         if guards not in ("full", "tensors", "own"):
             raise ValueError(f"compile_step: guards must be 'full', 'own' or 'tensors', got {guards!r}")
+        if type(warmup) is not int or warmup < 0:
+            raise ValueError(f"compile_step: warmup must be a whole number of eager steps >= 0, got {warmup!r}")
         fused_adam_op()  # (declared now: a trace cannot)
         self.opt = opt
-        self.warmup = int(warmup)
+        self.warmup = warmup
         self.calls = 0
         options = dict(compile_kwargs.pop("options", None) or {})
         if guards == "tensors":
@@ -212,6 +238,8 @@ class CompiledStep:
             with torch.enable_grad():
                 loss = closure()
         opt = self.opt
+        # the group values, by the gate every step passes (the graph checks the tensor ones again, on the device)
+        opt._gate.check_step(opt.param_groups)
         rows = opt.runtime_store(STATE_ROWS).setdefault("rows", [])  # (the trace's states: see STATE_ROWS)
         rows[:] = map(opt.state.get, chain.from_iterable(map(_params_of, opt.param_groups)))
         if self.guards != "own":

@@ -21,6 +21,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOO
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, check_inventory, encode_history, history_keys,
                          structure_difference, upgrade, value_differences)
 from .runner import CPU_FALSE, drive
+from . import hostdata
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
@@ -210,17 +211,23 @@ class Modular(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        gate, before = self._gate, self._gate.bound
         try:
             if self._routes is not None:
                 route_group(self._routes, self.param_groups[-1], len(self.param_groups) - 1,
                             given | set(self._group_defaults))
-            self._gate.check(self.param_groups[-1], len(self.param_groups) - 1, given)
+            # (the bound of values follows the parameters' dtypes: a float32 group after float64 ones lowers it)
+            gate.bound = gate.admit(self.param_groups[-1]["params"], len(self.param_groups) - 1)
+            gate.check(self.param_groups[-1], len(self.param_groups) - 1, given)
             if self.__dict__.get("_selections_checked", True):  # a group added after the build: its names
                 check_selections(self.transforms, [(len(self.param_groups) - 1, self.param_groups[-1])],
                                  patterns=False)
         except Exception:
+            gate.bound = before
             self.param_groups.pop()
             raise
+        if gate.bound != before:
+            gate.checked = []  # every group's values against the new bound at the next step
 
     @_stepping
     def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
@@ -237,10 +244,19 @@ class Modular(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         gate = self._gate
+        values_ok = None  # (the tensor group values the device checks: their verdict joins the skip decision)
         if not torch.compiler.is_compiling():  # the group values a scheduler or a hand changed since the last step
+            # (`GroupGate.check_step`, inline: a call fewer per step)
             now = [g.get(k) for g in self.param_groups for k in gate.live]
-            if len(now) != len(gate.checked) or not all(map(operator.is_, now, gate.checked)):
+            if len(now) != len(gate.checked) or not all(map(operator.is_, now, gate.checked)) \
+                    or gate.host_flag is not hostdata.HOST_ON_CPU:
                 gate.check_live(self.param_groups, now)
+            elif gate.host_tensors:  # (tensors filled in place keep their identity: read at every step)
+                gate.read_host_tensors()
+            if gate.device_tensors:
+                values_ok = gate.device_ok()
+        elif gate.live:
+            values_ok = gate.traced_ok(self.param_groups)
         for key, t in self.plan.swaps:  # (before anything changes: the step moves the training form)
             if t.weights_mode(self, key) != "train":
                 raise RuntimeError(f"opt.step(): {key} ({type(t).__name__}) holds the parameters in their eval form "
@@ -250,7 +266,8 @@ class Modular(torch.optim.Optimizer):
         ctx, go, _ = drive(
             self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
             on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
-            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights)
+            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
+            values_ok=values_ok)
         if not go:  # the host skipped it: the chain did not run, each transform hears of the call
             for key, t in walk(self.transforms):
                 t.on_host_skip(ctx, TransformState(ctx, key))

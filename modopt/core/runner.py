@@ -784,7 +784,7 @@ CPU_FALSE = torch.zeros((), dtype=torch.bool)
 
 
 def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on_device: bool = False,
-                           host_on_cpu: bool = False) -> bool:
+                           host_on_cpu: bool = False, values_ok: torch.Tensor | None = None) -> bool:
     """Apply the policy; return False when the step must be skipped.
 
     With `on_device` (only for `"skip"`, when every transform of the pipeline
@@ -804,6 +804,10 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     non-finite. Under `torch.compile` that decision runs outside the graph
     (`_settle_compiled`): plain `torch.compile` breaks the graph there, and
     `fullgraph=True` fails with `FULLGRAPH_HINT` in dynamo's message.
+
+    `values_ok` (a 0-d bool, or None): whether the tensor group values the host does not read are within
+    their rules; False is decided as a non-finite gradient is (`"skip"` skips, `"raise"` raises), in the
+    same decision (no sync of its own). `"zero"` and `"ignore"` never skip, so they do not read it.
     """
     if policy == "ignore" or not grads or grads[0].is_meta:  # (meta tensors hold no values: nothing to check)
         return True
@@ -827,13 +831,16 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
             # the device's decision, read where reading it is free: the plain chain runs (no cleaning
             # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
             # (the device's test, `total < inf`, made on the host: NaN compares false there too)
-            if maybe_finite(ctx, grads, on_device=True, total_only=True).item() < math.inf:
+            total = maybe_finite(ctx, grads, on_device=True, total_only=True)
+            if (total.item() < math.inf) if values_ok is None else bool((total < math.inf) & values_ok):
                 ctx.stats["nonfinite"] = CPU_FALSE
                 return True
             ctx.stats["nonfinite"] = torch.ones((), dtype=torch.bool)
             ctx.memo.close()
             return False
         proceed = maybe_finite(ctx, grads, on_device=True)
+        if values_ok is not None:
+            proceed = proceed & values_ok
         bad = ctx.stats["nonfinite"] = ~proceed
         ctx.proceed, ctx.skip = proceed, bad
         return True
@@ -842,28 +849,35 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     else:  # cheap check first; true only for a non-finite (or overflowing) norm
         bad, exact = ~maybe_finite(ctx, grads), False
     settle = compile_marks.settle if torch.compiler.is_compiling() else _settle
-    is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names, ctx.memo.stages)
+    is_bad, bad, which = settle(policy, bad, exact, grads, ctx.names, ctx.memo.stages, values_ok)
     ctx.stats["nonfinite"] = bad
     if not is_bad:
         return True
     ctx.memo.close()  # the chain does not run: let the gradients go
     if policy == "raise":
+        if not which:  # (the gradients are finite: a group value the device checks is not)
+            raise ValueError("a tensor param-group value is out of its range or not finite (filled in place since "
+                             "the last step; nonfinite='raise'); nothing was changed by this step")
         raise FloatingPointError(f"non-finite gradient in parameter(s) {', '.join(which)} (nonfinite='raise')")
     return False
 
 
 def _settle(policy: str, bad: torch.Tensor, exact: bool, grads: list[torch.Tensor], names: list,
-            stages: Any = None) -> tuple:
+            stages: Any = None, values_ok: torch.Tensor | None = None) -> tuple:
     """The host's decision: `(is_bad, bad, which)`.
 
     One sync (`bool(bad)`) when the gradients are finite; when the cheap check
     says "possibly non-finite", the exact check and a second sync. `which`
-    names the non-finite parameters for `"raise"` (empty otherwise).
+    names the non-finite parameters for `"raise"` (empty otherwise). A `values_ok`
+    (the device's verdict on tensor group values) is read in the same sync.
     """
-    is_bad = bool(bad)
+    values_bad = None if values_ok is None else ~values_ok
+    is_bad = bool(bad if values_bad is None else bad | values_bad)
     if is_bad and not exact:  # rare: settle it exactly
         bad = nonfinite_mask(grads, stages)
-        is_bad = bool(bad)
+        is_bad = bool(bad if values_bad is None else bad | values_bad)
+    if values_bad is not None:
+        bad = bad | values_bad
     which = []
     if is_bad and policy == "raise":
         which = [names[i] or f"#{i}" for i, g in enumerate(grads) if not torch.isfinite(g).all()]
@@ -890,21 +904,22 @@ compile_marks.disabled("settle", _settle, FULLGRAPH_HINT)
 def drive(host: Any, groups: list[dict[str, Any]], transforms: Sequence[Any], policy: str,
           stats: dict[str, torch.Tensor], *, loss: Any = None, write: bool = False, on_device: bool = False,
           host_on_cpu: bool = False, taps: Iterable[Callable[[Step], None]] = (),
-          weights: Sequence[tuple[str, Any]] = ()) -> tuple[Step, bool, Any]:
+          weights: Sequence[tuple[str, Any]] = (), values_ok: torch.Tensor | None = None) -> tuple[Step, bool, Any]:
     """One step of `transforms` over the parameters of `groups` that have a gradient; `(ctx, go, out)`.
 
     `go` is False when the policy skipped the step on the host (the chain did not run: the caller tells
     its transforms, `Transform.on_host_skip`); `out` is then None, else `run_step`'s result: True when
     `write` and the parameters were written, the updates without `write`, None when a transform stopped
     the step. `taps` see the step after the decision, before the chain (telemetry); the weight stage
-    (`weights`: `(key, transform)`) reads the weights before the write and acts after it. No parameter
-    with a gradient: `ctx.params` is empty and nothing ran."""
+    (`weights`: `(key, transform)`) reads the weights before the write and acts after it. `values_ok`: the
+    device's verdict on the tensor group values the host does not read (`GroupGate.device_ok`); it joins
+    the non-finite decision. No parameter with a gradient: `ctx.params` is empty and nothing ran."""
     ctx = collect(host, groups, stats)
     ctx.loss = loss
     if not ctx.params:
         return ctx, True, None
     grads = [p.grad for p in ctx.params] if torch.compiler.is_compiling() else list(map(_grad_of, ctx.params))
-    go = apply_nonfinite_policy(policy, ctx, grads, on_device, host_on_cpu)
+    go = apply_nonfinite_policy(policy, ctx, grads, on_device, host_on_cpu, values_ok)
     for tap in taps:
         tap(ctx)
     if not go:

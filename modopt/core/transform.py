@@ -26,6 +26,7 @@ from . import registry
 from .fieldtext import field_text
 from .keys import transform_key
 from .runner import Step, TransformState, run
+from .values import host_number
 
 
 def to_plain(value: Any) -> Any:
@@ -152,6 +153,11 @@ def _numeric(annotation: Any) -> bool:
     """Whether a field's type takes numbers and not bools (`float`, `PositiveInt`, `Optional[float]`, `Ord`...)."""
     seen = _kinds(annotation)
     return bool(seen & {float, int}) and bool not in seen
+
+
+def _is_flag(annotation: Any) -> bool:
+    """Whether a field's type is a flag (`bool`, `bool | None`)."""
+    return _kinds(annotation) - {type(None)} == {bool}
 
 
 def _integral(annotation: Any) -> bool:
@@ -286,6 +292,10 @@ class Transform(BaseModel):
     def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
         """`True`/`False` or a string where a number is needed is a mistake (pydantic would read them as
         1/0 and as the number written: a quoted `"1e-3"` in a config is a string, not a number)."""
+        if info.field_name and not isinstance(v, bool) and v is not None \
+                and _is_flag(cls.model_fields[info.field_name].annotation):
+            # (pydantic would read "yes", "off", 1 and 0 as flags: a typo or a misplaced value switching a kernel)
+            raise ValueError(f"true or false is needed, not {type(v).__name__}")
         if isinstance(v, (bool, str)) and info.field_name:
             annotation = cls.model_fields[info.field_name].annotation
             if isinstance(v, bool) and _numeric(annotation):
@@ -550,13 +560,14 @@ class Transform(BaseModel):
         """Refuse param-group values (of keys in `hyperparams()`) that this transform's own fields
         would refuse: `ValueError` naming each key, its value and the rule (`modopt.core.hyper`).
 
-        A 0-d tensor is checked by its value (a host read: only at the doors, never in a step).
+        A one-element tensor (of any shape, as torch.optim takes) or a NumPy scalar is checked by its
+        value (`host_number`: a host read, only at the doors, never in a step on a device).
         A value the field would only accept by converting it (the string `"0.1"` for a float) is
         refused too: the kernels receive the group's value as it is.
         """
         if not values:
             return
-        plain = {k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in values.items()}
+        plain = {k: host_number(v, k) for k, v in values.items()}
         try:
             new = self.model_copy(update=plain)
         except ValidationError as e:
