@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import io
 
+import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 import modopt as mo
 from checks import Syncs, assert_resumes_bit_for_bit, flat_state, mse_backward, regression_batches, tanh_mlp
@@ -484,3 +486,242 @@ def test_config_round_trip():
     cfg = mo.PipelineConfig(transforms=[mo.ClipNorm(1.0), mo.ScheduleFreeAdamW(lr=1e-3, betas=(0.95, 0.99), warmup_steps=10)])
     assert mo.PipelineConfig.from_dict(cfg.to_dict()) == cfg
     assert "ScheduleFreeAdamW" in cfg.to_yaml()
+
+
+# --- the gate: values the swap reads, extreme schedule values, loaded counts ------------------------------
+def _unchanged(opt, model, before) -> None:
+    """The parameters and every state value (the form held included) as `before = _snapshot(...)`, bit for bit."""
+    params, state = before
+    assert all(torch.equal(p, q) for p, q in zip(params, model.parameters()))
+    after = flat_state(opt.state_dict())
+    assert after.keys() == state.keys()
+    assert all(_same(state[k], after[k]) for k in after if k != "/param_groups")
+
+
+def _snapshot(opt, model):
+    return [p.detach().clone() for p in model.parameters()], flat_state(opt.state_dict())
+
+
+def _two_groups(t):
+    """Two param groups, five steps taken (x, y and z apart)."""
+    model = _model()
+    ps = list(model.parameters())
+    opt = mo.Modular([{"params": ps[:2]}, {"params": ps[2:]}], t)
+    for x, y in _batches(5):
+        mse_backward(model, x, y)
+        opt.step()
+    return model, opt
+
+
+_NAN = float("nan")
+_BAD_SWAP_VALUES = [
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", _NAN, "Input should be a finite number"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", torch.tensor(_NAN), "Input should be a finite number"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", np.float32(_NAN), "Input should be a finite number"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", 0.0, "greater than 0"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", torch.tensor(0.0), "greater than 0"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", 1.0, "less than 1"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", 1e-40, r"\[2\*\*-126, 1\)"),
+    (mo.ScheduleFreeSGD(lr=0.1), "momentum", "0.9", "string"),
+    (mo.ScheduleFreeAdamW(lr=1e-2), "betas", (_NAN, 0.999), "Input should be a finite number"),
+    (mo.ScheduleFreeAdamW(lr=1e-2), "betas", (0.0, 0.999), "interpolation momentum"),
+    (mo.ScheduleFreeAdamW(lr=1e-2), "betas", (np.float64(1e-300), 0.999), "interpolation momentum"),
+]
+
+
+@pytest.mark.parametrize("t,key,value,says", _BAD_SWAP_VALUES, ids=lambda v: repr(v) if not isinstance(v, mo.Transform) else type(v).__name__)
+def test_the_swap_checks_every_group_first_and_a_refusal_changes_nothing(t, key, value, says):
+    """A value the field refuses in param group 1: `opt.eval()` (then, from the eval form, `opt.train()`)
+    is refused naming the door, the group and the key, before group 0 is swapped: the parameters, z and
+    the form held keep every bit (unchecked, a NaN momentum writes NaN into every parameter, and a
+    momentum of 0 divides by zero after group 0 was swapped)."""
+    model, opt = _two_groups(t)
+    good = opt.param_groups[1][key]
+    for door, other in (("eval", "train"), ("train", "eval")):
+        if door == "train":
+            opt.param_groups[1][key] = good
+            opt.eval()
+        opt.param_groups[1][key] = value
+        before = _snapshot(opt, model)
+        with pytest.raises(ValueError, match=rf"opt\.{door}\(\): param group 1, as read by 0:{type(t).__name__}: "
+                                             rf"'{key}'.*{says}.*Nothing was changed: the parameters still hold their "
+                                             rf"{other} form"):
+            getattr(opt, door)()
+        _unchanged(opt, model, before)
+        assert opt.plan.swaps[0][1].weights_mode(opt, opt.plan.swaps[0][0]) == other
+    opt.param_groups[1][key] = good
+    opt.train()
+    mse_backward(model, *_batches(1, seed=3)[0])
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("value", [0.9, np.float32(0.9), np.float64(0.9), torch.tensor(0.9, dtype=torch.float64)],
+                         ids=repr)
+def test_the_swap_reads_a_numpy_or_tensor_momentum_as_its_number(value):
+    """The same swap, bit for bit, whatever form the group's momentum takes (a host read, not a step)."""
+    want_model, want = _two_groups(mo.ScheduleFreeSGD(lr=0.1))
+    model, opt = _two_groups(mo.ScheduleFreeSGD(lr=0.1))
+    beta = float(value)
+    for o in (want, opt):
+        o.param_groups[1]["momentum"] = beta if o is want else value
+    for door in ("eval", "train"):
+        getattr(want, door)()
+        getattr(opt, door)()
+        assert all(torch.equal(p, q) for p, q in zip(want_model.parameters(), model.parameters()))
+
+
+def test_evaluating_refuses_a_bad_value_on_entry_and_on_exit_with_nothing_changed():
+    model, opt = _two_groups(mo.ScheduleFreeSGD(lr=0.1))
+    opt.param_groups[0]["momentum"] = _NAN
+    before = _snapshot(opt, model)
+    with pytest.raises(ValueError, match=r"opt\.eval\(\): param group 0.*'momentum'"):
+        with opt.evaluating():
+            raise AssertionError("not entered")
+    _unchanged(opt, model, before)
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match=r"opt\.train\(\): param group 0.*'momentum'.*still hold their eval form"):
+        with opt.evaluating():
+            opt.param_groups[0]["momentum"] = -1.0
+            before = _snapshot(opt, model)
+    _unchanged(opt, model, before)
+
+
+@pytest.mark.parametrize("cls,field,value", [
+    (mo.ScheduleFreeSGD, "r", 1e300), (mo.ScheduleFreeSGD, "r", 8.5), (mo.ScheduleFreeAdamW, "r", 1e300),
+    (mo.ScheduleFreeSGD, "lr", 1e300), (mo.ScheduleFreeAdamW, "lr", 2.0**64 * 1.01),
+    (mo.ScheduleFreeSGD, "weight_lr_power", 9.0), (mo.ScheduleFreeAdamW, "weight_lr_power", 1e300),
+    (mo.ScheduleFreeSGD, "momentum", 1e-40), (mo.ScheduleFreeAdamW, "betas", (1e-40, 0.999)),
+])
+def test_values_that_overflow_the_schedule_are_refused_at_construction(cls, field, value):
+    """Unbounded, `ScheduleFreeSGD(r=1e300)` takes (k+1)**r = inf and makes the parameters NaN on step 2;
+    lr 1e300 (or a weight_lr_power that large) overflows lr**weight_lr_power; a momentum below 2**-126
+    makes the eval form's weight 1 - 1/beta overflow float32."""
+    with pytest.raises(ValidationError, match=f"{cls.__name__}.{field}"):
+        cls(**{field: value})
+    bound = {"r": 8.0, "lr": 2.0**64, "weight_lr_power": 8.0, "momentum": 2.0**-126, "betas": (2.0**-126, 0.999)}[field]
+    assert getattr(cls(**{field: bound}), field) == bound  # the bound itself is accepted
+
+
+@pytest.mark.parametrize("cls", [mo.ScheduleFreeSGD, mo.ScheduleFreeAdamW])
+def test_a_group_lr_past_the_bound_is_refused_by_every_group_door(cls):
+    model = _model()
+    with pytest.raises(ValueError, match=r"param group 0, as read by 0:\w+: 'lr' = 1e\+300"):
+        mo.Modular(model.parameters(), cls(), lr=1e300)
+    ps = list(model.parameters())
+    opt = mo.Modular([{"params": ps[:2]}], cls())
+    with pytest.raises(ValueError, match=r"param group 1.*'lr'"):
+        opt.add_param_group({"params": ps[2:], "lr": 2.0**65})
+    assert len(opt.param_groups) == 1
+    mse_backward(model, *_batches(1)[0])
+    opt.step()
+    opt.param_groups[0]["lr"] = 1e300  # as a scheduler writes it: refused at the step, nothing changed
+    mse_backward(model, *_batches(1, seed=2)[0])
+    before = _snapshot(opt, model)
+    with pytest.raises(ValueError, match=r"param group 0.*'lr' = 1e\+300"):
+        opt.step()
+    _unchanged(opt, model, before)
+
+
+def _sf_checkpoint(t):
+    model = _model()
+    opt = mo.Modular(model.parameters(), t)
+    for x, y in _batches(3):
+        mse_backward(model, x, y)
+        opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("lr_max@group0", torch.tensor(1e300, dtype=torch.float64), r"lr_max is 1e\+300.*\[0, 2\*\*64\]"),
+    ("lr_max@group0", torch.tensor(2.0**64 * 1.01, dtype=torch.float64), r"lr_max is .*\[0, 2\*\*64\]"),
+    ("k@group0", torch.tensor(2.5, dtype=torch.float64), r"k is 2\.5.*whole number"),
+    ("k@group0", torch.tensor(2.0**60, dtype=torch.float64), r"k is .*\[0, 2\*\*53\]"),
+    ("k@group0", torch.tensor(float("inf"), dtype=torch.float64), r"k is inf"),
+    ("weight_sum@group0", torch.tensor(1e308, dtype=torch.float64), r"weight_sum is 1e\+308.*k = 3\.0"),
+    ("train_mode", 1.0, r"train_mode is 1\.0"),
+    ("train_mode", torch.tensor(1), r"train_mode is tensor\(1\)"),
+])
+@pytest.mark.parametrize("cls", [mo.ScheduleFreeSGD, mo.ScheduleFreeAdamW])
+def test_a_loaded_schedule_past_its_bounds_is_refused_with_nothing_changed(cls, name, value, says):
+    """A loaded lr_max of 1e300 is finite and >= 0, yet lr_max**2 overflows and the parameters become NaN:
+    every saved value of the schedule is held to the bounds that keep it finite."""
+    sd = _sf_checkpoint(cls(lr=1e-2))
+    key = f"0:{cls.__name__}"
+    sd["modopt"]["transforms"][key][name] = value
+    sd["param_groups"][0]["modopt"]["transforms"][key][name] = value
+    model = _model(seed=1)
+    opt = mo.Modular(model.parameters(), cls(lr=1e-2))
+    mse_backward(model, *_batches(1)[0])
+    opt.step()
+    before = _snapshot(opt, model)
+    with pytest.raises(ValueError, match=f"transform {key}.*{says}"):
+        opt.load_state_dict(sd)
+    _unchanged(opt, model, before)
+
+
+@pytest.mark.parametrize("cls", [mo.ScheduleFreeSGD, mo.ScheduleFreeAdamW])
+def test_the_schedule_stays_finite_for_every_accepted_extreme(cls):
+    """A grid of the extremes the bounds accept (0, the smallest float, tiny, 1, the largest lr; powers and
+    r at 0, tiny and their bounds, r very negative), from a fresh state and from saved states at the largest
+    count (2**53 - 1) with the largest lr_max and weight sum: the scheduled lr, the averaging weight c, the
+    parameters and their eval form stay finite, and no step is skipped."""
+    from modopt.transforms.wrappers import _WEIGHT_MAX, LR_MAX, POWER_MAX, R_MAX, STEPS_MAX
+
+    saved = [None, (1.0, 1.0, LR_MAX), (STEPS_MAX - 1, 1.0, LR_MAX), (STEPS_MAX - 1, 0.0, 0.0), (5.0, 0.5, 5e-324)]
+    for lr in (0.0, 5e-324, 1e-300, 1.0, LR_MAX):
+        for power in (0.0, 1e-300, POWER_MAX):
+            for r in (-1e30, 0.0, 1e-300, R_MAX):
+                for state in saved:
+                    key = f"0:{cls.__name__}"
+                    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+                    opt = mo.Modular([p], cls(lr=lr, weight_lr_power=power, r=r, warmup_steps=2))
+                    if state is not None:
+                        p.grad = torch.ones(3, dtype=torch.float64)
+                        opt.step()
+                        sd = opt.state_dict()
+                        k, frac, lr_max = state
+                        for e in (sd["modopt"]["transforms"][key], sd["param_groups"][0]["modopt"]["transforms"][key]):
+                            e["k@group0"] = torch.tensor(k, dtype=torch.float64)
+                            e["lr_max@group0"] = torch.tensor(lr_max, dtype=torch.float64)
+                            e["weight_sum@group0"] = torch.tensor(frac * k * _WEIGHT_MAX, dtype=torch.float64)
+                        opt.load_state_dict(sd)
+                    for i in range(3):
+                        p.grad = torch.full((3,), (-0.5) ** i, dtype=torch.float64)
+                        opt.step()
+                        for v in (opt.stats[f"{key}.scheduled_lr"], opt.stats[f"{key}.ckp1"], p):
+                            assert torch.isfinite(v).all(), (lr, power, r, state, i)
+                    assert int(opt.stats["skipped_steps"]) == 0
+                    with opt.evaluating():
+                        assert torch.isfinite(p).all(), (lr, power, r, state)
+
+
+@pytest.mark.parametrize("calls,says", [(2.5, r"'calls' is 2\.5"), (2.0, r"'calls' is 2\.0"),
+                                        (torch.tensor(2), r"'calls' is tensor\(2\)"), (-1, r"-1"),
+                                        (True, "counter must be a number")])
+def test_a_loaded_lookahead_count_must_be_a_whole_number(calls, says):
+    """A saved `calls` of 2.5 would never meet `k` on a whole call; a tensor would be read at every step."""
+    make = lambda m: mo.Modular(m.parameters(), mo.Lookahead(mo.SGD(lr=0.1), k=4))  # noqa: E731
+    src = _model()
+    o = make(src)
+    for x, y in _batches(2):
+        mse_backward(src, x, y)
+        o.step()
+    sd = o.state_dict()
+    assert sd["modopt"]["transforms"]["0:Lookahead"]["calls"] == 2
+    for e in (sd["modopt"]["transforms"], sd["param_groups"][0]["modopt"]["transforms"]):
+        e["0:Lookahead"]["calls"] = calls
+    model = _model(seed=1)
+    opt = make(model)
+    mse_backward(model, *_batches(1)[0])
+    opt.step()
+    before = _snapshot(opt, model)
+    with pytest.raises(ValueError, match=f"0:Lookahead.*{says}"):
+        opt.load_state_dict(sd)
+    _unchanged(opt, model, before)
+    for e in (sd["modopt"]["transforms"], sd["param_groups"][0]["modopt"]["transforms"]):
+        e["0:Lookahead"]["calls"] = 3
+    opt.load_state_dict(sd)  # a whole count loads, and the next call pulls
+    mse_backward(model, *_batches(1)[0])
+    opt.step()
+    assert opt.state_dict()["modopt"]["transforms"]["0:Lookahead"]["calls"] == 0

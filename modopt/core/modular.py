@@ -320,6 +320,15 @@ class Modular(torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def _swap_weights(self, to: str) -> None:
+        # every group's values through the gate first (the swap divides by the momentum: a NaN, a 0 or a
+        # value the field refuses would reach the parameters), then every swap: a refusal changes nothing
+        for i, g in enumerate(self.param_groups):
+            try:
+                self._gate.check(g, i)
+            except (ValueError, TypeError) as e:
+                forms = sorted({t.weights_mode(self, key) for key, t in self.plan.swaps})
+                raise type(e)(f"opt.{to}(): {e}. Nothing was changed: the parameters still hold their "
+                              f"{' and '.join(forms)} form") from None
         with torch.no_grad():
             for key, t in self.plan.swaps:
                 t.swap_weights(self, key, to)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ Schedule-Free (whose parameters have a train and an eval form)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -14,7 +15,6 @@ from ..core.keys import group_key, value_key
 from ..core.runner import Step, TransformState, run
 from ..core.state import Buffer
 from ..core.transform import Transform, TransformField, variadic_transforms
-from ._util import FiniteFloat, FiniteNonNegativeFloat
 
 __all__ = ["Lookahead", "ScheduleFreeAdamW", "ScheduleFreeSGD"]
 
@@ -93,6 +93,15 @@ class Lookahead(Transform):
         """A call the host skipped counts toward `k`; a skipped `k`-th call pulls nothing."""
         self._counts(st)
 
+    def check_loaded(self, values: dict[str, Any], where: str) -> None:
+        """`calls` is a whole count >= 0, a Python int as `Lookahead` saves it (the `counter` declaration
+        takes any finite number >= 0; a count of 2.5 would never reach `k` on a whole call, and a tensor
+        would be read on the host at every step)."""
+        calls = values.get("calls")
+        if calls is not None and (type(calls) is not int or calls < 0):
+            raise ValueError(f"{where}: 'calls' is {calls!r}; it counts the calls since the last pull, a whole "
+                             "number >= 0 (a Python int, as Lookahead saves it). Nothing was loaded")
+
     def _counts(self, st: TransformState) -> bool:
         """Count this call on the host; True on the `k`-th (the count starts again)."""
         calls = int(st.store.get("calls", 0)) + 1
@@ -115,6 +124,22 @@ class Lookahead(Transform):
 # --- Schedule-Free ------------------------------------------------------------------------------------
 _F64 = torch.float64
 
+# Bounds that keep the schedule finite (the float64 arithmetic of `_schedule`). The averaging weight is
+# w_t = t**r * lr_max**weight_lr_power, and the weight sum adds one per step. A float64 count stops at
+# 2**53 (k + 1 == k), so with lr <= 2**64, weight_lr_power <= 8 and r <= 8 every weight is at most
+# 2**(8*64 + 8*53) = 2**936 and the sum of 2**53 of them at most 2**989, far below float64's 2**1024:
+# no inf, so no inf/inf = NaN in c = w / sum. (A negative r or an lr below 1 only makes weights smaller:
+# 0 at worst, and c = 0 where the sum is 0.)
+LR_MAX = 2.0**64
+POWER_MAX = 8.0
+R_MAX = 8.0
+STEPS_MAX = 2.0**53
+_WEIGHT_MAX = LR_MAX**POWER_MAX * STEPS_MAX**R_MAX  # 2**936
+# The eval form divides by the interpolation momentum (x = y + (1 - 1/beta)(z - y)); torch's lerp takes
+# that weight as a float32 for float32 and half parameters, so 1/beta must be a finite float32: beta at
+# least float32's smallest normal number, 2**-126 (then 1/beta - 1 < 2**126).
+BETA_MIN = 2.0**-126
+
 
 def _f64(x: Any, device: torch.device) -> torch.Tensor:
     """A host number (a group value) as a 0-d float64 tensor on `device`, exactly. Compiled, a product with
@@ -131,6 +156,12 @@ def _pow(base: torch.Tensor, exponent: float) -> torch.Tensor:
     goes in as a tensor, since torch computes `x ** 2.0` (and 0.5, 3, -1, ...) another way, which can
     differ in the last bit."""
     return torch.pow(base, on_device(float(exponent), _F64, base.device))
+
+
+# (declared ranges: the gate holds a param group's lr, and a scheduler's, to the same one)
+_Lr = Annotated[float, Field(ge=0.0, le=LR_MAX)]
+_R = Annotated[float, Field(le=R_MAX, allow_inf_nan=False)]
+_Power = Annotated[float, Field(ge=0.0, le=POWER_MAX, allow_inf_nan=False)]
 
 
 class _ScheduleFree(Transform, abstract=True):
@@ -161,13 +192,19 @@ class _ScheduleFree(Transform, abstract=True):
 
     def swap_weights(self, host: Any, key: str, to: Literal["train", "eval"]) -> None:
         """`x -> y`: `p <- p + (1 - beta) (z - p)`; `y -> x`: `p <- p + (1 - 1/beta) (z - p)` (the
-        package's two lerps), for every parameter that has a z; nothing when they hold `to` already."""
+        package's two lerps), for every parameter that has a z; nothing when they hold `to` already.
+
+        The host (`Modular`) has checked every group's values through its gate; the weights of every
+        group are computed (as Python floats, a host read of a tensor or NumPy momentum) before the
+        first parameter is written, so nothing is written when one cannot be."""
         if self.weights_mode(host, key) == to:
             return
         zk = value_key(key, "z")
+        weights = []
         for g in host.param_groups:
-            beta = self._beta(g)
-            w = 1 - beta if to == "train" else 1 - 1 / beta
+            beta = float(self._beta(g))
+            weights.append(1 - beta if to == "train" else 1 - 1 / beta)
+        for g, w in zip(host.param_groups, weights):
             for p in g["params"]:
                 z = host.state.get(p, {}).get(zk)
                 if z is not None:
@@ -175,13 +212,27 @@ class _ScheduleFree(Transform, abstract=True):
         host.transform_store(key)["train_mode"] = 1 if to == "train" else 0
 
     def check_loaded(self, values: dict[str, Any], where: str) -> None:
-        """`train_mode` is 0 or 1, a step count a whole number."""
+        """`train_mode` is the int 0 or 1; a group's step count `k` a whole number in [0, 2**53], its
+        largest lr `lr_max` in [0, 2**64] (the bounds of `lr`) and its weight sum in [0, k * 2**936]
+        (each weight is at most 2**936): the bounds that keep the schedule finite (see `LR_MAX`)."""
         mode = values.get("train_mode")
-        if mode is not None and (isinstance(mode, torch.Tensor) or mode not in (0, 1)):
-            raise ValueError(f"{where}: train_mode is {mode!r}; it is 1 (training form) or 0 (eval form)")
-        k = values.get("k")
-        if isinstance(k, torch.Tensor) and bool(k != torch.floor(k)):
-            raise ValueError(f"{where}: the step count k is {float(k)!r}; it is a whole number")
+        if mode is not None and (type(mode) is not int or mode not in (0, 1)):
+            raise ValueError(f"{where}: train_mode is {mode!r}; it is 1 (training form) or 0 (eval form). "
+                             "Nothing was loaded")
+        host = {n: float(v) for n, v in values.items()  # (a meta copy holds no values: a dry run)
+                if n in ("k", "weight_sum", "lr_max") and isinstance(v, torch.Tensor) and not v.is_meta}
+        k = host.get("k")
+        if k is not None and not (0 <= k <= STEPS_MAX and k == math.floor(k)):
+            raise ValueError(f"{where}: the step count k is {k!r}; it is a whole number in [0, 2**53]. "
+                             "Nothing was loaded")
+        lr_max = host.get("lr_max")
+        if lr_max is not None and not 0 <= lr_max <= LR_MAX:
+            raise ValueError(f"{where}: lr_max is {lr_max!r}; it is the largest lr so far, in [0, 2**64] as lr is "
+                             "(larger ones overflow the averaging weight). Nothing was loaded")
+        total = host.get("weight_sum")
+        if total is not None and not 0 <= total <= (k if k is not None else STEPS_MAX) * _WEIGHT_MAX:
+            raise ValueError(f"{where}: weight_sum is {total!r}; it sums k = {k!r} averaging weights of at most "
+                             "2**936 each. Nothing was loaded")
 
     # --- the step ------------------------------------------------------------------------------------
     def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
@@ -277,7 +328,9 @@ class ScheduleFreeSGD(_ScheduleFree):
     lr (float64 tensors on the device: no host sync; a step the device skips leaves every bit).
 
     Defaults (the package's): `lr=1.0`, `momentum=0.9`, `weight_decay=0`, `warmup_steps=0`, `r=0`,
-    `weight_lr_power=2`. Reproduces `schedulefree.SGDScheduleFree` bit for bit in float32 (on the
+    `weight_lr_power=2`. Bounds that keep the schedule finite in float64 (see `LR_MAX`): `lr <= 2**64`,
+    `weight_lr_power <= 8`, `r <= 8`, `momentum` in `[2**-126, 1)` (the eval form divides by it).
+    Reproduces `schedulefree.SGDScheduleFree` bit for bit in float32 (on the
     CPU; the y update is the package's: $y \leftarrow y + c\,(z - y) + \gamma(\beta(1-c) - 1)\, g$),
     the schedule computed on the device in float64 as the package computes its Python floats.
     Exposes `lr`, `momentum`, `weight_decay` as group keys. Telemetry: `scheduled_lr`, `ckp1` (one
@@ -298,12 +351,12 @@ class ScheduleFreeSGD(_ScheduleFree):
     """
 
     positional: ClassVar[str | None] = "lr"
-    lr: NonNegativeFloat = 1.0
+    lr: _Lr = 1.0
     momentum: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
     weight_decay: NonNegativeFloat = 0.0
     warmup_steps: NonNegativeInt = 0
-    r: FiniteFloat = 0.0
-    weight_lr_power: FiniteNonNegativeFloat = 2.0
+    r: _R = 0.0
+    weight_lr_power: _Power = 2.0
 
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
         "z": "param",
@@ -313,6 +366,13 @@ class ScheduleFreeSGD(_ScheduleFree):
         "train_mode": Buffer("counter", device="cpu"),  # 1: the parameters hold y, 0: x
     }
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, v: float) -> float:
+        if v < BETA_MIN:  # (the eval form divides by it: see BETA_MIN)
+            raise ValueError("momentum is the interpolation momentum, in [2**-126, 1) (opt.eval() divides by it)")
+        return v
 
 
 class ScheduleFreeAdamW(_ScheduleFree):
@@ -335,8 +395,8 @@ class ScheduleFreeAdamW(_ScheduleFree):
     device skips leaves every bit). `opt.eval()` / `opt.train()` / `opt.evaluating()` swap $x$ and $y$.
 
     Defaults (the package's): `lr=0.0025`, `betas=(0.9, 0.999)`, `eps=1e-8`, `weight_decay=0`,
-    `warmup_steps=0`, `r=0`, `weight_lr_power=2`. Reproduces `schedulefree.AdamWScheduleFree` bit for
-    bit in float32 (on the CPU). Exposes `lr`, `betas`, `eps`, `weight_decay` as group keys.
+    `warmup_steps=0`, `r=0`, `weight_lr_power=2`; the bounds of `ScheduleFreeSGD`, with `betas[0]` in
+    `[2**-126, 1)`. Reproduces `schedulefree.AdamWScheduleFree` bit for bit in float32 (on the CPU). Exposes `lr`, `betas`, `eps`, `weight_decay` as group keys.
     Telemetry: `scheduled_lr`, `ckp1` (one per param group).
 
     ```pycon
@@ -350,13 +410,13 @@ class ScheduleFreeAdamW(_ScheduleFree):
     """
 
     positional: ClassVar[str | None] = "lr"
-    lr: NonNegativeFloat = 0.0025
+    lr: _Lr = 0.0025
     betas: tuple[float, float] = (0.9, 0.999)
     eps: NonNegativeFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.0
     warmup_steps: NonNegativeInt = 0
-    r: FiniteFloat = 0.0
-    weight_lr_power: FiniteNonNegativeFloat = 2.0
+    r: _R = 0.0
+    weight_lr_power: _Power = 2.0
 
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
         "z": "param",
@@ -373,8 +433,9 @@ class ScheduleFreeAdamW(_ScheduleFree):
     @field_validator("betas")
     @classmethod
     def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not 0.0 < v[0] < 1.0:  # (the eval form divides by it)
-            raise ValueError(f"betas[0] is the interpolation momentum, in (0, 1); got {v[0]}")
+        if not BETA_MIN <= v[0] < 1.0:  # (the eval form divides by it: see BETA_MIN)
+            raise ValueError(f"betas[0] is the interpolation momentum, in [2**-126, 1) (opt.eval() divides by it); "
+                             f"got {v[0]}")
         if not 0.0 <= v[1] < 1.0:
             raise ValueError(f"betas[1] must be in [0, 1), got {v[1]}")
         return v
