@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .core import distributed
 from .core.checkpoint import TORCH_SQUARES
 from .core.modular import Modular
+from .core.runner import check_loss
 
 __all__ = ["Rewind", "RewindConfig", "RewindError", "RewindEvent"]
 
@@ -289,6 +290,37 @@ def _map_tensors(v: Any, fn: Any, path: tuple = ()) -> Any:
     return v
 
 
+class _UndoCutOnRaise:
+    """`optimizer.step` of an optimizer whose guard lowers the learning rate: the optimizer's own step
+    (`inner`: what `optimizer.step` was, None for the class's method), and when it raises, the guard's
+    cut put back before the exception leaves. It stands in for a bound method: torch's LR schedulers
+    wrap `optimizer.step` through `__func__` and `__get__`; it pickles with the guard."""
+
+    def __init__(self, guard: "Rewind", inner: Any) -> None:
+        self.guard, self.inner = guard, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opt = self.guard.optimizer
+        try:
+            return self.inner(*args, **kwargs) if self.inner is not None else type(opt).step(opt, *args, **kwargs)
+        except BaseException:
+            self.guard._undo_cut()
+            raise
+
+    @property
+    def __func__(self) -> "_UndoCutOnRaise":
+        return self
+
+    def __getattr__(self, name: str) -> Any:  # (the marks of what it wraps: a scheduler's `_wrapped_by_lr_sched`)
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> "_UndoCutOnRaise":
+        return self
+
+
 class Rewind:
     """Snapshots every `every` steps; on a trigger, restore the last one and continue past the bad batches.
 
@@ -372,9 +404,14 @@ class Rewind:
         #: "snapshot" (the buffers hold a mix of two steps), "rewind" (the model and optimizer do) or "load"
         #: (the guard does); None when whole. `step()` and `state_dict()` refuse while it is set
         self._torn: str | None = None
+        self._step_wrapper: _UndoCutOnRaise | None = None
         if cfg.lr_factor != 1.0 and cfg.lr_steps > 0:
             self._hooks = [optimizer.register_step_pre_hook(self._lower_lr),
                            optimizer.register_step_post_hook(self._restore_lr)]
+            # a step that raises (the closure, a hook, the update) skips the post-hook: its cut is undone
+            # as the exception leaves `step`, so a scheduler stepping next reads the lr it set itself
+            self._step_wrapper = _UndoCutOnRaise(self, optimizer.__dict__.get("step"))
+            optimizer.step = self._step_wrapper  # type: ignore[method-assign]
         self._take_snapshot()
 
     # --- what is kept ---------------------------------------------------------------------
@@ -406,7 +443,9 @@ class Rewind:
         """
         self._refuse_if_torn("step")
         cfg = self.config
-        x = distributed.world_mean(self._scalar(loss, "loss"))  # (every rank decides on the same value)
+        x = self._scalar(loss, "loss")
+        g = None if grad_norm is None else self._scalar(grad_norm, "grad_norm")  # (both checked before any write)
+        x = distributed.world_mean(x)  # (every rank decides on the same value)
         self._pos.add_(1)
         kind = torch.where(torch.isfinite(x), 0, 1)
         value, limit = x, torch.full_like(x, math.nan)
@@ -415,9 +454,8 @@ class Rewind:
             spike = (kind == 0) & active & (x > lim)
             kind = torch.where(spike, 2, kind)
             limit = torch.where(spike, lim, limit)
-        g = None
-        if grad_norm is not None:
-            g = distributed.world_mean(self._scalar(grad_norm, "grad_norm"))
+        if g is not None:
+            g = distributed.world_mean(g)
             if cfg.grad_norm_z is not None:
                 active, lim = self._norm_win.limit(cfg.grad_norm_z, cfg.min_count, cfg.rel_std_floor)
                 spike = (kind == 0) & active & torch.isfinite(g) & (g > lim)
@@ -438,18 +476,20 @@ class Rewind:
         return self._check()
 
     def _scalar(self, v: Any, name: str) -> torch.Tensor:
+        """`v` as a 0-d tensor of the guard's statistics dtype on its device (a tensor's value is not read)."""
         dtype = self._value.dtype
+        if v is None:
+            raise TypeError(f"Rewind.step: {name} must be a tensor or a number, got None"
+                            + (" (pass the step's loss: the closure's return value, or the tensor you called backward on)"
+                               if name == "loss" else ""))
+        if isinstance(v, torch.Tensor) and v.numel() != 1:
+            raise ValueError(f"Rewind.step: {name} must be a single number, got a tensor of shape {tuple(v.shape)}")
+        check_loss(v, "Rewind.step", f"the {name.replace('_', ' ')}")  # (complex, bool, 10**400: refused)
         if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise ValueError(f"Rewind.step: {name} must be a single number, got a tensor of shape {tuple(v.shape)}")
             return v.detach().reshape(()).to(device=self.device, dtype=dtype)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return torch.tensor(float(v), device=self.device, dtype=dtype)
-        raise TypeError(
-            f"Rewind.step: {name} must be a tensor or a number, got {type(v).__name__}"
-            + (" (pass the step's loss: the closure's return value, or the tensor you called backward on)"
-               if v is None and name == "loss" else "")
-        )
+        if hasattr(v, "reshape"):  # a NumPy scalar or one-element array
+            v = v.reshape(()).item()
+        return torch.tensor(float(v), device=self.device, dtype=dtype)
 
     # --- check points ----------------------------------------------------------------------
     def _check(self) -> RewindEvent | None:
@@ -582,8 +622,8 @@ class Rewind:
 
     # --- the learning-rate cut ---------------------------------------------------------------
     def _lower_lr(self, opt: torch.optim.Optimizer, *_: Any) -> None:
-        if self._saved_lrs is not None:  # the last step raised before its post-hook: undo its cut first
-            self._restore_lr(opt)
+        if self._saved_lrs is not None:  # a step that raised outside `_UndoCutOnRaise` (a compiled one)
+            self._undo_cut()
         if self._lowered_left <= 0:
             return
         self._saved_lrs = [g.get("lr") for g in opt.param_groups]
@@ -594,11 +634,17 @@ class Rewind:
     def _restore_lr(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         if self._saved_lrs is None:
             return
-        for g, lr in zip(opt.param_groups, self._saved_lrs):
+        self._undo_cut()
+        self._lowered_left -= 1
+
+    def _undo_cut(self) -> None:
+        """Put back the lr the cut replaced; a step that did not finish is not one of the lowered ones."""
+        if self._saved_lrs is None:
+            return
+        for g, lr in zip(self.optimizer.param_groups, self._saved_lrs):
             if "lr" in g:
                 g["lr"] = lr
         self._saved_lrs = None
-        self._lowered_left -= 1
 
     @property
     def lowered_steps_left(self) -> int:
@@ -610,6 +656,13 @@ class Rewind:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        w = self._step_wrapper
+        if w is not None and self.optimizer.__dict__.get("step") is w:  # (else wrapped since: it stays, inert)
+            if w.inner is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = w.inner  # type: ignore[method-assign]
+        self._step_wrapper = None
 
     # --- reports ---------------------------------------------------------------------------
     @property
@@ -657,6 +710,14 @@ class Rewind:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a `state_dict()` of a guard over the same parameters; checked whole before anything changes."""
+        try:
+            self._load(sd)
+        except (ValueError, TypeError) as e:
+            if type(e) not in (ValueError, TypeError):  # (a subclass may take other arguments)
+                raise
+            raise type(e)(f"{e} (nothing was changed)") from None
+
+    def _load(self, sd: Any) -> None:
         who = "Rewind.load_state_dict"
         if not isinstance(sd, dict):
             raise ValueError(f"{who}: expected the dict of Rewind.state_dict(), got {type(sd).__name__}")
@@ -674,12 +735,16 @@ class Rewind:
             raise ValueError(f"{who}: 'batches_seen' ({counts['batches_seen']}) is below 'steps_done' ({counts['steps_done']})")
         rewinds = self._load_rewinds(sd["rewinds"], who)
         windows = self._load_windows(sd["windows"], who, "windows")
-        pending = sd["pending"]
-        if not isinstance(pending, dict) or set(pending) != {"code", "value", "limit"} or not all(
-                isinstance(t, torch.Tensor) and t.dim() == 0 for t in pending.values()):
-            raise ValueError(f"{who}: 'pending' must hold the 0-d tensors 'code', 'value' and 'limit'")
+        pending = self._load_pending(sd["pending"], who)
         snap = self._load_snapshot(sd["snapshot"], who, counts["steps_done"])
-        # everything checked: now change the guard
+        # everything checked; the copies made before anything changes (a failed allocation changes nothing)
+        bufs = _Buffers(self.config.where)
+        snap = _map_tensors(snap, bufs.adopt)
+        if "skipped_steps" in snap:
+            snap["skipped_steps"] = snap["skipped_steps"].to(self.device, torch.int64, copy=True)
+        snap["windows"] = self._window_copies(snap["windows"])
+        windows = self._window_copies(windows)
+        # now change the guard: plain assignments and copies between tensors of one dtype and device
         self._torn = "load"
         self.steps_done, self.batches_seen = counts["steps_done"], counts["batches_seen"]
         self._tries, self._lowered_left = counts["tries"], counts["lowered_left"]
@@ -691,30 +756,71 @@ class Rewind:
         self._value.copy_(pending["value"])
         self._limit.copy_(pending["limit"])
         self._pos.fill_(self.steps_done)
-        self._bufs = _Buffers(self.config.where)
-        snap = _map_tensors(snap, self._bufs.adopt)
-        if "skipped_steps" in snap:
-            snap["skipped_steps"] = snap["skipped_steps"].to(self.device, copy=True)
-        snap["windows"] = {n: {k: t.to(self.device, copy=True) for k, t in w.items()} for n, w in snap["windows"].items()}
+        self._bufs = bufs
         self._snapshot = snap
         self._mark_copies()
         self._saved_lrs = None
         self._torn = None
 
+    def _window_copies(self, windows: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """Checked windows as new tensors of the live windows' dtypes, on the guard's device."""
+        return {name: {k: windows[name][k].detach().to(self.device, t.dtype, copy=True) for k, t in w.tensors().items()}
+                for name, w in (("loss", self._loss_win), ("grad_norm", self._norm_win))}
+
+    @staticmethod
+    def _count_tensor(t: Any, what: str, low: int = 0) -> None:
+        """`t` is a 0-d integer tensor holding values (not on the meta device) >= `low` (read on the host: a load)."""
+        if (not isinstance(t, torch.Tensor) or t.dim() != 0 or t.is_floating_point() or t.is_complex()
+                or t.dtype == torch.bool or t.is_meta):
+            raise ValueError(f"{what} must be a 0-d integer tensor, got "
+                             f"{f'{tuple(t.shape)} {t.dtype} on {t.device}' if isinstance(t, torch.Tensor) else repr(t)}")
+        if int(t) < low:
+            raise ValueError(f"{what} must be >= {low}, got {int(t)}")
+
+    @staticmethod
+    def _real_tensor(t: Any, what: str, shape: tuple[int, ...]) -> None:
+        """`t` is a floating-point tensor of `shape` holding values (not on the meta device)."""
+        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point()
+                or t.is_meta):
+            raise ValueError(f"{what} must be a floating-point tensor of shape {shape}, got "
+                             f"{f'{tuple(t.shape)} {t.dtype} on {t.device}' if isinstance(t, torch.Tensor) else repr(t)}")
+
+    def _load_pending(self, pending: Any, who: str) -> dict[str, torch.Tensor]:
+        if not isinstance(pending, dict) or set(pending) != {"code", "value", "limit"}:
+            raise ValueError(f"{who}: 'pending' must hold the 0-d tensors 'code', 'value' and 'limit'")
+        self._count_tensor(pending["code"], f"{who}: pending.code")
+        step, kind = divmod(int(pending["code"]), 4)
+        if int(pending["code"]) and (kind not in TRIGGERS or step < 1):
+            raise ValueError(f"{who}: pending.code {int(pending['code'])} is no trigger (step * 4 + kind, kind 1 to 3)")
+        for k in ("value", "limit"):  # (NaN is a value: the loss of a non-finite trigger, no limit)
+            self._real_tensor(pending[k], f"{who}: pending.{k}", ())
+        return pending
+
     def _load_rewinds(self, rows: Any, who: str) -> list[RewindEvent]:
         if not isinstance(rows, list):
             raise ValueError(f"{who}: 'rewinds' must be a list")
         out = []
+        fields = ("step", "batch", "trigger", "checked_at", "restored_to", "skipped", "attempt")
         for i, r in enumerate(rows):
-            try:
-                out.append(RewindEvent(**{**r, "skipped": tuple(r["skipped"])}))
-            except (TypeError, KeyError) as e:
-                raise ValueError(f"{who}: rewinds[{i}] is not a rewind record ({e})") from None
+            ok = isinstance(r, dict) and set(r) == set(fields)
+            if ok:
+                ints = [r[k] for k in ("step", "batch", "checked_at", "restored_to", "attempt")]
+                sk = r["skipped"]
+                ok = (all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in ints)
+                      and r["attempt"] >= 1 and r["trigger"] in TRIGGERS.values()
+                      and isinstance(sk, (list, tuple)) and len(sk) == 2
+                      and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in sk)
+                      and sk[0] <= sk[1])
+            if not ok:
+                raise ValueError(f"{who}: rewinds[{i}] is not a rewind record ({', '.join(fields)}: counts >= 0, "
+                                 f"attempt >= 1, a trigger of {sorted(TRIGGERS.values())}), got {r!r:.200}")
+            out.append(RewindEvent(**{**r, "skipped": tuple(r["skipped"])}))
         return out
 
     def _load_windows(self, windows: Any, who: str, where: str) -> dict[str, dict[str, torch.Tensor]]:
         if not isinstance(windows, dict) or set(windows) != {"loss", "grad_norm"}:
             raise ValueError(f"{who}: {where!r} must hold the 'loss' and 'grad_norm' windows")
+        flags = []
         for name, w in windows.items():
             buf, count = (w.get("buf"), w.get("count")) if isinstance(w, dict) else (None, None)
             if not isinstance(buf, torch.Tensor) or buf.shape != self._loss_win.buf.shape:
@@ -722,14 +828,18 @@ class Rewind:
                     f"{who}: {where}.{name}.buf must be a tensor of shape ({self.config.window},) "
                     f"(the window of this guard), got {getattr(buf, 'shape', type(buf).__name__)}"
                 )
-            if not isinstance(count, torch.Tensor) or count.dim() != 0 or count.is_floating_point():
-                raise ValueError(f"{who}: {where}.{name}.count must be a 0-d integer tensor")
+            self._real_tensor(buf, f"{who}: {where}.{name}.buf", (self.config.window,))
+            self._count_tensor(count, f"{who}: {where}.{name}.count")
+            flags.append((f"{who}: {where}.{name}.buf", torch.isfinite(_local(buf)).all()))
+        for what, ok in flags:  # (a window holds accepted values only: finite ones)
+            if not bool(ok):
+                raise ValueError(f"{what} holds a value that is not finite: the checkpoint is damaged or was edited")
         return windows
 
     def _load_snapshot(self, snap: Any, who: str, steps_done: int) -> dict[str, Any]:
         if not isinstance(snap, dict) or not {"step", "tensors", "state", "groups", "also", "windows"} <= set(snap):
             raise ValueError(f"{who}: 'snapshot' is not a Rewind snapshot")
-        if not isinstance(snap["step"], int) or not 0 <= snap["step"] <= steps_done:
+        if not isinstance(snap["step"], int) or isinstance(snap["step"], bool) or not 0 <= snap["step"] <= steps_done:
             raise ValueError(f"{who}: snapshot.step must be an int in [0, steps_done={steps_done}], got {snap['step']!r}")
         tensors = snap["tensors"]
         if not isinstance(tensors, list) or len(tensors) != len(self._tensors):
@@ -766,8 +876,8 @@ class Rewind:
             raise ValueError(f"{who}: the snapshot keeps {len(snap['also']) if isinstance(snap['also'], list) else '?'} "
                              f"'also' objects, this guard {len(self.also)}")
         self._load_windows(snap["windows"], who, "snapshot.windows")
-        if "store" in snap and not (isinstance(snap.get("skipped_steps"), torch.Tensor) and snap["skipped_steps"].dim() == 0):
-            raise ValueError(f"{who}: snapshot.skipped_steps must be a 0-d tensor (the Modular's skipped-step count)")
+        if "store" in snap:  # (the Modular's skipped-step count)
+            self._count_tensor(snap.get("skipped_steps"), f"{who}: snapshot.skipped_steps")
         self._check_snapshot_values(snap, who)
         return snap
 
@@ -794,8 +904,9 @@ class Rewind:
 
         def plain(path: tuple, e: dict[str, Any]) -> torch.Tensor:
             t = e.get(_TENSOR)
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{who}: snapshot entry {'.'.join(map(str, path))} holds no tensor")
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                raise ValueError(f"{who}: snapshot entry {'.'.join(map(str, path))} holds no tensor"
+                                 + (" (one on the meta device holds no values)" if isinstance(t, torch.Tensor) else ""))
             try:
                 torch.device(e.get("device"))
             except (TypeError, RuntimeError, ValueError):
@@ -814,14 +925,19 @@ class Rewind:
             from .core.checkpoint import StateLoader
 
             loader = StateLoader(opt.transforms, f"{who}: snapshot", opt._pipeline.nonfinite)
-            for i, entry in values["state"].items():
-                loader.param_state(entry, params[i], None, f"parameter {i}")
-            first = params[0].device if params else torch.device("cpu")
-            loader.store(values["store"], [g["params"][0].device if g["params"] else first for g in opt.param_groups])
+            groups = []
             for gi, (g, saved) in enumerate(zip(opt.param_groups, values["groups"])):
                 if not isinstance(saved, dict):
                     raise ValueError(f"{who}: snapshot param group {gi} is not a dict")
-                opt._gate.check({**saved, "params": g["params"]}, gi, list(saved))
+                try:
+                    opt._gate.check({**saved, "params": g["params"]}, gi, list(saved))
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"{who}: snapshot {e}") from None
+                groups += [saved] * len(g["params"])  # (the group each parameter steps with after a rewind)
+            for i, entry in values["state"].items():
+                loader.param_state(entry, params[i], None, f"parameter {i}", groups[i])
+            first = params[0].device if params else torch.device("cpu")
+            loader.store(values["store"], [g["params"][0].device if g["params"] else first for g in opt.param_groups])
             loader.finish()
         else:
             for i, entry in values["state"].items():

@@ -490,15 +490,107 @@ def test_wrong_shape_buffer_is_refused_on_a_fresh_optimizer():
     assert len(fresh.state) == 0
 
 
-def test_a_checkpoint_missing_a_parameter_state_loads_as_fresh_state():
-    """Documented: a parameter without saved state starts fresh (as torch.optim does), it is not an error."""
-    model, opt = ema_model_and_opt()
-    train(model, opt, 2)
-    sd = copy.deepcopy(opt.state_dict())
+def _lost(sd, what):
+    """`sd` with part of its state removed, as a damaged or hand-edited checkpoint has it."""
+    if what == "a parameter's state":
+        _drop_param_state(sd)
+    elif what == "one value of a parameter":
+        del sd["state"][1]["1:Adam.exp_avg_sq"]
+    elif what == "the transform state":
+        del sd["modopt"]["transforms"]
+    elif what == "one transform":
+        del sd["modopt"]["transforms"]["0:ZClip"]
+    elif what == "the skipped-step count":
+        del sd["modopt"]["skipped_steps"]
+    return sd
+
+
+LOST = {  # what the refusal names
+    "a parameter's state": r"parameter 0 \(shape \(4, 3\)\): '1:Adam.exp_avg', '1:Adam.exp_avg_sq', '1:Adam.step'",
+    "one value of a parameter": r"parameter 1 \(shape \(4,\)\): '1:Adam.exp_avg_sq'",
+    "the transform state": r"transform 0:ZClip: 'count', 'mu', 'var'",
+    "one transform": r"transform 0:ZClip: 'count', 'mu', 'var'",
+    "the skipped-step count": r"the skipped-step count \('skipped_steps'\)",
+}
+
+
+@pytest.mark.parametrize("into", ["fresh", "stepped"])
+@pytest.mark.parametrize("what", list(LOST))
+def test_a_checkpoint_missing_state_is_refused_naming_it_and_strict_false_loads_it_with_one_warning(what, into):
+    """The inventory a checkpoint carries says what its writer held: a part missing from the state is
+    refused by name, with nothing changed, whether the optimizer is fresh or has state of its own."""
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    train(model, opt, 3)
+    sd = _lost(roundtrip(opt.state_dict()), what)
+    m2, o2 = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2), seed=1)
+    if into == "stepped":
+        train(m2, o2, 2, seed=1)
+    refused(m2, o2, lambda: o2.load_state_dict(sd), LOST[what] + r"(.|\n)*Nothing was changed(.|\n)*strict=False")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o2.load_state_dict(sd, strict=False)
+    restarts = [w for w in caught if "strict=False" in str(w.message)]
+    assert len(restarts) == 1 and __import__("re").search(LOST[what], str(restarts[0].message))
+    train(m2, o2, 2, seed=2)  # the restarted parts start again from their initial values
+    assert all(torch.isfinite(p).all() for p in m2.parameters())
+
+
+def test_a_checkpoint_without_an_inventory_is_compared_with_the_live_optimizer():
+    """Without the inventory (stripped, or a hand-made dict), the state the running optimizer holds is
+    what the checkpoint must cover; into a fresh optimizer there is nothing to compare and it loads."""
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    train(model, opt, 3)
+    sd = roundtrip(opt.state_dict())
+    del sd["param_groups"][0]["modopt"]
     _drop_param_state(sd)
-    _, o2 = ema_model_and_opt()
+    refused(model, opt, lambda: opt.load_state_dict(sd), r"parameter 0 \(shape \(4, 3\)\): '1:Adam.exp_avg'")
+    _, fresh = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    fresh.load_state_dict(sd)
+    assert len(fresh.state) == len(opt.state) - 1
+
+
+def test_state_that_was_never_there_is_not_missing():
+    """torch's usage: a fresh optimizer's state_dict (no step yet) loads into a trained one (its state is
+    dropped, as torch does), and a parameter that never had a gradient has no state to lose."""
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    _, fresh = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    empty = roundtrip(fresh.state_dict())
+    train(model, opt, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        opt.load_state_dict(empty)
+    assert len(opt.state) == 0 and opt._store == {}
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    model[0].bias.requires_grad_(False)
+    train(model, opt, 2)
+    sd = roundtrip(opt.state_dict())
+    assert len(sd["state"]) == 3
+    m2, o2 = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2), seed=1)
     o2.load_state_dict(sd)
-    assert len(o2.state) == len(opt.state) - 1
+    assert len(o2.state) == 3
+
+
+def test_an_inventory_without_param_keys_still_names_a_value_no_parameter_holds():
+    """A format-2 checkpoint written before `param_keys` lists the keys only: a key that no parameter's
+    entry holds any more is refused by name."""
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    train(model, opt, 2)
+    sd = roundtrip(opt.state_dict())
+    del sd["param_groups"][0]["modopt"]["param_keys"]
+    for entry in sd["state"].values():
+        del entry["1:Adam.exp_avg_sq"]
+    _, fresh = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    refused(model, fresh, lambda: fresh.load_state_dict(sd), r"held by no parameter .*'1:Adam.exp_avg_sq'")
+
+
+def test_a_malformed_inventory_is_refused_by_name():
+    model, opt = ema_model_and_opt(mo.ZClip(warmup_steps=2), mo.Adam(lr=1e-2))
+    train(model, opt, 2)
+    sd = roundtrip(opt.state_dict())
+    sd["param_groups"][0]["modopt"]["param_keys"] = [[["1:Adam.step"], [7]]]
+    refused(model, opt, lambda: opt.load_state_dict(sd), r"\['modopt'\]\['param_keys'\] must be")
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        opt.load_state_dict(roundtrip(opt.state_dict()), strict="no")
 
 
 def _torch_adam_checkpoint(model) -> dict:
@@ -540,6 +632,34 @@ def test_torch_optimizer_refuses_a_wrapped_state_torchs_step_cannot_use(tamper, 
     assert_same(before, snapshot(opt))
     train(model, opt, 1, seed=3)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("make, group, drop", [
+    (lambda: mo.TorchOptimizer(torch.optim.Adam, lr=1e-2, amsgrad=True), {}, "max_exp_avg_sq"),
+    (lambda: mo.TorchOptimizer(torch.optim.Adam, lr=1e-2), {"amsgrad": True}, "max_exp_avg_sq"),
+    (lambda: mo.TorchOptimizer(torch.optim.SGD, lr=1e-2, momentum=0.9), {}, "momentum_buffer"),
+    (lambda: mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2, centered=True), {}, "grad_avg"),
+    (lambda: mo.TorchOptimizer(torch.optim.Rprop, lr=1e-2), {}, "prev"),
+], ids=["amsgrad", "amsgrad as a group value", "SGD momentum", "RMSprop centered", "Rprop"])
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "after_steps"])
+def test_torch_optimizer_refuses_a_state_without_a_key_the_group_flags_need(make, group, drop, fresh):
+    """The keys the wrapped class creates under the loaded group's flags (a probe step of the class):
+    an amsgrad state without `max_exp_avg_sq` loaded, then the next step raised KeyError."""
+    model, opt = ema_model_and_opt(make())
+    for g in opt.param_groups:
+        g.update(group)
+    train(model, opt, 2)
+    sd = roundtrip(opt.state_dict())
+    del sd["state"][1]["0:TorchOptimizer.inner"][drop]
+    m2, o2 = ema_model_and_opt(make(), seed=1)
+    if not fresh:
+        train(m2, o2, 1)
+    refused(m2, o2, lambda: o2.load_state_dict(sd), f"buffer '0:TorchOptimizer.inner' of parameter 1 .*the checkpoint "
+                                                    f"lacks '{drop}'")
+    train(m2, o2, 1, seed=3)
+    sd = roundtrip(opt.state_dict())  # the whole state loads and steps
+    o2.load_state_dict(sd)
+    train(m2, o2, 1, seed=4)
 
 
 def test_torch_optimizer_loads_an_untouched_torch_checkpoint_and_continues_as_torch():

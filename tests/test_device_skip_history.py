@@ -208,6 +208,7 @@ def old_format(sd):
     for s in carried["transforms"].values():
         strip(s)
     carried["inventory"] = [k for k in carried["inventory"] if not ("length" in k or k.endswith("started"))]
+    del carried["param_keys"]  # (written since; an old checkpoint has no per-parameter inventory)
     return sd
 
 

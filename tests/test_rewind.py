@@ -395,6 +395,143 @@ def test_a_snapshot_of_an_sgd_pipeline_is_refused_by_an_adam_guard():
         g2.load_state_dict(g1.state_dict())
 
 
+T = "__rewind_tensor__"
+META_INT = lambda: torch.zeros((), dtype=torch.int64, device="meta")  # noqa: E731
+TAMPERED = {  # a damaged or edited guard state, and what its refusal names
+    "pending code complex": (lambda sd: sd["pending"].update(code=torch.tensor(1 + 1j)), "pending.code"),
+    "pending code float": (lambda sd: sd["pending"].update(code=torch.tensor(5.5)), "pending.code"),
+    "pending code not a trigger": (lambda sd: sd["pending"].update(code=torch.tensor(7 * 4)), "pending.code 28 is no trigger"),
+    "pending value on meta": (lambda sd: sd["pending"].update(value=torch.empty((), device="meta")), "pending.value"),
+    "window buf complex": (lambda sd: sd["windows"]["loss"].update(buf=torch.zeros(50, dtype=torch.complex64)),
+                           "windows.loss.buf must be a floating-point"),
+    "window buf on meta": (lambda sd: sd["windows"]["loss"].update(buf=torch.zeros(50, device="meta")), "windows.loss.buf"),
+    "window buf nan": (lambda sd: sd["windows"]["loss"]["buf"].fill_(float("nan")), "windows.loss.buf holds a value"),
+    "window count on meta": (lambda sd: sd["windows"]["grad_norm"].update(count=META_INT()), "windows.grad_norm.count"),
+    "window count bool": (lambda sd: sd["windows"]["loss"].update(count=torch.tensor(True)), "windows.loss.count"),
+    "window count negative": (lambda sd: sd["windows"]["loss"].update(count=torch.tensor(-5)), "count must be >= 0"),
+    "snapshot window on meta": (lambda sd: sd["snapshot"]["windows"]["loss"].update(buf=torch.zeros(50, device="meta")),
+                                "snapshot.windows.loss.buf"),
+    "snapshot skipped_steps on meta": (lambda sd: sd["snapshot"].update(skipped_steps=META_INT()), "snapshot.skipped_steps"),
+    "snapshot skipped_steps float": (lambda sd: sd["snapshot"].update(skipped_steps=torch.tensor(1.5)),
+                                     "snapshot.skipped_steps"),
+    "snapshot parameter on meta": (lambda sd: sd["snapshot"]["tensors"][0].update({T: torch.empty(8, 4, device="meta")}),
+                                   "snapshot entry tensors.0"),
+    "snapshot step a bool": (lambda sd: sd["snapshot"].update(step=True), "snapshot.step"),
+    "snapshot lr negative": (lambda sd: sd["snapshot"]["groups"][0].update(lr=-1.0),
+                             "Rewind.load_state_dict: snapshot param group 0.*'lr' = -1.0"),
+    "rewind record": (lambda sd: sd["rewinds"].append({"step": "3", "batch": 1, "trigger": "boom", "checked_at": 1,
+                                                      "restored_to": 0, "skipped": [1, 2], "attempt": 1}), "rewinds\\[1\\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_tampered_state_is_refused_whole_and_the_guard_goes_on(case):
+    """Every part is checked before the first assignment: a refused load leaves the guard as it was and
+    usable (no "interrupted partway" afterwards), its state dict bit for bit."""
+    model, opt = make("zclip")
+    guard = mo.Rewind(opt, model=model, every=2)
+    for t in range(1, 4):
+        guard.step(torch.tensor(math.nan) if t == 2 else train_step(model, opt, t))
+    edit, match = TAMPERED[case]
+    bad = _edited(guard.state_dict(), edit)
+    before = leaves(guard.state_dict())
+    with pytest.raises(ValueError, match=match):
+        guard.load_state_dict(bad)
+    after = leaves(guard.state_dict())  # (raises when the guard was left holding parts of two states)
+    assert_same_values(after, before)
+    guard.step(train_step(model, opt, 4))
+
+
+def leaves(v, path: str = "") -> dict:
+    """Every value of a nested state (dicts, lists, tuples), by path; tensors cloned."""
+    if isinstance(v, dict):
+        return {k: x for key, item in v.items() for k, x in leaves(item, f"{path}/{key}").items()}
+    if isinstance(v, (list, tuple)):
+        return {k: x for i, item in enumerate(v) for k, x in leaves(item, f"{path}/{i}").items()}
+    return {path: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)}
+
+
+def assert_same_values(after: dict, before: dict) -> None:
+    """Two `leaves` hold the same keys and values, bit for bit (NaN where NaN was)."""
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(after[k], v, rtol=0, atol=0, equal_nan=True, msg=k)
+        else:
+            assert after[k] == v, k
+
+
+@pytest.mark.parametrize("where", ["closure", "pre-hook"])
+def test_a_step_that_raises_leaves_the_learning_rate_uncut(where):
+    """The cut is undone as the exception leaves `opt.step()`: a scheduler stepping between the failed step
+    and the next reads the lr it set, and the failed step is not one of the lowered ones."""
+    model, opt = make("modular")
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    guard = mo.Rewind(opt, model=model, every=2, lr_factor=0.25, lr_steps=2)
+    for t in range(1, 5):  # a rewind at step 4 (batch 3 was non-finite)
+        train_step(model, opt, t)
+        sched.step()
+        event = guard.step(torch.tensor(math.nan) if t == 3 else torch.tensor(1.0))
+    assert event is not None and guard.lowered_steps_left == 2
+    lr = opt.param_groups[0]["lr"]
+    if where == "pre-hook":
+        handle = opt.register_step_pre_hook(lambda *_: 1 / 0)  # (runs after the guard's cut)
+    with pytest.raises(ZeroDivisionError):
+        opt.step(lambda: 1 / 0) if where == "closure" else opt.step()
+    if where == "pre-hook":
+        handle.remove()
+    assert opt.param_groups[0]["lr"] == lr and guard.lowered_steps_left == 2
+    sched.step()
+    assert opt.param_groups[0]["lr"] == lr * 0.5
+    seen = []
+    opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+    train_step(model, opt, 5)
+    assert seen == [lr * 0.5 * 0.25] and opt.param_groups[0]["lr"] == lr * 0.5 and guard.lowered_steps_left == 1
+
+
+def test_the_step_wrapper_keeps_schedulers_working_pickles_and_is_removed():
+    model, opt = make("modular")
+    guard = mo.Rewind(opt, model=model, every=2, lr_factor=0.5, lr_steps=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # wraps the guard's step in turn
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")  # no "optimizer.step() has been overridden" warning
+        train_step(model, opt, 1)
+        sched.step()
+    copy.deepcopy(opt)
+    other_model, other = make("modular")
+    g2 = mo.Rewind(other, model=other_model, lr_factor=0.5, lr_steps=2)
+    assert "step" in other.__dict__
+    again = __import__("pickle").loads(__import__("pickle").dumps(other))  # (a scheduler's wrapper does not pickle)
+    again.step()
+    g2.remove()
+    assert "step" not in other.__dict__
+
+
+@pytest.mark.parametrize("loss, error, match", [
+    (torch.tensor(1 + 1j), TypeError, "complex64"),
+    (1j, TypeError, "got complex"),
+    (True, TypeError, "got a bool"),
+    (10**400, ValueError, "int of 401 digits, which cannot be represented as a finite float64"),
+    ("1.0", TypeError, "got str"),
+], ids=["complex tensor", "complex", "bool", "10**400", "str"])
+def test_a_loss_that_is_not_one_real_number_is_refused_before_anything_changes(loss, error, match):
+    import numpy as np
+
+    model, opt = make("modular")
+    guard = mo.Rewind(opt, model=model, every=2)
+    guard.step(train_step(model, opt, 1))
+    before = leaves(guard.state_dict())
+    with pytest.raises(error, match="Rewind.step: the loss .*" + match):
+        guard.step(loss)
+    with pytest.raises(error, match="Rewind.step: the grad norm .*" + match):
+        guard.step(torch.tensor(1.0), grad_norm=loss)
+    assert guard.steps_done == 1
+    assert_same_values(leaves(guard.state_dict()), before)
+    for ok in (np.float32(1.0), np.array([2.0]), np.int64(3), np.float64(1.5)):  # real NumPy values count
+        guard.step(ok)
+    assert guard.steps_done == 5
+
+
 # --- doors -----------------------------------------------------------------------------------------------------
 def test_settings_are_validated_naming_the_field():
     model, opt = make("modular")

@@ -299,12 +299,79 @@ def test_a_bad_history_entry_refuses_the_whole_load():
     sd = opt.state_dict()
     sd["param_groups"][0]["modopt_telemetry"]["count"] = -1
     before = h.read()
-    with pytest.raises(ValueError, match="count must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"count must be an integer in \[0, 2\*\*62\), got -1 \(nothing was changed\)"):
         opt.load_state_dict(sd)
     assert h.read() == before
     other = History(capacity=5)
     with pytest.raises(ValueError, match="capacity 4 in the checkpoint, 5 here"):
         other.load_state_dict(h.state_dict())
+
+
+TAMPERED = {  # a damaged or edited history state, and what its refusal names
+    "values None": (lambda sd: sd.update(values=None), r"values is None, but the history has \d+ columns and 3 rows"),
+    "values on meta": (lambda sd: sd.update(values=torch.empty_like(sd["values"], device="meta")), "values must be"),
+    "count 10**30": (lambda sd: sd.update(count=10**30), r"count must be an integer in \[0, 2\*\*62\)"),
+    "totals inf": (lambda sd: sd["totals"].fill_(math.inf), r"totals must be whole counts in \[0, count=3\], got \[inf"),
+    "totals nan": (lambda sd: sd["totals"].fill_(math.nan), "totals must be whole counts"),
+    "totals negative": (lambda sd: sd["totals"].fill_(-1.0), "totals must be whole counts"),
+    "totals past count": (lambda sd: sd["totals"].fill_(4.0), "totals must be whole counts"),
+    "totals complex": (lambda sd: sd.update(totals=torch.zeros(2, dtype=torch.complex128)), "totals must be a floating"),
+    "a held row never recorded": (lambda sd: sd["slot_plan"].__setitem__(0, -1), "the rows of steps 1..1 are held"),
+    "a column twice": (lambda sd: sd["columns"].__setitem__(1, sd["columns"][0]), "columns must be a list of distinct"),
+    "a column twice in a plan": (lambda sd: sd["plans"][0].__setitem__(1, sd["plans"][0][0]), "plans must be lists of distinct"),
+    "a bool count": (lambda sd: sd.update(delivered=True), "delivered must be an integer"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_tampered_history_is_refused_at_the_load_with_nothing_changed(case):
+    """Each of these loaded and then failed (or read wrong rows) at a later read, summary or step."""
+    model = make_model()
+    opt = mo.Modular(model.named_parameters(), mo.ClipNorm(0.3), mo.Adam(lr=1e-2))
+    h = History.attach(opt, capacity=4)
+    train(model, opt, 3, h, spike_at=(1,))
+    sd = opt.state_dict()
+    edit, match = TAMPERED[case]
+    edit(sd["param_groups"][0]["modopt_telemetry"])
+    train(model, opt, 1, h, seed=3)
+    before_rows, before_opt = h.read(), opt.state_dict()
+    with pytest.raises(ValueError, match=f"History.load_state_dict: {match}.*nothing was changed"):
+        opt.load_state_dict(sd)
+    assert h.read() == before_rows and h.count == 4
+    after_opt = opt.state_dict()
+    for a, b in zip(after_opt["state"].values(), before_opt["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    fresh = History(capacity=4)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd["param_groups"][0]["modopt_telemetry"])
+    assert fresh.count == 0 and fresh.columns == [] and fresh.read() == []
+
+
+@pytest.mark.parametrize("attach_first", [True, False])
+def test_two_histories_on_one_optimizer_each_round_trip_their_own_state(attach_first):
+    model = make_model()
+    opt = mo.Modular(model.named_parameters(), mo.ClipNorm(0.3), mo.Adam(lr=1e-2))
+    a = History.attach(opt, capacity=4)
+    train(model, opt, 3, a)
+    b = History.attach(opt, capacity=8)  # from step 4 on
+    train(model, opt, 2, a, seed=2)
+    assert (a.count, b.count) == (5, 2)
+    sd = opt.state_dict()
+    assert {"modopt_telemetry", "modopt_telemetry.1"} <= set(sd["param_groups"][0])
+    m2 = make_model()
+    o2 = mo.Modular(m2.named_parameters(), mo.ClipNorm(0.3), mo.Adam(lr=1e-2))
+    if attach_first:
+        a2, b2 = History.attach(o2, capacity=4), History.attach(o2, capacity=8)
+        o2.load_state_dict(sd)
+    else:  # the load first: each entry waits in param_groups[0] for its history
+        o2.load_state_dict(sd)
+        a2, b2 = History.attach(o2, capacity=4), History.attach(o2, capacity=8)
+    assert (a2.count, b2.count) == (5, 2)
+    assert a2.read() == a.read() and b2.read() == b.read()
+    assert not any(k.startswith("modopt_telemetry") for k in o2.param_groups[0])
+    b.detach()
+    c = History.attach(opt, capacity=2)  # takes the slot b left
+    assert c._entry == "modopt_telemetry.1"
 
 
 # --- doors ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -84,24 +85,114 @@ def upgrade(sd: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def check_inventory(state: Any, meta: dict) -> None:
-    """Refuse a state dict that lacks values its writer had (DCP fills only the target's slots)."""
-    inventory = meta.get("inventory")
-    if not isinstance(inventory, list) or not isinstance(state, dict):
-        return
-    have = {k for e in state.values() if isinstance(e, dict) for k in e}
+def param_inventory(state: dict, groups: list[dict]) -> list[list]:
+    """Which saved values each parameter holds: `[[keys], [positions]]` pairs, one per distinct key set,
+    a parameter named by its position in the param groups' order (torch.distributed.checkpoint renames
+    the state's keys to parameter names but keeps that order). Parameters without state are absent."""
+    position = {pid: i for i, pid in enumerate(pid for g in groups for pid in g.get("params", ()))}
+    by_keys: dict[tuple[str, ...], list[int]] = {}
+    for pid, entry in state.items():
+        if pid in position and isinstance(entry, dict) and entry:
+            by_keys.setdefault(tuple(sorted(map(str, entry))), []).append(position[pid])
+    return [[list(k), sorted(v)] for k, v in sorted(by_keys.items())]
+
+
+def _is_store_key(k: str) -> bool:
+    """An inventory entry of transform-wide state (`"0:ZClip/mu"`), not per-parameter (`"1:Adam.step"`)."""
+    return "/" in k.rsplit(":", 1)[-1]
+
+
+def _saved_inventory(carried: Any, n_params: int, who: str) -> tuple[list[str], list[tuple[set[str], list[int]]] | None] | None:
+    """The inventory a checkpoint carries (`param_groups[0]["modopt"]`): `(keys, per-parameter pairs or
+    None)`, or None when it carries none. A malformed one is refused."""
+    if not isinstance(carried, dict) or "inventory" not in carried:
+        return None
+    keys = carried["inventory"]
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"{who}: param_groups[0]['modopt']['inventory'] must be a list of state keys, got {keys!r:.200}")
+    pairs = carried.get("param_keys")
+    if pairs is None:
+        return keys, None
+    ok = isinstance(pairs, list) and all(
+        isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], list) and isinstance(e[1], list)
+        and all(isinstance(k, str) for k in e[0])
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_params for i in e[1]) for e in pairs)
+    if not ok:
+        raise ValueError(f"{who}: param_groups[0]['modopt']['param_keys'] must be [[state keys], [parameter positions "
+                         f"0..{n_params - 1}]] pairs, got {pairs!r:.200}")
+    return keys, [(set(k), list(i)) for k, i in pairs]
+
+
+class Missing(list):
+    """`missing_state`'s lines; `values`: how many saved values they name."""
+
+    values: int = 0
+
+
+def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict, carried: Any,
+                  live_keys: list[set[str]], live_store: set[str], who: str = "load_state_dict") -> Missing:
+    """What a checkpoint lacks of the state its pipeline keeps, one line per part that would restart
+    (`[]`: nothing). The reference is the inventory the checkpoint carries (what the optimizer that
+    saved it held: a parameter that never had a gradient, or a checkpoint taken before the first
+    step, lacks state legitimately); a checkpoint without one is compared with the live optimizer.
+
+    `state`/`ids`: the checkpoint's per-parameter state and its keys in parameter order; `names`: how
+    to name each parameter; `meta`: the checkpoint's modopt entry (its `transforms` and
+    `skipped_steps` are what loads); `live_keys`/`live_store`: this optimizer's per-parameter keys in
+    parameter order and its transform-wide values (`inventory_key` form)."""
+    out = Missing()
+    if not isinstance(state, dict):
+        return out  # (refused by the load's own checks)
+    entries = [state.get(i) for i in ids]
+    have = [set(e) if isinstance(e, dict) else set() for e in entries]
     store = meta.get("transforms")
-    if isinstance(store, dict):
-        have |= {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v}
-    missing = [k for k in inventory if k not in have]
-    if missing:
-        raise ValueError(
-            f"load_state_dict: the state dict lacks {len(missing)} value(s) its checkpoint was saved with "
-            f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}). "
-            "torch.distributed.checkpoint loads only the values its target state dict has a slot for, and a fresh "
-            "optimizer creates its state lazily: step the fresh optimizer on zero gradients until every transform "
-            "has run once (a full cycle of Accumulate) before get_state_dict / get_optimizer_state_dict"
-        )
+    have_store = {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v} \
+        if isinstance(store, dict) else set()
+    saved = _saved_inventory(carried, len(ids), who)
+    if saved is None:  # no inventory: what the live optimizer holds
+        need = live_keys
+        need_store = live_store
+        anywhere: set[str] = set()
+    else:
+        keys, pairs = saved
+        need_store = {k for k in keys if _is_store_key(k)}
+        need = [set() for _ in ids]
+        for ks, positions in pairs or ():
+            for i in positions:
+                need[i] |= ks
+        # an inventory without per-parameter pairs: each key held by some parameter
+        anywhere = {k for k in keys if not _is_store_key(k)} if pairs is None else set()
+    for i, (n, h) in enumerate(zip(need, have)):
+        lost = n - h
+        if lost:
+            out.append(f"parameter {ids[i]!r} ({names[i]}): {', '.join(map(repr, sorted(lost)))}")
+            out.values += len(lost)
+    held = set().union(*have) if have else set()
+    lost_anywhere = sorted(anywhere - held)
+    if lost_anywhere:
+        out.append(f"held by no parameter (the inventory lists them): {', '.join(map(repr, lost_anywhere))}")
+        out.values += len(lost_anywhere)
+    by_transform: dict[str, list[str]] = {}
+    for k in sorted(need_store - have_store):
+        key, name = k.rsplit("/", 1)
+        by_transform.setdefault(key, []).append(name)
+        out.values += 1
+    out += [f"transform {key}: {', '.join(map(repr, names_))}" for key, names_ in by_transform.items()]
+    if "transforms" not in meta and saved is None and not need_store:  # (nothing to tell what it held)
+        out.append("every transform's transform-wide state (the 'modopt' entry has no 'transforms')")
+        out.values += 1
+    if "skipped_steps" not in meta:
+        out.append("the skipped-step count ('skipped_steps')")
+        out.values += 1
+    return out
+
+
+def missing_message(missing: list[str], who: str = "load_state_dict") -> str:
+    """The refusal of a checkpoint that lacks state (`missing_state`'s lines)."""
+    shown = missing[:8] + ([f"... and {len(missing) - 8} more"] if len(missing) > 8 else [])
+    return (f"{who}: the checkpoint lacks state this optimizer keeps, so these parts would restart:\n  "
+            + "\n  ".join(shown) + "\nNothing was changed. load_state_dict(sd, strict=False) loads it and "
+            "restarts them (one warning names them)")
 
 
 # --- configs ---------------------------------------------------------------------------
@@ -338,15 +429,18 @@ _TORCH_REQUIRED = {
 
 
 def check_torch_state(entry: Any, p: torch.Tensor, live: Any, cls_name: str, where: str,
-                      queue: list[tuple[str, torch.Tensor, float | None, bool]]) -> None:
+                      queue: list[tuple[str, torch.Tensor, float | None, bool]], made: set[str] | None = None) -> None:
     """A wrapped torch optimizer's saved state for parameter `p`, against what torch's step will read:
-    the keys (those of the live state `live` when it has one, else the ones `cls_name` always keeps),
-    moments shaped like the parameter and floating point, numbers finite and counts and second moments
-    not negative. The tensor values' own checks go into `queue` (`StateLoader`'s batched read)."""
+    the keys (`made`: those the class creates under the group's values, see `torch_state_keys`; else
+    those of the live state `live` when it has one, else the ones `cls_name` always keeps; none other
+    than the live state's and `made`), moments shaped like the parameter and floating point, numbers
+    finite and counts and second moments not negative. The tensor values' own checks go into `queue`
+    (`StateLoader`'s batched read)."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: a wrapped optimizer's state is a dict, got {type(entry).__name__}")
-    need = set(live) if isinstance(live, dict) and live else _TORCH_REQUIRED.get(cls_name, set())
-    missing, extra = need - set(entry), (set(entry) - set(live)) if isinstance(live, dict) and live else set()
+    has_live = isinstance(live, dict) and bool(live)
+    need = made if made is not None else set(live) if has_live else _TORCH_REQUIRED.get(cls_name, set())
+    missing, extra = need - set(entry), (set(entry) - set(live) - (made or set())) if has_live else set()
     if missing or extra:
         raise ValueError(f"{where}: torch.optim.{cls_name}'s state for this parameter has "
                          f"{', '.join(map(repr, sorted(map(str, need)))) or 'no keys'}; the checkpoint "
@@ -369,6 +463,37 @@ def check_torch_state(entry: Any, p: torch.Tensor, live: Any, cls_name: str, whe
                 raise ValueError(f"{at} is {v!r}: it must be a finite number" + (" >= 0" if low is not None else ""))
         elif k in _TORCH_PARAM_SHAPED and v is not None:
             raise ValueError(f"{at} is a {type(v).__name__}; torch's step reads a tensor")
+
+
+#: group keys that choose torch's kernel, not which state it keeps (left out of `torch_state_keys`' probe,
+#: which runs on the CPU)
+_KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def torch_state_keys(cls: type, values: dict[str, Any], ndim: int) -> set[str] | None:
+    """The per-parameter state keys torch optimizer class `cls` creates under the group values `values`
+    for a parameter of `ndim` dimensions (Adam's `max_exp_avg_sq` with `amsgrad`, SGD's
+    `momentum_buffer` with `momentum`): one step of the class on a zero gradient of a CPU probe
+    parameter. None when the probe cannot run (a class that needs a closure or sparse gradients)."""
+    kw = {}
+    for k, v in values.items():
+        if k in _KERNEL_KEYS:
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1 or v.is_meta:
+                return None
+            v = v.detach().cpu().reshape(()).item()
+        kw[k] = v
+    try:
+        probe = torch.zeros((1,) * ndim, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = cls([probe], **kw)
+            probe.grad = torch.zeros_like(probe)
+            opt.step()
+        return {str(k) for k in opt.state.get(probe, {})}
+    except Exception:  # (whatever the class raises: the caller falls back to the keys it knows)
+        return None
 
 
 def _copy_torch_state(v: Any, p: torch.Tensor, key: Any = None) -> Any:
@@ -406,6 +531,7 @@ class StateLoader:
         # with nonfinite="ignore" the user lets inf/NaN reach the state: such a state loads
         self.nan_ok: bool = nonfinite == "ignore"
         self._values: list[tuple[str, torch.Tensor, float | None, bool]] = []  # (where, value, low, finite)
+        self._probed: dict[tuple, set[str] | None] = {}  # (torch_state_keys per transform, ndim and values)
 
     def _owner(self, key: Any, where: str) -> tuple[str, Transform, str]:
         parts = split_value_key(key)
@@ -429,8 +555,10 @@ class StateLoader:
         self._values.append((where, out if not out.is_meta else v.detach().to(dtype=dtype), b.low, b.finite))
         return out
 
-    def param_state(self, entry: Any, p: torch.Tensor, current: dict[str, Any] | None, where: str) -> dict[str, Any]:
-        """Check and copy the saved state of one parameter (`current`: what this optimizer holds for it).
+    def param_state(self, entry: Any, p: torch.Tensor, current: dict[str, Any] | None, where: str,
+                    group: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Check and copy the saved state of one parameter (`current`: what this optimizer holds for it;
+        `group`: the param group it will step with, which decides the keys a wrapped torch optimizer needs).
 
         Floating-point values take the dtype their declaration names for this
         parameter (torch's rule: the parameter's dtype for its moments, step
@@ -452,7 +580,8 @@ class StateLoader:
             _check_kind(b, v, p, what, shape_of(p) if shape_of is not None else None)
             if b.kind == "torch":
                 check_torch_state(v, p, current.get(k) if current else None,
-                                  str(getattr(t, "cls", "")).rsplit(".", 1)[-1], what, self._values)
+                                  str(getattr(t, "cls", "")).rsplit(".", 1)[-1], what, self._values,
+                                  self._torch_keys(t, group, p.dim()))
                 out[k] = _copy_torch_state(v, p)
                 continue
             if b.kind == "history":
@@ -468,6 +597,20 @@ class StateLoader:
         for prefix, values in by_owner.items():  # relations between one transform's values
             self.owners[prefix].check_loaded(values, f"{self.who}: the state of {prefix} for {where}")
         return out
+
+    def _torch_keys(self, t: Transform, group: dict[str, Any] | None, ndim: int) -> set[str] | None:
+        """`torch_state_keys` of a wrapped optimizer transform `t` under `group`'s values (cached per load)."""
+        cls = getattr(t, "_cls", None)
+        if group is None or not isinstance(cls, type) or not callable(getattr(t, "hyperparams", None)):
+            return None
+        values = {k: group.get(k, v) for k, v in t.hyperparams().items()}
+        try:
+            key = (id(t), ndim, repr(sorted(values.items())))
+        except Exception:
+            return None
+        if key not in self._probed:
+            self._probed[key] = torch_state_keys(cls, values, ndim)
+        return self._probed[key]
 
     def store(self, store: Any, group_devices: list[torch.device]) -> dict[str, dict[str, Any]]:
         """Check and copy the transform-wide state (`{transform key: {name: value}}`).

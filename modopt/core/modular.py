@@ -18,8 +18,8 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
 
-from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, check_inventory, encode_history, history_keys,
-                         structure_difference, upgrade, value_differences)
+from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_history, history_keys, missing_message,
+                         missing_state, param_inventory, structure_difference, upgrade, value_differences)
 from .runner import CPU_FALSE, drive
 from . import hostdata
 from .hyper import GroupGate
@@ -460,10 +460,12 @@ class Modular(torch.optim.Optimizer):
                 # (torch lets `opt.state` hold entries that are not a parameter's: their values are kept as they are)
                 "inventory": sorted({k for e in sd["state"].values() if isinstance(e, dict) for k in e}
                                     | {inventory_key(k, n) for k, v in store.items() for n in v}),
+                # ... and which parameter held which (a load tells a parameter that never had state from a lost one)
+                "param_keys": param_inventory(sd["state"], sd["param_groups"]),
             }
 
     @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Load a checkpoint of a pipeline with the same structure and parameter layout.
 
         As with torch.optim, the param groups (`lr`, `betas`, extra keys)
@@ -473,7 +475,14 @@ class Modular(torch.optim.Optimizer):
         before anything changes: on any error the optimizer is left exactly as
         it was. `register_load_state_dict_pre_hook`/`_post_hook` hooks run
         as in torch.
+
+        A checkpoint that lacks state its writer held (the inventory it
+        carries; without one, the state this optimizer holds) is refused
+        naming each missing part; `strict=False` loads it, those parts
+        restarting, with one `UserWarning` that names them.
         """
+        if not isinstance(strict, bool):
+            raise TypeError(f"load_state_dict: strict must be True or False, got {strict!r}")
         if not isinstance(state_dict, dict):
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state_dict)")
         state_dict = state_dict.copy()  # shallow, as torch
@@ -482,11 +491,18 @@ class Modular(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         fresh = None
-        if is_torch_state_dict(state_dict):  # a plain torch.optim checkpoint: continue a torch run
+        from_torch = is_torch_state_dict(state_dict)
+        if from_torch:  # a plain torch.optim checkpoint: continue a torch run
             state_dict, fresh = as_modular_state_dict(state_dict, self, FORMAT_VERSION)
-        new_state, new_groups, new_store, skipped, notes = self._prepare_load(state_dict)
+        # (a torch.optim checkpoint has no inventory; its own warning names the transforms that start fresh)
+        new_state, new_groups, new_store, skipped, notes, lost = self._prepare_load(
+            state_dict, strict=strict, check_lost=not from_torch)
         if fresh:  # (only once everything was checked: a refused load warns about nothing)
             warnings.warn(fresh, UserWarning, stacklevel=caller_stacklevel())
+        if lost:
+            warnings.warn("load_state_dict(strict=False): the checkpoint lacks these parts of the state, which "
+                          "restart from their initial values:\n  " + "\n  ".join(lost), UserWarning,
+                          stacklevel=caller_stacklevel())
         if notes:
             warnings.warn(
                 "load_state_dict: the checkpoint's hyperparameters differ from this optimizer's:\n  "
@@ -504,7 +520,10 @@ class Modular(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _prepare_load(self, sd: Any):
+    def _prepare_load(self, sd: Any, strict: bool = True, check_lost: bool = True):
+        """Everything `load_state_dict` assigns, checked: `(state, groups, store, skipped_steps, notes on
+        hyperparameters, the parts that restart)`; raises before anything changes (with `strict`, also
+        when a part would restart)."""
         if not isinstance(sd, dict) or not {"state", "param_groups"} <= set(sd):
             raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state_dict)")
         saved_groups = sd["param_groups"]
@@ -520,7 +539,9 @@ class Modular(torch.optim.Optimizer):
             # transform state; the config is this optimizer's own (the structure is checked through the keys)
             meta = {**carried, "config": self._pipeline.to_dict()}
             sd = {**sd, "modopt": meta}
-            check_inventory(sd["state"], meta)
+            dcp = True
+        else:
+            dcp = False
         if not isinstance(meta, dict):
             raise ValueError(
                 "load_state_dict: this state dict was not written by modopt.Modular (no 'modopt' entry, "
@@ -538,6 +559,7 @@ class Modular(torch.optim.Optimizer):
             raise ValueError(f"load_state_dict: the checkpoint's pipeline differs from this optimizer's: config.{diff}")
         notes = value_differences(saved_cfg, live_cfg, self.transforms)
         index: dict[Any, torch.Tensor] = {}
+        group_of: dict[Any, dict[str, Any]] = {}  # (the group each parameter steps with after the load)
         new_groups = []
         for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if not isinstance(sg, dict) or not isinstance(sg.get("params"), list):
@@ -560,6 +582,7 @@ class Modular(torch.optim.Optimizer):
                 ng["param_names"] = g["param_names"]
             self._gate.check(ng, gi, [k for k in sg if k not in ("params", GROUP_ENTRY)])
             new_groups.append(ng)
+            group_of.update((idx, ng) for idx in sg["params"])
         state = sd["state"]
         if not isinstance(state, dict):
             raise ValueError("load_state_dict: 'state' must be a dict")
@@ -572,7 +595,7 @@ class Modular(torch.optim.Optimizer):
             if idx not in index:
                 raise ValueError(f"load_state_dict: state for parameter index {idx!r}, which no param group holds")
             p = index[idx]
-            new_state[p] = loader.param_state(entry, p, self.state.get(p), f"parameter {idx}")
+            new_state[p] = loader.param_state(entry, p, self.state.get(p), f"parameter {idx}", group_of[idx])
         first = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
         devices = [g["params"][0].device if g["params"] else first for g in self.param_groups]
         new_store = loader.store(meta.get("transforms", {}), devices)
@@ -580,8 +603,31 @@ class Modular(torch.optim.Optimizer):
         if (not isinstance(skipped, torch.Tensor) or skipped.dim() != 0 or skipped.is_floating_point()
                 or skipped.is_complex() or skipped.dtype == torch.bool or skipped.is_meta or int(skipped) < 0):
             raise ValueError(f"load_state_dict: skipped_steps must be a 0-d integer tensor >= 0, got {skipped!r}")
+        lost = self._lost_state(state, saved_groups, meta, carried) if check_lost else []
+        if lost and strict:
+            if dcp:
+                raise ValueError(
+                    f"load_state_dict: the state dict lacks {len(lost)} value(s) its checkpoint was saved with "
+                    f"({'; '.join(lost)}). torch.distributed.checkpoint loads only the values its target state "
+                    "dict has a slot for, and a fresh optimizer creates its state lazily: step the fresh optimizer "
+                    "on zero gradients until every transform has run once (a full cycle of Accumulate) before "
+                    "get_state_dict / get_optimizer_state_dict. Nothing was changed")
+            raise ValueError(missing_message(lost))
         loader.finish()
-        return new_state, new_groups, new_store, skipped.detach().to("cpu", torch.int64, copy=True), notes
+        return new_state, new_groups, new_store, skipped.detach().to("cpu", torch.int64, copy=True), notes, lost
+
+    def _lost_state(self, state: Any, saved_groups: list[dict], meta: dict, carried: Any) -> list[str]:
+        """`missing_state` of a checkpoint against this optimizer (its parameters in group order)."""
+        ids, names, live_keys = [], [], []
+        for g, sg in zip(self.param_groups, saved_groups):
+            given = g.get("param_names")
+            given = given if isinstance(given, list) and len(given) == len(g["params"]) else None
+            for j, (idx, p) in enumerate(zip(sg["params"], g["params"])):
+                ids.append(idx)
+                names.append(repr(given[j]) if given else f"shape {tuple(p.shape)}")
+                live_keys.append(set(self.state.get(p) or ()))
+        live_store = {inventory_key(k, n) for k, v in self._store.items() for n in v}
+        return missing_state(state, ids, names, meta, carried, live_keys, live_store)
 
     # --- pickling / deepcopy -------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

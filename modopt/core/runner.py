@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from itertools import accumulate, compress, count, repeat
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -332,20 +333,46 @@ class Step:
         return sub
 
 
-def check_loss(value: Any, door: str) -> None:
-    """Refuse a step's loss that is not a real number or a one-element real tensor (`TypeError` naming
-    `door` and what came). None passes: no loss was given. No host sync (shape and dtype only)."""
+def check_loss(value: Any, door: str, what: str = "the loss") -> None:
+    """Refuse a step's loss that SkipStep and Rewind cannot read as one real number, naming `door`:
+    a `TypeError` for a complex or bool value, a tensor or NumPy array of more than one element, or
+    another type; a `ValueError` for a finite number beyond float64 (`10**400`) or an int beyond 64
+    bits. A real NumPy scalar or one-element array passes, and so do NaN and inf (a non-finite loss
+    is what SkipStep and Rewind act on). None passes: no loss was given. A tensor's value is never
+    read (its dtype and element count only: no host sync)."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
             return
-        what = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        got = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    elif isinstance(value, bool):
+        got = "a bool"
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            far = abs(value) > 1.7976931348623157e308  # (int-float comparison: exact, never overflows)
+            raise ValueError(f"{door}: {what} is an int of {len(str(abs(value)))} digits, which "
+                             + ("cannot be represented as a finite float64" if far else "is beyond 64 bits (give it as a float)"))
         return
+    elif isinstance(value, float):
+        return
+    elif type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "size"):
+        kind, size = value.dtype.kind, value.dtype.itemsize
+        if value.size == 1 and kind in "fiu":
+            if kind == "f" and size > 8:  # longdouble: the one NumPy real that float64 may not hold
+                np = sys.modules["numpy"]  # (imported: `value` is one of its objects)
+                x = value.reshape(())
+                if np.isfinite(x) and not math.isfinite(float(x)):
+                    raise ValueError(f"{door}: {what} {x!r} cannot be represented as a finite float64")
+            if (kind == "f" and size > 8) or (kind == "u" and size > 4):  # (torch has no such dtype)
+                raise TypeError(f"{door}: {what} has NumPy dtype {value.dtype}, which torch does not hold; "
+                                "give float(loss)")
+            return
+        got = (f"a NumPy array of shape {tuple(value.shape)} and dtype {value.dtype}" if value.ndim
+               else f"a NumPy {type(value).__name__}")
     else:
-        what = type(value).__name__
-    raise TypeError(f"{door}: the loss must be a real number or a one-element real tensor, got {what}")
+        got = type(value).__name__
+    raise TypeError(f"{door}: {what} must be a real number or a one-element real tensor or NumPy array, got {got}")
 
 
 class ScratchHost:

@@ -51,8 +51,17 @@ DERIVED = {
 }
 #: the prefix of a per-module norm column: `module_norm/<name prefix>`
 MODULE = "module_norm/"
-#: the key of `optimizer.state_dict()["param_groups"][0]` that carries an attached history
+#: the key of `optimizer.state_dict()["param_groups"][0]` that carries an attached history (the first one
+#: attached; the n-th after it: `entry_key(n)`)
 ENTRY = "modopt_telemetry"
+#: the most a count in a history's state may be (as `Rewind`'s: far past any run, and exact in an int64)
+COUNT_MAX = 2**62
+
+
+def entry_key(slot: int) -> str:
+    """The param-group key carrying the history attached in `slot` (0: the first): `"modopt_telemetry"`,
+    `"modopt_telemetry.1"`, ..."""
+    return ENTRY if slot == 0 else f"{ENTRY}.{slot}"
 _VERSION = 1
 #: the most elements one `note` value may have: each element is a column of every row
 NOTE_MAX = 1024
@@ -127,6 +136,7 @@ class History:
         self._handles: list[Any] = []
         self._lost_warned = False
         self._by_id: dict[int, str] = {}
+        self._entry = ENTRY  # (its key in a state dict's param_groups[0]: see attach_to)
 
     # --- attaching ---------------------------------------------------------------------------
     @classmethod
@@ -162,11 +172,16 @@ class History:
                                  "model.named_parameters() (or give each param group 'param_names', or pass names=)")
             self._modules = sorted({module_of(n, self.module_depth) for n in found})
         self._by_id = by_id
-        waiting = optimizer.param_groups[0].get(ENTRY) if save and optimizer.param_groups else None
+        # each saved history has a key of its own: the lowest slot no other history of this optimizer holds,
+        # so histories attached in the same order come back each with its own state
+        taken = {getattr(h, "__self__", None)._entry for h in optimizer._optimizer_state_dict_post_hooks.values()
+                 if getattr(h, "__func__", None) is History._sd_post}
+        self._entry = next(entry_key(n) for n in range(len(taken) + 1) if entry_key(n) not in taken)
+        waiting = optimizer.param_groups[0].get(self._entry) if save and optimizer.param_groups else None
         if waiting is not None:  # loaded before this history was attached
             self.load_state_dict(waiting)
             self._to_device(optimizer)
-            del optimizer.param_groups[0][ENTRY]
+            del optimizer.param_groups[0][self._entry]
         self._handles = [optimizer.add_step_tap(self._tap), optimizer.register_step_post_hook(self._post_step)]
         if save:
             self._handles += [optimizer.register_state_dict_post_hook(self._sd_post),
@@ -503,7 +518,7 @@ class History:
         self._sink_done = [self.delivered] * len(self.sinks)
         self._sink_failing = set()
         self._values = None if sd["values"] is None else sd["values"].clone()
-        self._totals = None if sd["totals"] is None else sd["totals"].clone()
+        self._totals = None if sd["totals"] is None else sd["totals"].to(torch.float64, copy=True)
 
     def _load_resized(self, sd: dict[str, Any]) -> None:
         """A checkpoint of a history of another capacity whose rows were all delivered (a run resumed
@@ -516,20 +531,21 @@ class History:
         self.count = self.delivered = self._base = sd["count"]
         self._sink_done = [self.count] * len(self.sinks)
         self._sink_failing = set()
-        self._totals = None if sd["totals"] is None else sd["totals"].clone()
+        self._totals = None if sd["totals"] is None else sd["totals"].to(torch.float64, copy=True)
 
     def _sd_post(self, optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
         if sd["param_groups"]:
-            sd["param_groups"][0][ENTRY] = self.state_dict()
+            sd["param_groups"][0][self._entry] = self.state_dict()
         return sd
 
     def _load_pre(self, optimizer: Any, sd: dict[str, Any]) -> dict[str, Any]:
         groups = sd.get("param_groups") if isinstance(sd, dict) else None
         entry = None
-        if isinstance(groups, list) and groups and isinstance(groups[0], dict) and ENTRY in groups[0]:
-            entry = groups[0][ENTRY]
+        key = self._entry
+        if isinstance(groups, list) and groups and isinstance(groups[0], dict) and key in groups[0]:
+            entry = groups[0][key]
             _check_state(entry, self.capacity)  # (before the optimizer changes: a refused load changes nothing)
-            sd["param_groups"] = [{k: v for k, v in groups[0].items() if k != ENTRY}, *groups[1:]]
+            sd["param_groups"] = [{k: v for k, v in groups[0].items() if k != key}, *groups[1:]]
         self._pending_load = entry
         return sd
 
@@ -567,6 +583,13 @@ def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tens
 
 def _check_state(sd: Any, capacity: int) -> None:
     """A history state dict that this history can take, or a ValueError naming the entry."""
+    try:
+        _check_entries(sd, capacity)
+    except ValueError as e:
+        raise ValueError(f"{e} (nothing was changed)") from None
+
+
+def _check_entries(sd: Any, capacity: int) -> None:
     need = ("version", "capacity", "columns", "plans", "slot_plan", "count", "delivered", "base", "values", "totals")
     if not isinstance(sd, dict) or any(k not in sd for k in need):
         missing = [k for k in need if not isinstance(sd, dict) or k not in sd]
@@ -575,29 +598,47 @@ def _check_state(sd: Any, capacity: int) -> None:
         raise ValueError(f"History.load_state_dict: unsupported version {sd['version']!r} (this modopt reads {_VERSION})")
     if not isinstance(sd["capacity"], int) or isinstance(sd["capacity"], bool) or sd["capacity"] < 1:
         raise ValueError(f"History.load_state_dict: capacity must be an integer >= 1, got {sd['capacity']!r}")
+    ints = ("count", "delivered", "base")
+    for k in ints:
+        if not isinstance(sd[k], int) or isinstance(sd[k], bool) or not 0 <= sd[k] < COUNT_MAX:
+            raise ValueError(f"History.load_state_dict: {k} must be an integer in [0, 2**62), got {sd[k]!r:.60}")
     if sd["capacity"] != capacity and sd["count"] != sd["delivered"]:
         raise ValueError(f"History.load_state_dict: capacity {sd['capacity']!r} in the checkpoint, {capacity} here, "
                          f"with {sd['count'] - sd['delivered']} rows not yet delivered; build the history with the "
                          "checkpoint's capacity (or flush before saving)")
     capacity = sd["capacity"]  # (the saved buffer's own layout is checked below)
-    ints = ("count", "delivered", "base")
-    for k in ints:
-        if not isinstance(sd[k], int) or isinstance(sd[k], bool) or sd[k] < 0:
-            raise ValueError(f"History.load_state_dict: {k} must be an integer >= 0, got {sd[k]!r}")
     if not sd["base"] <= sd["delivered"] <= sd["count"]:
         raise ValueError("History.load_state_dict: base <= delivered <= count does not hold")
     cols, plans, slots, values = sd["columns"], sd["plans"], sd["slot_plan"], sd["values"]
-    if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
-        raise ValueError("History.load_state_dict: columns must be a list of strings")
-    if not isinstance(plans, list) or not all(isinstance(p, list) and all(isinstance(i, int) and 0 <= i < len(cols)
-                                                                           for i in p) for p in plans):
-        raise ValueError("History.load_state_dict: plans must be lists of column indices")
+    if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols) or len(set(cols)) != len(cols):
+        raise ValueError("History.load_state_dict: columns must be a list of distinct strings")
+    if not isinstance(plans, list) or not all(isinstance(p, list) and len(set(p)) == len(p) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(cols) for i in p) for p in plans):
+        raise ValueError("History.load_state_dict: plans must be lists of distinct column indices")
     if not isinstance(slots, list) or len(slots) != capacity or not all(
-            isinstance(i, int) and -1 <= i < len(plans) for i in slots):
+            isinstance(i, int) and not isinstance(i, bool) and -1 <= i < len(plans) for i in slots):
         raise ValueError(f"History.load_state_dict: slot_plan must be {capacity} plan indices")
-    if values is not None and (not isinstance(values, torch.Tensor) or values.dtype != torch.float64
-                               or tuple(values.shape) != (capacity, len(cols))):
-        raise ValueError(f"History.load_state_dict: values must be a float64 tensor of shape ({capacity}, {len(cols)})")
+    held = range(max(sd["base"] + 1, sd["count"] - capacity + 1), sd["count"] + 1)  # (as `History._held`)
+    empty = [s for s in held if slots[(s - 1) % capacity] < 0]
+    if empty:
+        raise ValueError(f"History.load_state_dict: the rows of steps {empty[0]}..{empty[-1]} are held (count "
+                         f"{sd['count']}, base {sd['base']}) but slot_plan says they were never recorded")
+    if values is None:
+        if cols or len(held):
+            raise ValueError(f"History.load_state_dict: values is None, but the history has {len(cols)} columns "
+                             f"and {len(held)} rows")
+    elif (not isinstance(values, torch.Tensor) or values.dtype != torch.float64 or values.is_meta
+          or tuple(values.shape) != (capacity, len(cols))):
+        raise ValueError(f"History.load_state_dict: values must be a float64 tensor of shape ({capacity}, {len(cols)})"
+                         " holding values (not on the meta device)")
     totals = sd["totals"]
-    if totals is not None and (not isinstance(totals, torch.Tensor) or tuple(totals.shape) != (2,)):
-        raise ValueError("History.load_state_dict: totals must be a tensor of 2 counts")
+    if totals is None:
+        return
+    if (not isinstance(totals, torch.Tensor) or tuple(totals.shape) != (2,) or not totals.is_floating_point()
+            or totals.is_meta):
+        raise ValueError("History.load_state_dict: totals must be a floating-point tensor of 2 counts "
+                         "(clipped_steps, nonfinite_steps)")
+    t = totals.detach().to("cpu", torch.float64)  # (a load: read on the host)
+    if not (torch.isfinite(t).all() and (t >= 0).all() and (t == t.round()).all() and (t <= sd["count"]).all()):
+        raise ValueError(f"History.load_state_dict: totals must be whole counts in [0, count={sd['count']}], got "
+                         f"{t.tolist()}")
