@@ -741,6 +741,13 @@ def test_resume_after_editing_read_every_continues_as_the_uninterrupted_run(tmp_
 def test_a_config_asking_for_more_memory_than_the_machine_has_is_a_user_error(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MODOPT_DEBUG", raising=False)
     cfg = write_config(tmp_path / "exp.yaml", [{"type": "SGD", "lr": 0.1}], steps=2, batch_size=10**13)
+    # the gate: the batch alone (10**13 x 64 bytes) is more than the machine's memory, refused before the run
+    assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 1
+    err = capsys.readouterr().err
+    assert "train.batch_size: 10000000000000 examples" in err and "more than this machine's memory" in err
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
+    # where the system does not say how much memory there is, the allocation the machine refuses is exit 1 too
+    monkeypatch.setattr("modopt.cli.run.machine_memory", lambda: None)
     assert run_cli("run", str(cfg), "--out", str(tmp_path / "r"), "--quiet", "--no-plots") == 1
     err = capsys.readouterr().err
     assert "out of memory" in err and "train.batch_size" in err and "Traceback" not in err

@@ -13,7 +13,7 @@ import yaml
 
 import modopt as mo
 from modopt.cli import main as cli_main
-from modopt.core.configfile import MAX_DEPTH, MAX_NODES, ConfigError, check_limits, parse_text, read_file
+from modopt.core.configfile import MAX_BYTES, MAX_DEPTH, MAX_NODES, ConfigError, check_limits, parse_text, read_file
 
 LIMIT_NODES = rf"more than {MAX_NODES} values.*MAX_NODES"
 LIMIT_DEPTH = rf"{MAX_DEPTH} levels.*MAX_DEPTH"
@@ -310,3 +310,57 @@ def test_cli_subprocess_exit_status_for_an_alias_bomb(tmp_path):
         f"modopt validate: error: {path}: the config expands to more than {MAX_NODES} values through YAML aliases "
         f"(limit MAX_NODES in modopt/core/configfile.py)"
     ]
+
+
+# --- size ----------------------------------------------------------------------------------------------
+LIMIT_BYTES = rf"more than a config may be \({MAX_BYTES} bytes.*MAX_BYTES"
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json", "toml"])
+def test_a_config_file_over_the_byte_limit_is_refused_before_parsing(tmp_path, fmt, monkeypatch):
+    comment = {"yaml": "#", "json": None, "toml": "#"}[fmt]
+    body = {"yaml": "transforms: [{type: Adam}]\n", "json": '{"transforms": [{"type": "Adam"}]}',
+            "toml": 'transforms = [{type = "Adam"}]\n'}[fmt]
+    pad = MAX_BYTES - len(body) + 1  # one byte over
+    text = body + " " * pad if comment is None else body + comment + "x" * (pad - 2) + "\n"
+    path = write(tmp_path, f"big.{fmt}", text)
+    assert path.stat().st_size == MAX_BYTES + 1
+    parsed = []
+    monkeypatch.setattr("modopt.core.configfile.load_yaml", lambda t: parsed.append(t))
+    with pytest.raises(ConfigError, match=LIMIT_BYTES) as info:
+        read_file(path)
+    assert str(info.value).startswith(f"{path}: the config is {MAX_BYTES + 1} bytes")
+    with pytest.raises(ConfigError, match=LIMIT_BYTES):
+        mo.load_config(path)
+    assert parsed == []  # refused unread: the parser never saw it
+    monkeypatch.undo()
+    path.write_text(text[: -2] + "\n")  # at the limit: read
+    assert mo.load_config(path).transforms[0] == mo.Adam()
+
+
+def test_config_text_over_the_byte_limit_is_refused_counting_utf8_bytes():
+    wide = "x: '" + "é" * (MAX_BYTES // 2) + "'\n"  # fewer characters than the limit, more bytes
+    assert len(wide) < MAX_BYTES < len(wide.encode())
+    with pytest.raises(ConfigError, match=rf"^<config>: the config is {len(wide.encode())} bytes"):
+        parse_text(wide, "yaml")
+    with pytest.raises(ConfigError, match=r"^<config>: the config is over"):
+        parse_text("#" * (MAX_BYTES + 1), "yaml")
+    assert parse_text("x: '" + "é" * 1000 + "'\n", "yaml") == {"x": "é" * 1000}
+
+
+def test_cli_validate_refuses_a_60_mib_config_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "huge.yaml"
+    with path.open("w") as f:  # the reported case: a 60 MiB comment
+        f.write("transforms: [{type: Adam}]\n#")
+        f.write("x" * (60 * 2**20))
+    assert cli_main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"modopt validate: error: {path}: the config is {path.stat().st_size} bytes, more than a config "
+                   f"may be ({MAX_BYTES} bytes, 2 MiB); not parsed (limit MAX_BYTES in modopt/core/configfile.py)\n")
+
+
+def test_line_endings_read_as_in_text_mode(tmp_path):
+    path = write(tmp_path, "crlf.toml", b'transforms = [{type = "Adam", lr = 0.5}]\r\n# a comment\r\n')
+    assert read_file(path) == {"transforms": [{"type": "Adam", "lr": 0.5}]}
+    old_mac = write(tmp_path, "cr.toml", b'# a comment\rtransforms = [{type = "Adam"}]\r')
+    assert read_file(old_mac) == {"transforms": [{"type": "Adam"}]}

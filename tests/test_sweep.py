@@ -169,3 +169,34 @@ def test_grid_point_names_stay_plain_names_whatever_the_values():
         assert check_name(name, "the name") == name and len(name) <= NAME_MAX
     assert _point_name("exp", "max_norm=0.5") == "exp[max_norm=0.5]"
     assert _point_name("e" * NAME_MAX, "lr=0.1") != _point_name("e" * NAME_MAX, "lr=0.2")
+
+
+def test_a_grid_past_the_run_bound_is_refused_before_any_point_is_checked(tmp_path, capsys, monkeypatch):
+    """100 x 100 values: refused at once, naming the size and the bound, with nothing checked or written."""
+    from modopt.cli.sweep import MAX_RUNS
+
+    cfg = tiny_config(tmp_path / "ts.yaml")
+    out = tmp_path / "sweep"
+    checked = []
+    monkeypatch.setattr("modopt.cli.sweep.check_experiment", lambda *a, **k: checked.append(a))
+    monkeypatch.setattr("modopt.cli.sweep.run_jobs", lambda jobs, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    lrs = ",".join(f"{0.001 * (k + 1):g}" for k in range(100))
+    norms = ",".join(str(k + 1) for k in range(100))
+    argv = ["sweep", str(cfg), "--grid", f"optimizer.transforms.1.lr={lrs}", "--grid", f"{MAX_NORM}={norms}",
+            "--out", str(out), "--quiet", "--no-plots"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == (f"modopt sweep: error: --grid: 100 x 100 = 10000 grid points x 1 seed = 10000 runs, more than the "
+                   f"{MAX_RUNS} a sweep runs without --max-runs; nothing was checked, run or written (narrow the grid, "
+                   "or pass --max-runs 10000 to run them all)\n")
+    assert checked == [] and not out.exists()
+    # the seeds count: 10 values x 3 seeds against a bound of 20
+    assert main(["sweep", str(cfg), "--grid", f"{MAX_NORM}={','.join(map(str, range(1, 11)))}", "--seeds", "0", "1", "2",
+                 "--max-runs", "20", "--out", str(out), "--quiet", "--no-plots"]) == 1
+    assert "--grid: 10 grid points x 3 seeds = 30 runs, more than the 20" in capsys.readouterr().err
+    assert checked == [] and not out.exists()
+    # --max-runs raises the bound: the grid is checked (the check stubbed out here stops nothing)
+    assert main(["sweep", str(cfg), "--grid", f"{MAX_NORM}={','.join(map(str, range(1, 11)))}", "--seeds", "0", "1", "2",
+                 "--max-runs", "30", "--out", str(out), "--quiet", "--no-plots"]) == 130
+    assert len(checked) == 10
+    assert main(["sweep", str(cfg), "--grid", f"{MAX_NORM}=1", "--max-runs", "0"]) == 2  # a usage error

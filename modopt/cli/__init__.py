@@ -32,6 +32,10 @@ from ..config import ConfigError
 from ..rewind import RewindError
 from .experiment import INT64_MAX, SEED_MAX
 
+#: `modopt sweep`'s default `--max-runs` (`sweep.MAX_RUNS`: defined here, where the parser shows it, so that
+#: building the parser imports no training code)
+SWEEP_MAX_RUNS = 1000
+
 #: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
 #: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
 #: that did not validate; the OS errors are paths the user named.
@@ -164,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
     p.add_argument("--out", help="directory of the sweep; run again with the same OUT to resume (default runs/sweep-<time>)")
     p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
+    p.add_argument("--max-runs", type=_int_in(1, INT64_MAX), metavar="N",
+                   help=f"the most runs (grid points x seeds) to start (default {SWEEP_MAX_RUNS}): a larger sweep is "
+                   "refused before anything is checked or run")
     p.add_argument("--metric", default="final_loss",
                    help="what the plots show (default final_loss; or best_loss, final_eval_loss, best_eval_loss, "
                    "loss_spikes, worst_excursion, clipped_pct, skipped_steps, max_grad_norm, time_per_step_ms)")
@@ -292,13 +299,12 @@ def _cmd_run(args) -> int:
         out = Path(args.out or exp.output.dir or f"runs/{exp.name}-{_stamp()}")
         check_dir(out, args.force)  # created only once the task and optimizer are built
     err = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
-    if not args.resume:
-        err(f"modopt run: {exp.name} ({exp.task.name}, {exp.train.steps} steps) -> {out}")
-    try:
+    try:  # (the line saying what runs is shown once the task and optimizer are built: a refusal is one line)
         summary = run_experiment(
             exp, out, resume=bool(args.resume), trust_imports=args.trust_imports, stop_after=args.stop_after,
             progress=not args.quiet, plots=False if args.no_plots else None, log=err,
             force=None if args.resume else args.force, saved=saved,
+            announce=None if args.resume else f"modopt run: {exp.name} ({exp.task.name}, {exp.train.steps} steps) -> {out}",
         )
     except RunInterrupted as e:
         err(f"modopt run: {e}; continue with: modopt run --resume {out}")
@@ -391,7 +397,8 @@ def _cmd_sweep(args) -> int:
     out = Path(args.out or f"runs/sweep-{_stamp()}")
     table = sweep(args.config, args.grid, out, variant=args.variant, overrides=args, seeds=args.seeds, jobs=args.jobs,
                   metric=args.metric, spike_kw=_spike_kw(args), trust_imports=args.trust_imports,
-                  progress=not args.quiet, plots=not args.no_plots, command=_command_line(args))
+                  progress=not args.quiet, plots=not args.no_plots, command=_command_line(args),
+                  max_runs=args.max_runs or SWEEP_MAX_RUNS)
     print(table)
     return 0
 

@@ -26,11 +26,18 @@ from typing import Any, Callable
 
 from ..config import ConfigError
 from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
-from .run import METRIC_FIELDS, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, check_kind, prepare_dir, read_jsonl, run_experiment, summarize
+from .outfiles import refuse_links, write_text
+from .run import (
+    METRIC_FIELDS, RUN_FILES, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, check_kind, prepare_dir, read_jsonl,
+    run_experiment, summarize,
+)
 from .stats import LEVEL, METHOD, format_interval, interval, paired
 
 #: version of the layout of `compare.json` and `sweep.json` (docs/cli.md); bumped on an incompatible change
 SCHEMA = 1
+
+#: the files `compare` writes into OUT (beside a directory per run)
+COMPARE_FILES = ("compare.md", "compare.json", "compare.png", "report.html")
 
 #: the per-seed metrics summarized over seeds: key -> (column title, format of the mean)
 METRICS = {
@@ -318,8 +325,10 @@ def compare(
     if baseline is not None:
         baseline = _check_baseline(baseline, planned, sources)
     check_kind(out, "compare")
-    prepare_dir(out, force=True)
     todo = [Job(label, s, seeded(exp, s), out / label / f"seed-{s}") for label, exp, ss in planned for s in ss]
+    refuse_links(out, [*RUN_FILES, *COMPARE_FILES, *(Path(label) / f"seed-{s}" / f for label, _, ss in planned
+                                                     for s in ss for f in RUN_FILES)])
+    prepare_dir(out, force=True)
     run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots)
     runs, curves = [], {}
     for label, exp, ss in planned:
@@ -337,13 +346,13 @@ def compare(
               "baseline": baseline, "runs": runs}
     tables = [summary_table(runs)] + ([baseline_table(runs, baseline)] if baseline is not None else [])
     text = "\n\n".join(markdown(t) for t in tables) + "\n\n" + footnote(result["spike"], baseline)
-    (out / "compare.md").write_text(text + "\n", encoding="utf-8")
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(out / "compare.md", text + "\n")
+    write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
     plot_msg = _compare_plot(out / "compare.png", runs, curves) if plots else None
     if plot_msg:
         _err(plot_msg)
     _compare_report(out / "report.html", result, tables, plots)
-    written = ", ".join(str(out / f) for f in ("compare.md", "compare.json", "compare.png", "report.html") if (out / f).exists())
+    written = ", ".join(str(out / f) for f in COMPARE_FILES if (out / f).exists())
     _err(f"modopt compare: wrote {written}")
     return text
 

@@ -36,6 +36,9 @@ from .examples import find_config
 INT64_MAX = 2**63 - 1
 #: seeds are what `torch.manual_seed` takes without wrapping: unsigned 64-bit integers
 SEED_MAX = 2**64 - 1
+#: the most intra-op threads a run asks torch for (OpenMP allocates per thread: two billion of them ended
+#: the process from inside its runtime, with its own message)
+THREADS_MAX = 1024
 
 
 def read_config(path: str | Path) -> Any:
@@ -137,7 +140,7 @@ class TrainConfig(_Strict):
         None, min_length=1, description="the seeds `modopt compare` / `modopt sweep` run (default: [seed]); `modopt run` uses `seed`")
     eval_every: int = Field(0, ge=0, le=INT64_MAX, description="evaluate on held-out data every N steps (0: only at the end)")
     checkpoint_every: int = Field(0, ge=0, le=INT64_MAX, description="save a checkpoint every N steps (0: only at the end)")
-    threads: int = Field(1, ge=1, le=2**31 - 1, description="torch intra-op threads; 1 keeps runs bit-reproducible")
+    threads: int = Field(1, ge=1, le=THREADS_MAX, description="torch intra-op threads; 1 keeps runs bit-reproducible")
     schedule: Schedule = Field(default_factory=Schedule)
     rewind: RewindConfig | None = Field(
         None, description="rewind past loss spikes (modopt.Rewind; docs/howto/rewind.md): snapshots every `every` steps, "

@@ -30,6 +30,17 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path, dpi: int) -> None:
+    """Write `fig` as a PNG to `path` without following a link there (`outfiles.open_out`), and close it."""
+    from .outfiles import open_out
+
+    try:
+        with open_out(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
 def smooth(values: Sequence[float | None], window: int) -> list[float | None]:
     """Centered moving average of `log(values)` over `window` steps, back in linear units.
 
@@ -117,8 +128,7 @@ def plot_run(
     ax.grid(True, which="major", alpha=0.3)
     _legend_below(ax, 3)
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out / "loss.png", 100)
 
     fig, ax = plt.subplots(figsize=(8, 4.4))
     pre = [m["grad_norm"] for m in metrics]
@@ -135,8 +145,7 @@ def plot_run(
     ax.grid(True, which="major", alpha=0.3)
     _legend_below(ax, 2)
     fig.tight_layout()
-    fig.savefig(out / "grad_norm.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, out / "grad_norm.png", 100)
     return None
 
 
@@ -195,8 +204,7 @@ def plot_compare(
     fig.legend(handles, names, loc="lower center", ncol=2 if len(names) > 2 else len(names) or 1,
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.025 * ((len(names) + 1) // 2) + 0.015, 1, 1))
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    _save(plt, fig, path, dpi)
     return None
 
 
@@ -282,8 +290,7 @@ def plot_compare_seeds(
     ncol = 1 if max(map(len, names), default=0) > 60 else min(2, len(names)) or 1
     fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.025 * -(-len(names) // ncol) + 0.015, 1, 1))
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    _save(plt, fig, path, dpi)
     return None
 
 
@@ -343,6 +350,5 @@ def plot_sweep(
     if any(lines):
         _legend_below(ax, 2)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    _save(plt, fig, path, dpi)
     return None

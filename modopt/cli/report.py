@@ -90,5 +90,7 @@ class Report:
         )
 
     def write(self, path: Path) -> None:
-        """Write `render()` to `path` (UTF-8)."""
-        path.write_text(self.render(), encoding="utf-8")
+        """Write `render()` to `path` (UTF-8), without following a link there (`outfiles.open_out`)."""
+        from .outfiles import write_text
+
+        write_text(path, self.render())

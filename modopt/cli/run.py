@@ -43,7 +43,8 @@ from ..config import ConfigError
 from ..rewind import Rewind, RewindEvent
 from ..telemetry import History
 from .experiment import Experiment, experiment_from_data
-from .tasks import make_task
+from .outfiles import open_out, refuse_links, write_text
+from .tasks import machine_memory, make_task
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", "loss.png", "grad_norm.png",
              "tensorboard")
@@ -291,7 +292,7 @@ def read_jsonl(path: Path, upto: int, fields: dict[str, str] | None = None,
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -307,11 +308,12 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def check_dir(out: Path, force: bool) -> None:
-    """Refuse a non-empty `out` unless `force` (nothing is created or removed)."""
+    """Refuse a non-empty `out` unless `force`, and a link at a run file's name (nothing is created or removed)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out} exists and is not empty; use --resume {out} to continue it, or --force to overwrite")
+    refuse_links(out, RUN_FILES)
 
 
 #: the file that marks each kind of output directory: a run's, a comparison's, a sweep's
@@ -338,7 +340,8 @@ def make_dir(out: Path) -> None:
 
 
 def prepare_dir(out: Path, force: bool) -> None:
-    """Create `out`; refuse a non-empty directory unless `force` (then clear the run files)."""
+    """Create `out`; refuse a non-empty directory unless `force` (then clear the run files). A link at a run
+    file's name is refused (`check_dir`), never removed or followed."""
     check_dir(out, force)
     if out.exists() and any(out.iterdir()):
         for name in RUN_FILES:
@@ -495,7 +498,8 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
 
     `pipeline` (default `exp.optimizer`) is the pipeline to build. Call it
     inside `deterministic()` after seeding, as the run does. Errors are
-    `ConfigError` (a bad task name, options or optimizer) or the task's own.
+    `ConfigError` (a bad task name, options, batch size (`check_batch`) or
+    optimizer) or the task's own.
     The optimizer also takes one step on shape-only copies of the parameters
     (`dry_step`), so what only a step finds is a `ConfigError` here too.
     """
@@ -512,6 +516,7 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
         raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
+    check_batch(task, exp.task.name, exp.train.batch_size)
     _watch_attention(pipe, task.model)
     named = list(task.model.named_parameters())
     try:
@@ -520,6 +525,38 @@ def start_run(exp: Experiment, pipeline: Any = None, trust_imports: bool = False
         raise ConfigError(f"optimizer: {e}") from None
     dry_step(pipe, named, exp.train)
     return task, opt
+
+
+def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (tuple, list)):
+        for x in batch:
+            yield from _tensors_in(x)
+    elif isinstance(batch, Mapping):
+        for x in batch.values():
+            yield from _tensors_in(x)
+
+
+def check_batch(task: Any, name: str, batch_size: int) -> None:
+    """Refuse a `train.batch_size` whose batch alone cannot be held: the bytes of a batch of one
+    (drawn apart from the global RNG) times `batch_size`, against torch's 64-bit sizes and, for a batch
+    on the CPU, this machine's memory. What the batch's activations need on top is found by the run (an
+    allocation refused is exit 1). A task whose batch of one cannot be drawn is left to the run."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            one = list(_tensors_in(task.get_batch(1, 1)))
+    except Exception:  # (a user task that needs more than one example: the real batch says what is wrong)
+        return
+    per = sum(t.numel() * t.element_size() for t in one)
+    if per == 0:
+        return
+    need = per * batch_size
+    memory = machine_memory() if all(t.device.type == "cpu" for t in one) else None
+    limit, what = (memory, f"this machine's memory ({memory} bytes)") if memory else (2**63 - 1, "torch's 64-bit sizes")
+    if need > limit:
+        raise ConfigError(f"train.batch_size: {batch_size} examples of the {name} task take {need} bytes ({per} "
+                          f"per example) for the batch alone, more than {what}; at most {limit // per} fit")
 
 
 def _watch_attention(pipe: Any, model: torch.nn.Module) -> None:
@@ -596,6 +633,7 @@ def run_experiment(
     log: Callable[[str], object] = print,
     force: bool | None = None,
     saved: Experiment | None = None,
+    announce: str | None = None,
 ) -> dict[str, Any]:
     """Train `exp` (one optimizer) writing the run directory `out`; return the summary.
 
@@ -605,8 +643,10 @@ def run_experiment(
     stops after step K as if the process had been killed (raises
     `RunInterrupted`); only checkpoints already written survive.
 
-    A new run builds its task and optimizer before writing anything, so a
-    failed start leaves no run directory; a run that fails before its first
+    A symbolic link at the name of a run file in `out` is refused before
+    anything is built or written (`outfiles.refuse_links`); every file is
+    opened without following a link. A new run builds its task and optimizer
+    before writing anything, so a failed start leaves no run directory; a run that fails before its first
     checkpoint removes the files it wrote (a re-run starts clean). `force`:
     None uses `out` as it is (created if missing); False refuses a
     non-empty `out`; True clears its run files first.
@@ -617,12 +657,14 @@ def run_experiment(
     another `train.steps` (`--resume DIR --steps N`); `config.yaml` is rewritten
     to `exp` once the checks pass. A run is not shortened below its
     checkpoint's step, nor is the length of a run whose schedule depends on it
-    changed.
+    changed. `announce`: a line `log` gets once the task and optimizer are
+    built (a refused start shows its error alone).
     """
     out = Path(out)
+    refuse_links(out, RUN_FILES)  # before anything is built or written
     wrote = {"dir": False, "files": False}
     try:
-        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved)
+        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved, announce)
     except RunInterrupted:
         raise
     except Exception:
@@ -637,7 +679,7 @@ def _remove_run_files(out: Path, remove_dir: bool) -> None:
         p = out / name
         if p.is_file():
             p.unlink()
-        elif p.is_dir() and name == "tensorboard":
+        elif p.is_dir() and not p.is_symlink() and name == "tensorboard":
             shutil.rmtree(p)
     if remove_dir and out.is_dir() and not any(out.iterdir()):
         out.rmdir()
@@ -666,7 +708,8 @@ def _check_length(exp: Experiment, saved: Experiment | None, out: Path, start: i
         )
 
 
-def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved=None) -> dict[str, Any]:
+def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved=None,
+         announce=None) -> dict[str, Any]:
     if exp.optimizer is None:
         raise ConfigError("run_experiment needs an experiment with a single optimizer (select a variant)")
     tr = exp.train
@@ -675,6 +718,8 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         torch.manual_seed(tr.seed)
         # the task and optimizer first: a start that fails writes nothing
         task, opt = start_run(exp, trust_imports=trust_imports)
+        if announce:
+            log(announce)
         model = task.model
         if not resume:
             wrote["dir"] = not out.exists()
@@ -683,7 +728,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
             else:
                 prepare_dir(out, force)
             wrote["files"] = True
-            (out / "config.yaml").write_text(exp.to_yaml())
+            write_text(out / "config.yaml", exp.to_yaml())
         base_lrs = [g.get("lr") for g in opt.param_groups]
         sched = tr.schedule.build(opt, tr.steps)
         start = 0
@@ -721,14 +766,14 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         if resume and start:
             log(f"resuming {out} from step {start}")
         if resume and saved is not None:
-            (out / "config.yaml").write_text(exp.to_yaml())
+            write_text(out / "config.yaml", exp.to_yaml())
         _write_jsonl(out / "metrics.jsonl", metrics)
         _write_jsonl(out / "timing.jsonl", timing)
         tb = _tensorboard(out, exp, start)
         host: dict[int, dict[str, Any]] = {}  # lr, batch and eval_loss by step: the values the host has
         bar = Progress(tr.steps, start, exp.name, enabled=progress and tr.steps - start >= 50)
-        mf = (out / "metrics.jsonl").open("a")
-        tf = (out / "timing.jsonl").open("a")
+        mf = open_out(out / "metrics.jsonl", "a")
+        tf = open_out(out / "timing.jsonl", "a")
         # (step, loss) of the last row read back; a null loss in metrics.jsonl was non-finite
         shown: list[tuple[int | None, float | None]] = [(None, None)]
         if metrics:
@@ -799,7 +844,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         summary["rewinds"] = [e.as_dict() for e in guard.rewinds]
         skipped = sum(e.skipped[1] - e.skipped[0] + 1 for e in guard.rewinds)
         log(f"rewinds: {len(guard.rewinds)}, {skipped} batches skipped (each listed in {out / 'summary.json'})")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if plots if plots is not None else exp.output.plots:
         from .plots import plot_run
 

@@ -30,12 +30,14 @@ import yaml
 
 from ..config import ConfigError
 from ..core.configfile import load_yaml
+from . import SWEEP_MAX_RUNS
 from .compare import (
     METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
     run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
 )
 from .experiment import INT64_MAX, NAME_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
-from .run import METRIC_FIELDS, check_experiment, check_kind, load_run_config, make_dir, read_jsonl
+from .outfiles import refuse_links, write_text
+from .run import METRIC_FIELDS, RUN_FILES, check_experiment, check_kind, load_run_config, make_dir, read_jsonl
 from .stats import LEVEL, METHOD
 
 #: paths (and what is under them) a grid may not sweep, and why
@@ -46,6 +48,10 @@ RESERVED = {
     "variants": "choose one variant with --variant, then sweep optimizer.*",
 }
 
+#: the most runs (grid points x seeds) a sweep starts without `--max-runs`: every point is built and
+#: checked before the first run, so a grid typed by mistake (100 values x 100) would otherwise hold the
+#: command for hours before it said anything (the value lives beside the parser, which shows it)
+MAX_RUNS = SWEEP_MAX_RUNS
 
 
 def _err(*a: Any) -> None:
@@ -182,6 +188,19 @@ def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], tr
     return points
 
 
+def _check_size(grid: list[tuple[str, list[Any], list[str]]], n_seeds: int, max_runs: int) -> None:
+    """Refuse a sweep of more than `max_runs` runs, saying how many the grid makes."""
+    sizes = [len(v) for _, v, _ in grid]
+    points = math.prod(sizes)
+    runs = points * n_seeds
+    if runs > max_runs:
+        shape = " x ".join(map(str, sizes)) + (f" = {points}" if len(sizes) > 1 else "")
+        raise ConfigError(
+            f"--grid: {shape} grid points x {n_seeds} seed{'s' if n_seeds != 1 else ''} = {runs} runs, more than "
+            f"the {max_runs} a sweep runs without --max-runs; nothing was checked, run or written (narrow the "
+            f"grid, or pass --max-runs {runs} to run them all)")
+
+
 # --- resume ----------------------------------------------------------------------------------
 def finished(rdir: Path, exp: Experiment, trust_imports: bool = False) -> bool:
     """Whether `rdir` holds a complete run of `exp`: its `config.yaml` is `exp`, `summary.json`
@@ -213,8 +232,11 @@ def sweep(
     progress: bool = True,
     plots: bool = True,
     command: str | None = None,
+    max_runs: int = MAX_RUNS,
 ) -> str:
-    """Run the grid × seeds of `config` under `out` (reusing finished runs); write and return the table."""
+    """Run the grid × seeds of `config` under `out` (reusing finished runs); write and return the table.
+
+    A sweep of more than `max_runs` runs (grid points x seeds) is refused before any point is checked."""
     if metric not in METRICS:
         raise ConfigError(f"--metric {metric}: not a metric; one of {', '.join(METRICS)}")
     check_seeds(seeds)
@@ -225,8 +247,11 @@ def sweep(
     if overrides is not None:
         exp = apply_overrides(exp, overrides)
     ss = seeds_of(exp, seeds, getattr(overrides, "seed", None))
+    _check_size(grid, len(ss), max_runs)
     points = plan_sweep(exp, grid, trust_imports)
     check_kind(out, "sweep")
+    refuse_links(out, [*_sweep_files(grid), *(Path(pt["dir"]) / f"seed-{s}" / f for pt in points for s in ss
+                                              for f in RUN_FILES)])
     make_dir(out)
     todo, reused = [], 0
     for pt in points:
@@ -251,13 +276,23 @@ def sweep(
     }
     table = sweep_table(grid, points, metric)
     text = markdown(table) + "\n\n" + footnote(result["spike"])
-    (out / "sweep.md").write_text(text + "\n", encoding="utf-8")
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(out / "sweep.md", text + "\n")
+    write_text(out / "sweep.json", json.dumps(result, indent=2) + "\n")
     pngs = _sweep_plots(out, grid, points, metric) if plots else {}
     _sweep_report(out / "report.html", result, table, pngs, grid, plots)
     written = ", ".join(str(out / f) for f in ("sweep.md", "sweep.json", *pngs, "report.html") if (out / f).exists())
     _err(f"modopt sweep: wrote {written}")
     return text
+
+
+def _plot_name(short: str) -> str:
+    return f"sweep-{_dirname(short)}.png"
+
+
+def _sweep_files(grid: list[tuple[str, list[Any], list[str]]]) -> list[str]:
+    """The files a sweep writes into OUT (beside a directory per grid point)."""
+    short = _short_names([p for p, _, _ in grid])
+    return ["sweep.md", "sweep.json", *(_plot_name(short[p]) for p, _, _ in grid), "report.html"]
 
 
 def _columns(metric: str) -> tuple[str, ...]:
@@ -287,7 +322,7 @@ def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list
         for p in points:
             others = ",".join(f"{short[q]}={p['raw'][q]}" for q, _, _ in grid if q != path)
             lines.setdefault(others, []).append((p["values"][path], p["summary"][metric]))
-        name = f"sweep-{_dirname(short[path])}.png"
+        name = _plot_name(short[path])
         msg = plot_sweep(out / name, path, METRICS[metric][0], lines)
         if msg:
             _err(msg)
@@ -308,7 +343,7 @@ def _sweep_report(path: Path, result: dict, table: Table, pngs: list[str], grid:
     rep.heading(f"{METRICS[result['metric']][0]} against each swept field")
     short = _short_names([p for p, _, _ in grid])
     for p, _, _ in grid:
-        rep.plot(path.parent / f"sweep-{_dirname(short[p])}.png", f"{result['metric']} against {p}", plots=plots)
+        rep.plot(path.parent / _plot_name(short[p]), f"{result['metric']} against {p}", plots=plots)
     rep.heading("Every seed")
     rows = [{"name": pt["label"], "per_seed": pt["per_seed"]} for pt in result["points"]]
     rep.table(per_seed_table(rows))

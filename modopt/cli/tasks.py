@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,8 +423,100 @@ def task_options(fn: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
     return opts, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
+#: the widest layer, longest sequence, largest vocabulary or held-out set a built-in task is built with: every
+#: tensor a task makes then has at most 2**36 elements, far inside torch's 64-bit sizes (past them torch
+#: fails with an internal error, not a message about the option). Within them, `check_footprint` refuses a
+#: model that cannot fit this machine's memory; the sequence bound keeps the causal mask (seq_len**2 floats)
+#: at 1 GiB
+WIDTH_MAX = 2**16
+LAYERS_MAX = 1024
+SEQ_MAX = 2**14
+VOCAB_MAX = 2**20
+EVAL_MAX = 2**20
+
+#: each built-in task's options: `(kind, low, high)` ("int" or "number", both ends included)
+OPTION_RULES: dict[str, dict[str, tuple[str, float, float]]] = {
+    "teacher_student": {"dim": ("int", 1, WIDTH_MAX), "hidden": ("int", 1, WIDTH_MAX),
+                        "teacher_hidden": ("int", 1, WIDTH_MAX), "noise_df": ("number", 1e-6, 1e6),
+                        "noise_scale": ("number", 0.0, 1e6), "eval_size": ("int", 1, EVAL_MAX)},
+    "transformer": {"vocab": ("int", 1, VOCAB_MAX), "seq_len": ("int", 4, SEQ_MAX), "d_model": ("int", 1, WIDTH_MAX),
+                    "nhead": ("int", 1, WIDTH_MAX), "layers": ("int", 1, LAYERS_MAX), "ff": ("int", 1, WIDTH_MAX),
+                    "noise": ("number", 0.0, 1.0), "eval_size": ("int", 1, EVAL_MAX)},
+    "chars": {"seq_len": ("int", 2, SEQ_MAX), "d_model": ("int", 1, WIDTH_MAX), "nhead": ("int", 1, WIDTH_MAX),
+              "layers": ("int", 1, LAYERS_MAX), "ff": ("int", 1, WIDTH_MAX), "eval_size": ("int", 1, EVAL_MAX)},
+    "digits": {"hidden": ("int", 1, WIDTH_MAX), "depth": ("int", 1, LAYERS_MAX)},
+}
+
+
+def check_values(name: str, options: dict[str, Any]) -> None:
+    """Refuse a built-in task's option of the wrong type or out of its range (`OPTION_RULES`), naming it."""
+    for opt, value in options.items():
+        rule = OPTION_RULES.get(name, {}).get(opt)
+        if rule is None:
+            continue
+        kind, lo, hi = rule
+        typed = isinstance(value, int) or (kind == "number" and isinstance(value, float) and not math.isnan(value))
+        ok = typed and not isinstance(value, bool) and lo <= value <= hi  # (an inf is out of every range)
+        if not ok:
+            what = f"an integer in {lo}..{hi}" if kind == "int" else f"a number in [{lo:g}, {hi:g}]"
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ConfigError(f"task {name!r}: option {opt!r} must be {what}, got {shown}")
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _mlp_params(d_in: int, hidden: int, d_out: int, depth: int = 2) -> int:
+    if depth == 1:
+        return d_in * d_out + d_out
+    return d_in * hidden + hidden + (depth - 2) * (hidden * hidden + hidden) + hidden * d_out + d_out
+
+
+def _transformer_params(vocab: int, seq_len: int, d_model: int, layers: int, ff: int) -> int:
+    d = d_model
+    layer = (3 * d * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d) + 4 * d  # attention, feed-forward, 2 norms
+    return vocab * d + seq_len * d + layers * layer + 2 * d + d * vocab + vocab
+
+
+def footprint(name: str, options: dict[str, Any]) -> tuple[int, int]:
+    """`(parameters, other bytes)` of a built-in task built with `options` (checked by `check_values`), without
+    building it: the trained model's parameter count (float32), and the bytes of everything else it holds
+    that grows with the options (a teacher model, the attention mask, held-out data)."""
+    known, _ = task_options(BUILTIN[name])
+    o = {**known, **options}
+    if name == "teacher_student":
+        teacher = _mlp_params(o["dim"], o["teacher_hidden"], 1)
+        return _mlp_params(o["dim"], o["hidden"], 1), 4 * teacher + 4 * o["eval_size"] * (o["dim"] + 1)
+    if name == "digits":
+        return _mlp_params(64, o["hidden"], 10, o["depth"]), 0
+    vocab = o.get("vocab", CHARS_VOCAB)
+    params = _transformer_params(vocab, o["seq_len"], o["d_model"], o["layers"], o["ff"])
+    return params, 4 * o["seq_len"] ** 2 + 8 * o["eval_size"] * (o["seq_len"] + 1)  # the causal mask, held-out tokens
+
+
+def check_footprint(name: str, options: dict[str, Any]) -> None:
+    """Refuse a built-in task whose parameters, their gradients and held-out data alone (`footprint`: the
+    least any run of it holds) are more than this machine's memory, before anything is allocated."""
+    memory = machine_memory()
+    if memory is None:
+        return
+    params, other = footprint(name, options)
+    need = 2 * 4 * params + other
+    if need > memory:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items()) or "the defaults"
+        raise ConfigError(f"task {name!r} ({given}): its {params} parameters, their gradients and its held-out data "
+                          f"take {need} bytes, more than this machine's memory ({memory} bytes); make the "
+                          "task.options smaller")
+
+
 def check_options(name: str, fn: Callable[..., Any], options: dict[str, Any]) -> None:
-    """Refuse options the task function does not take, naming the ones it does."""
+    """Refuse options the task function does not take, naming the ones it does; a built-in task's
+    values are checked against their ranges (`check_values`)."""
     try:
         known, any_kw = task_options(fn)
     except (TypeError, ValueError):  # no signature to read (a builtin, a C callable): the call decides
@@ -435,6 +528,8 @@ def check_options(name: str, fn: Callable[..., Any], options: dict[str, Any]) ->
             + (f" (nor {', '.join(map(repr, bad[1:]))})" if len(bad) > 1 else "")
             + f"; its options: {', '.join(f'{k}={v!r}' for k, v in known.items()) or 'none'}"
         )
+    if fn is BUILTIN.get(name):
+        check_values(name, options)
 
 
 def check_task(name: str, options: dict[str, Any]) -> None:
@@ -458,6 +553,7 @@ def make_task(name: str, options: dict[str, Any], seed: int, trust_imports: bool
     check_task(name, options)
     if name in BUILTIN:
         fn = BUILTIN[name]
+        check_footprint(name, options)
     elif ":" in name:
         if not trust_imports:
             raise PermissionError(

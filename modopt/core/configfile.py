@@ -4,15 +4,17 @@ The layer below every config model: `modopt.core.pipeline_config.PipelineConfig`
 experiment configs read their files and report their errors through it.
 
 Config text is untrusted input, so reading it has bounds (`check_limits`, `_BoundedLoader`): at most
-`MAX_NODES` values once YAML aliases and merge keys are expanded (counted without expanding them), at
-most `MAX_DEPTH` levels of nesting, no alias that contains itself, and UTF-8 text. Each breach is a
-`ConfigError` naming the file and the limit.
+`MAX_BYTES` bytes of text (checked before parsing), at most `MAX_NODES` values once YAML aliases and
+merge keys are expanded (counted without expanding them), at most `MAX_DEPTH` levels of nesting, no
+alias that contains itself, and UTF-8 text. Each breach is a `ConfigError` naming the file and the
+limit.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -40,6 +42,10 @@ MAX_NODES = 100_000
 #: `Chain` inside a pipeline adds two: its mapping and its `transforms` list). Deeper input is
 #: refused before the parsers or validators can run out of Python stack.
 MAX_DEPTH = 64
+#: Largest config text, in bytes (2 MiB), refused before it is parsed: the pure-Python YAML reader takes
+#: about 0.3 s per MiB, so without a bound a large file (a huge comment) holds `modopt validate` for
+#: minutes. Real configs are a few kilobytes; `MAX_NODES` values written out one by one are about 1 MiB.
+MAX_BYTES = 2 * 2**20
 _WHERE = "modopt/core/configfile.py"
 
 
@@ -109,10 +115,22 @@ _BoundedLoader.add_implicit_resolver(
 )
 
 
+def _too_long(source: str, size: int | None) -> ConfigError:
+    """A config over `MAX_BYTES` (`size` in bytes, None where only "more" is known)."""
+    what = f"{size} bytes" if size is not None else f"over {MAX_BYTES} bytes"
+    return ConfigError(f"{source}: the config is {what}, more than a config may be ({MAX_BYTES} bytes, "
+                       f"{MAX_BYTES / 2**20:g} MiB); not parsed (limit MAX_BYTES in {_WHERE})")
+
+
 def parse_text(text: str, fmt: str, source: str = "<config>") -> Any:
     """Parse config text to plain data; syntax errors name the line.
 
-    The data is checked by `check_limits` (size after alias expansion, depth, cycles)."""
+    Text longer than `MAX_BYTES` bytes (UTF-8) is refused before parsing; the data is checked by
+    `check_limits` (size after alias expansion, depth, cycles)."""
+    if len(text) > MAX_BYTES // 4:  # (a character is 1 to 4 bytes: only text that may be too long is counted)
+        size = len(text.encode("utf-8", "surrogatepass")) if len(text) <= MAX_BYTES else None
+        if size is None or size > MAX_BYTES:
+            raise _too_long(source, size)
     try:
         if fmt == "yaml":
             data = load_yaml(text)
@@ -249,11 +267,19 @@ def _path(stack: list[list]) -> list:
 
 
 def read_file(path: str | Path) -> Any:
-    """Plain data of a YAML / JSON / TOML file."""
+    """Plain data of a YAML / JSON / TOML file; a file over `MAX_BYTES` is refused unread."""
     path = Path(path)
     fmt = _format_of(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_BYTES:
+                raise _too_long(str(path), size)
+            raw = f.read(MAX_BYTES + 1)  # (a pipe or a device has no size: read one byte past the bound)
+        if len(raw) > MAX_BYTES:
+            raise _too_long(str(path), None)
+        # universal newlines, as a file opened in text mode reads them
+        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{path}: the config is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
