@@ -75,9 +75,10 @@ def test_v1_fixture_under_the_one_d_rule_is_what_min_size_2_computed_before_it()
             warnings.simplefilter("ignore", UserWarning)
             opt.load_state_dict(ck["optimizer"])
         v1.train(m, opt, ck["resume_batches"])
-        for p, e in zip(m.parameters(), EXPECTED):
-            assert torch.equal(p.detach(), e)
-    assert not all(torch.equal(a, b) for a, b in zip(ck["expected"], EXPECTED))  # the old rule's values differ
+        for p, e in zip(m.parameters(), EXPECTED):  # (within rounding: EXPECTED was computed on another CPU, whose
+            torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-7)  # vector width sums in another order)
+    # the old rule's values differ by far more than rounding
+    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(ck["expected"], EXPECTED))
 
 
 def test_a_changed_structure_names_the_first_difference_and_changed_values_warn():
