@@ -32,6 +32,7 @@ from .distributed import any_sharded, copy_
 from .kernels import const
 from .hostdata import device_path, reads_on_host
 from .keys import transform_key, value_key
+from .values import is_numpy
 from .reduce import (NormMemo, Segments, any_nonfinite, common_acc_dtype, foreach_pnorm, make_segments, stage_total,
                      vector_pnorm)
 
@@ -356,7 +357,7 @@ def check_loss(value: Any, door: str, what: str = "the loss") -> None:
         return
     elif isinstance(value, float):
         return
-    elif type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "size"):
+    elif is_numpy(value):
         kind, size = value.dtype.kind, value.dtype.itemsize
         if value.size == 1 and kind in "fiu":
             if kind == "f" and size > 8:  # longdouble: the one NumPy real that float64 may not hold
