@@ -7,7 +7,8 @@ overflow float32; rounding aside). A transform that declares nothing the rules c
 the search: nothing is claimed across it, and neither across a subclass that rewrites
 `apply` without declaring `positive_scale()` again. The first rule is the analysis the optimizer
 itself acts on (`modopt.core.plan`: the cancelled scale is left out of the step); the others are
-told, not acted on.
+told, not acted on. The analysis lives in the plan (`modopt.core.plan.lint_findings`), below the
+transforms, so that `Modular` warns without importing this module; this module is its public face.
 
 * **scale before a normalization.** A transform that declares `sets_norm()` (`Normalize`
   with `eps=0`, `min_size=1`, a p-norm `ord` with p > 0) sets each segment's norm whatever
@@ -28,87 +29,12 @@ told, not acted on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from .core.reduce import parse_ord
-from .core.transform import walk
-from .core.plan import cancelled_by, cancelled_scales, flatten, folded_scale, pnorm, segments, sets_norm
+from .core.pipeline_config import PipelineConfig
+from .core.plan import Finding, LintWarning, cancelled_scales, folded_scale, lint_findings
 
 __all__ = ["Finding", "LintWarning", "lint", "cancelled_scales", "folded_scale"]
 
 
-class LintWarning(UserWarning):
-    """A lint finding, warned when an optimizer is built: a transform of its pipeline provably has no effect
-    (filter it with `warnings.filterwarnings("ignore", category=mo.LintWarning)`, or build with `lint=False`)."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One lint finding: the transform (`key` as in telemetry, e.g. `0:ClipNormByEMA`), why, and the fix."""
-
-    key: str
-    by: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.message} Fix: {self.fix}."
-
-
-def lint(config: Any) -> list[Finding]:
-    """Findings for a `PipelineConfig` (see the module docs; `Any` here: `modopt.core.pipeline_config` imports this module)."""
-    from . import transforms as T
-
-    flat = flatten(config.transforms)
-    findings: list[Finding] = []
-    if flat and not any(t.is_optimizer or t.must_be_last for _, t in walk(config.transforms)):
-        last = flat[-1][0]
-        findings.append(Finding(
-            last, "",
-            "the pipeline has no optimizer transform: the update after the last transform is subtracted as it "
-            "is, like SGD with lr 1.",
-            "end it with an optimizer transform (mo.SGD(lr=...), mo.Adam(), mo.AdamW(), mo.LR(...)), or "
-            "mo.LR(1.0) to keep this on purpose",
-        ))
-    for j, (nkey, n) in enumerate(flat):
-        if sets_norm(n) is not None:
-            if config.nonfinite == "ignore":
-                continue  # non-finite gradients reach the transforms: nothing is provable
-            for key, t in cancelled_by(flat, j):
-                name = type(t).__name__
-                what = "the learning rate's value (only lr=0 would stop the step)" if name == "LR" else "its scaling"
-                findings.append(Finding(
-                    key, nkey,
-                    f"{key} has no effect: {nkey} (scope={n.scope!r}) rescales every segment to norm "
-                    f"{n.norm_value} afterwards, cancelling {what}.",
-                    f"put Normalize first (Normalize(), {name}(), ...) so that {name} acts on the normalized "
-                    f"update, or drop {name}",
-                ))
-        if type(n) is T.ClipNorm:
-            for i in range(j - 1, -1, -1):
-                key, t = flat[i]
-                if t.update_access == "none":
-                    continue
-                if type(t) is T.ClipNorm:
-                    if (segments(t) == segments(n) and parse_ord(t.ord) == parse_ord(n.ord)
-                            and pnorm(t.ord) is not None and t.min_size == 1 and n.max_norm >= t.max_norm + n.eps):
-                        findings.append(Finding(
-                            nkey, key,
-                            f"{nkey} never clips: {key} already limits the same norm to {t.max_norm} "
-                            f"<= {n.max_norm}.",
-                            f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.max_norm})",
-                        ))
-                        break
-                if (type(t) is T.Normalize and config.nonfinite != "ignore" and segments(t) == segments(n)
-                        and pnorm(t.ord) is not None and parse_ord(t.ord) == parse_ord(n.ord)
-                        and t.min_size == 1 and n.min_size == 1
-                        and n.max_norm >= t.norm_value * (1 + 1e-5) + n.eps):
-                    findings.append(Finding(
-                        nkey, key,
-                        f"{nkey} never clips: {key} has already set that norm to {t.norm_value} "
-                        f"<= {n.max_norm}.",
-                        f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.norm_value})",
-                    ))
-                break
-    return findings
+def lint(config: PipelineConfig) -> list[Finding]:
+    """Findings for a `PipelineConfig` (see the module docs; `cfg.lint()` is the same)."""
+    return lint_findings(config.transforms, config.nonfinite)

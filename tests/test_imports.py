@@ -1,12 +1,11 @@
-"""The package's dependency direction: no import cycles, and every module imports on its own.
+"""The package's dependency direction: no import cycles, the core imports only the core, and every module
+imports on its own.
 
-Data and contracts sit at the bottom (keys, registry, reduce, state, runner, transform,
-scope), the config (`core.pipeline_config`) and the checkpoint format (`core.checkpoint`)
-below the optimizer (`core.modular`), the command line above everything. An import that
-points back up, even one hidden inside a function or under `if TYPE_CHECKING:` (a type hint
-is an arrow too), makes a cycle and fails here unless `ALLOWED_CYCLES` lists it with why;
-and the package has no `TYPE_CHECKING` blocks at all, so every arrow is one the code really
-needs.
+Data and contracts sit at the bottom of `modopt.core` (keys, registry, reduce, state, runner, transform,
+scope), the config (`core.pipeline_config`) and the checkpoint format (`core.checkpoint`) below the
+optimizer (`core.modular`); the transforms, the linter, telemetry and the command line sit above the core.
+Every import counts, at module level or inside a function (a deferred import is an arrow too), with no
+allow-list; and the package has no `TYPE_CHECKING` blocks, so every arrow is one the code really needs.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "modopt"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(pkg: Path = PKG) -> dict[str, Path]:
     out = {}
-    for f in sorted(PKG.rglob("*.py")):
-        parts = f.relative_to(PKG.parent).with_suffix("").parts
+    for f in sorted(pkg.rglob("*.py")):
+        parts = f.relative_to(pkg.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = f
     return out
@@ -37,22 +36,23 @@ def _targets(mods: dict[str, Path], cur: str, node: ast.AST) -> list[str]:
     return [a.name for a in node.names if a.name in mods]
 
 
-def import_graph(at_load: bool = False) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at run time (function-level imports included; with
-    `at_load`, only those its import runs: none inside a function)."""
-    mods = _modules()
-    edges: dict[str, set[str]] = {m: set() for m in mods}
-
-    def visit(node: ast.AST, cur: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if at_load and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                edges[cur].update(t for t in _targets(mods, cur, child) if t != cur)
-            visit(child, cur)
-
+def imports(pkg: Path = PKG) -> list[tuple[str, str, int]]:
+    """`(module, imported package module, line)` for every `import` / `from ... import` node of every module
+    of `pkg`, wherever it sits: module level, inside a function, a class, a `try` or an `if`."""
+    mods = _modules(pkg)
+    out = []
     for name, path in mods.items():
-        visit(ast.parse(path.read_text()), name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.extend((name, t, node.lineno) for t in dict.fromkeys(_targets(mods, name, node)) if t != name)
+    return out
+
+
+def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (function-level imports included)."""
+    edges: dict[str, set[str]] = {m: set() for m in _modules(pkg)}
+    for m, t, _ in imports(pkg):
+        edges[m].add(t)
     return edges
 
 
@@ -66,7 +66,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     def strong(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in edges[v]:
+        for w in sorted(edges[v]):
             if w not in index:
                 strong(w)
                 low[v] = min(low[v], low[w])
@@ -82,27 +82,100 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for v in edges:
+    for v in sorted(edges):
         if v not in index:
             strong(v)
     return found
 
 
-#: the import cycles that remain, each with why; the list only shrinks
-ALLOWED_CYCLES = [
-    # each makes the other: a Modular holds its PipelineConfig (modular.py imports the config module when
-    # loaded) and `PipelineConfig.build` makes a Modular (importing modular.py inside `build`, when it runs).
-    # The config has its own module (issue 37 item 4); the other ways out are one module for the two
-    # concerns, as before, or a registry of builders, which issue 17 item 5 removed
-    ["modopt.core.modular", "modopt.core.pipeline_config"],
-]
+def _cycle_report(pkg: Path = PKG) -> list[str]:
+    """Each cycle as the imports that close it, `module:line -> module`."""
+    found = cycles(import_graph(pkg))
+    return [", ".join(f"{m}:{line} -> {t}" for m, t, line in imports(pkg) if m in comp and t in comp)
+            for comp in found]
+
+
+def upward_imports(pkg: Path = PKG) -> list[str]:
+    """`module:line -> target` for each import from `<pkg>.core` to a module of the package outside it."""
+    core = f"{pkg.name}.core"
+    return [f"{m}:{line} -> {t}" for m, t, line in imports(pkg)
+            if (m == core or m.startswith(core + ".")) and not (t == core or t.startswith(core + "."))]
 
 
 def test_the_package_has_no_import_cycles():
-    assert cycles(import_graph()) == ALLOWED_CYCLES
-    # and each one that remains is closed only inside a function: loading the package follows one direction
-    assert cycles(import_graph(at_load=True)) == []
-    assert "modopt.core.modular" not in import_graph(at_load=True)["modopt.core.pipeline_config"]
+    assert _cycle_report() == []
+
+
+def test_the_core_imports_nothing_above_it():
+    """`modopt.core` sits below the transforms, the linter, telemetry, rewind, attention and the command line:
+    no module of it imports any of them, not even inside a function (a transform is known by what it declares)."""
+    assert upward_imports() == []
+
+
+def test_the_core_is_layered():
+    """The runner sits below the transforms; the config and the checkpoint format below the optimizer."""
+    edges = import_graph()
+    assert not edges["modopt.core.runner"] & {"modopt.core.transform", "modopt.core.scope", "modopt.core.modular"}
+    for below in ("modopt.core.pipeline_config", "modopt.core.checkpoint", "modopt.core.configfile",
+                  "modopt.core.plan", "modopt.core.torch_checkpoint"):
+        assert "modopt.core.modular" not in edges[below], below
+    # a config builds its optimizer through `Modular.from_config`, not through a registry of builders
+    import modopt.core.registry as registry
+
+    assert not hasattr(registry, "builder") and not hasattr(registry, "register_builder")
+
+
+def test_a_config_builds_its_modular_and_lints_without_importing_upward():
+    """What the layering moved: `cfg.build` makes a `Modular` (`Modular.from_config`), `cfg.lint()` and the
+    build-time warning read the plan's analysis, and `modopt.lint` is its public face."""
+    import warnings
+
+    import torch
+
+    import modopt as mo
+    import modopt.lint as lint_module
+    from modopt.core import plan
+
+    p = torch.nn.Parameter(torch.ones(3))
+    cfg = mo.PipelineConfig(transforms=[mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=0.1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = cfg.build([p])
+    assert type(opt) is mo.Modular and opt.config == cfg
+    assert [w.category for w in caught] == [mo.LintWarning]
+    assert mo.LintWarning is lint_module.LintWarning is plan.LintWarning
+    assert lint_module.lint(cfg) == cfg.lint() == plan.lint_findings(cfg.transforms, cfg.nonfinite)
+    assert [f.key for f in cfg.lint()] == ["0:ClipNormByEMA"]
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "pkg"
+
+
+def test_the_checks_see_imports_inside_functions(tmp_path):
+    """A cycle or an upward import hidden in a function (or a method, or under `try`) is found, with its line."""
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/lint.py": "from .core import a\n",
+        "pkg/core/__init__.py": "",
+        "pkg/core/a.py": "class A:\n    def f(self):\n        from ..lint import x\n",
+        "pkg/core/b.py": "try:\n    import pkg.core.c\nexcept ImportError:\n    pass\n",
+        "pkg/core/c.py": "def g():\n    from . import b\n",
+        "pkg/core/d.py": "from .a import A\n",
+    })
+    assert upward_imports(pkg) == ["pkg.core.a:3 -> pkg.lint"]
+    assert cycles(import_graph(pkg)) == [["pkg.core.a", "pkg.lint"], ["pkg.core.b", "pkg.core.c"]]
+    assert _cycle_report(pkg) == ["pkg.core.a:3 -> pkg.lint, pkg.lint:1 -> pkg.core.a",
+                                  "pkg.core.b:2 -> pkg.core.c, pkg.core.c:2 -> pkg.core.b"]
+    # and in the package: an import inside a function of cli/__init__.py is an arrow
+    assert "modopt.cli.compare" in import_graph()["modopt.cli"]
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def type_checking_blocks() -> dict[str, int]:
@@ -118,62 +191,6 @@ def type_checking_blocks() -> dict[str, int]:
 
 def test_no_type_checking_imports():
     assert type_checking_blocks() == {}
-
-
-def test_the_core_is_layered():
-    """The runner sits below the transforms: it never imports them (nor scope, nor the optimizer)."""
-    edges = import_graph()
-    assert not edges["modopt.core.runner"] & {"modopt.core.transform", "modopt.core.scope", "modopt.core.modular"}
-    # the config and the checkpoint format sit below the optimizer: they never import it at load
-    at_load = import_graph(at_load=True)
-    for below in ("modopt.core.pipeline_config", "modopt.core.checkpoint", "modopt.core.configfile"):
-        assert "modopt.core.modular" not in at_load[below], below
-    assert "modopt.core.modular" not in edges["modopt.core.checkpoint"]
-    # a config builds its optimizer directly (an import inside PipelineConfig.build), not through a registry
-    import modopt.core.registry as registry
-
-    assert not hasattr(registry, "builder") and not hasattr(registry, "register_builder")
-
-
-#: the core's imports of the layers above it that remain, each with why; the list only shrinks
-CORE_UPWARD = {
-    # `cfg.lint()`, the linter's method on a config: it tells the user, and nothing in the core reads it
-    ("modopt.core.pipeline_config", "modopt.lint"),
-    # `Modular(..., lint=True)` warns once, when built, about what the linter finds (the step never reads
-    # lint: the plan holds what it acts on); to go, the linter would read the plan (issue 37 item 1)
-    ("modopt.core.modular", "modopt.lint"),
-    # a torch.optim checkpoint continues in the transform that runs the same torch algorithm (mo.SGD, mo.Adam,
-    # mo.AdamW, or mo.TorchOptimizer of the same class); to go, the optimizer transforms would declare their
-    # algorithm
-    ("modopt.core.torch_checkpoint", "modopt.transforms.optimizers"),
-    ("modopt.core.torch_checkpoint", "modopt.transforms.torch_optimizer"),
-}
-
-
-def test_the_core_imports_nothing_above_it_but_the_listed():
-    """`modopt.core` sits below the transforms, the linter and the command line: the step and the plan never
-    import them (the plan reads what transforms declare). The remaining exceptions are listed with why."""
-    edges = import_graph()
-    upward = {(m, t) for m, ts in edges.items() if m.startswith("modopt.core")
-              for t in ts if t.startswith(("modopt.transforms", "modopt.lint", "modopt.cli", "modopt.telemetry",
-                                           "modopt.rewind", "modopt.functional", "modopt.config"))}
-    assert upward == CORE_UPWARD
-    for step_module in ("modopt.core.runner", "modopt.core.plan", "modopt.core.reduce", "modopt.core.scope"):
-        assert not any(m == step_module for m, _ in upward), step_module
-    # and each exception is an import inside a function: loading the core loads none of the layers above it
-    at_load = import_graph(at_load=True)
-    assert not {(m, t) for m, t in CORE_UPWARD if t in at_load[m]}
-
-
-def test_the_cycle_check_finds_a_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_the_graph_sees_function_level_imports():
-    edges = import_graph()
-    assert "modopt.core.pipeline_config" in edges["modopt.config"]
-    assert "modopt.core.modular" in edges["modopt.core.pipeline_config"]  # imported inside PipelineConfig.build
-    assert "modopt.cli.compare" in edges["modopt.cli"]  # imported inside a function of cli/__init__.py
 
 
 def test_every_module_imports_on_its_own():

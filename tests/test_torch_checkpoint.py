@@ -134,6 +134,29 @@ def test_torch_optimizer_transform_continues_a_torch_run():
         assert torch.equal(p, q)
 
 
+def test_the_mapping_reads_the_optimizer_transforms_torch_class():
+    """Which torch.optim state an optimizer transform continues is what it declares (`torch_class`; the core
+    imports no transform): `Adam` with decoupled weight decay continues an AdamW run bit for bit, and a
+    subclass inherits the declaration."""
+    assert mo.SGD(0.1).torch_class is torch.optim.SGD
+    assert mo.Adam().torch_class is torch.optim.Adam
+    assert mo.Adam(decoupled_weight_decay=True).torch_class is mo.AdamW().torch_class is torch.optim.AdamW
+    assert mo.TorchOptimizer(torch.optim.SGD, lr=0.1).torch_class is torch.optim.SGD
+
+    class DecoupledAdam(mo.Adam):
+        """An Adam subclass (it continues what Adam continues)."""
+
+    ref_model, _, ckpt, rest = torch_run("AdamW")
+    model = make_model(seed=5)
+    model.load_state_dict(ckpt["model"])
+    opt = mo.Modular(groups(model), mo.ClipNorm(1.0), DecoupledAdam(decoupled_weight_decay=True))
+    opt.load_state_dict(fresh_ckpt(ckpt)["opt"])
+    assert float(next(iter(opt.state.values()))["1:DecoupledAdam.step"]) == N_BEFORE
+    train(model, opt, rest)
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_state_dict_of_an_older_torch_loads_into_adam_or_adamw():
     """torch before 2.6 saves no `decoupled_weight_decay` (Adam and AdamW look alike), and a torch before
     1.12 a Python number for `step`: both load, as torch's own load_state_dict reads them."""

@@ -28,7 +28,7 @@ from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch
 from .runner import TransformState, check_loss
 from .select import check_selections, route_group
 from .pipeline_config import PipelineConfig, load_config
-from .plan import make_plan
+from .plan import LintWarning, lint_findings, make_plan
 from .transform import Transform, plain_input, to_plain, walk
 from .moments import Link
 
@@ -190,9 +190,7 @@ class Modular(torch.optim.Optimizer):
         self._skipped_steps = self._skipped_steps.to(_counter_device(self.param_groups))
 
     def _warn_lint(self) -> None:
-        from ..lint import LintWarning, lint
-
-        for f in lint(self._pipeline):
+        for f in lint_findings(self.plan.transforms, self.plan.nonfinite):
             warnings.warn(f"{f} (modopt.LintWarning: Modular(..., lint=False) or a warnings filter "
                           "silences it)", LintWarning, stacklevel=caller_stacklevel())
 
@@ -405,14 +403,15 @@ class Modular(torch.optim.Optimizer):
 
     # --- configs ---------------------------------------------------------------
     @property
-    def config(self) -> "PipelineConfig":  # noqa: F821
+    def config(self) -> PipelineConfig:
         """The `PipelineConfig` that rebuilds this optimizer."""
         return self._pipeline
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: Any, trust_imports: bool = False) -> "Modular":
         """Build from a `PipelineConfig`, its dict or OmegaConf `DictConfig`, or a config file path."""
-        return load_config(config, trust_imports=trust_imports).build(params)
+        cfg = load_config(config, trust_imports=trust_imports)
+        return cls(params, *cfg.transforms, nonfinite=cfg.nonfinite, **cfg.defaults)
 
     # --- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -646,6 +645,10 @@ class Modular(torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
         return f"Modular({inner}; {len(self.param_groups)} param group(s))"
+
+
+# `cfg.build(params)` makes a Modular: the config sits below the optimizer, so it is told the class here
+PipelineConfig._optimizer_class = Modular
 
 
 class _Evaluating:

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
+from .plan import Finding, lint_findings
 from .runner import NonFinite
 from .registry import trust_imports as _trust
 from .transform import TransformField, plain_input, to_plain
@@ -102,20 +103,16 @@ class PipelineConfig(BaseModel):
 
         ```
         """
-        from ..lint import lint
-
-        return lint(self)
+        return lint_findings(self.transforms, self.nonfinite)
 
     # --- building -----------------------------------------------------------
-    def build(self, params: Any) -> "Modular":  # noqa: F821
-        """A fresh `Modular` over `params` running this pipeline."""
-        # each makes the other: a Modular holds its PipelineConfig, and this builds one. The config is the
-        # lower layer (modular.py imports this module when loaded); the optimizer is imported here, when a
-        # config is built, so neither module needs the other to load (the one cycle tests/test_imports.py
-        # allows, and why)
-        from .modular import Modular
+    #: the optimizer class `build` makes: `Modular`, which sets it when its module loads (`import modopt`
+    #: loads it). The optimizer holds its config, so the config sits below it and never imports it
+    _optimizer_class: ClassVar[Any] = None
 
-        return Modular(params, *self.transforms, nonfinite=self.nonfinite, **self.defaults)
+    def build(self, params: Any) -> Any:
+        """A fresh `Modular` over `params` running this pipeline (`Modular.from_config(params, self)`)."""
+        return self._optimizer_class.from_config(params, self)
 
 
 def load_config(path: Any, trust_imports: bool = False) -> PipelineConfig:

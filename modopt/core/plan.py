@@ -23,7 +23,8 @@ the `Plan` and works nothing out again. It holds:
   that adds to the decision itself (`decides_skip`: `SkipStep` counts its skips with the device's).
 
 The analyses are sound: a scale is left out or folded only when it provably changes nothing
-(rounding aside). `modopt.lint` reads the same analyses to tell the user.
+(rounding aside). `lint_findings` tells the user what the same analyses find (`cfg.lint()`, the
+warning `Modular` gives when built; `modopt.lint` is its public face and documents the rules).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from .moments import Link, link
 from .reduce import parse_ord
+from .registry import _TRANSFORMS
 from .select import routes as find_routes
 from .state import declared_buffers
 from .transform import Chain, Transform, walk
@@ -355,3 +357,85 @@ def folded_scale(transforms: Sequence[Transform]) -> str | None:
         f"all parameters (positive_scale() with scope='global'), so there is no scale to fold; use a "
         f"global-scope ClipNorm (or ClipNormByRMS, ClipNormByEMA, ...) right before it, or fold_clip=False"
     )
+
+
+# --- lint: what provably has no effect, told to the user ----------------------------------------------
+class LintWarning(UserWarning):
+    """A lint finding, warned when an optimizer is built: a transform of its pipeline provably has no effect
+    (filter it with `warnings.filterwarnings("ignore", category=mo.LintWarning)`, or build with `lint=False`)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One lint finding: the transform (`key` as in telemetry, e.g. `0:ClipNormByEMA`), why, and the fix."""
+
+    key: str
+    by: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message} Fix: {self.fix}."
+
+
+def _is(t: Transform, name: str) -> bool:
+    """`t` is exactly the transform class registered as `name` (names are unique in the registry, so the
+    plan names a transform class without importing the transforms, which sit above it)."""
+    return type(t) is _TRANSFORMS.get(name)
+
+
+def lint_findings(transforms: Sequence[Transform], nonfinite: str) -> list[Finding]:
+    """The lint findings of a pipeline (`modopt.lint` states the rules): `cancelled_by` told as advice,
+    a clip that another clip or a normalization already bounds, a pipeline with no optimizer."""
+    flat: list[tuple[str, Any]] = flatten(transforms)  # (fields read by name: the classes sit above the core)
+    findings: list[Finding] = []
+    if flat and not any(t.is_optimizer or t.must_be_last for _, t in walk(tuple(transforms))):
+        last = flat[-1][0]
+        findings.append(Finding(
+            last, "",
+            "the pipeline has no optimizer transform: the update after the last transform is subtracted as it "
+            "is, like SGD with lr 1.",
+            "end it with an optimizer transform (mo.SGD(lr=...), mo.Adam(), mo.AdamW(), mo.LR(...)), or "
+            "mo.LR(1.0) to keep this on purpose",
+        ))
+    for j, (nkey, n) in enumerate(flat):
+        if sets_norm(n) is not None:
+            if nonfinite == "ignore":
+                continue  # non-finite gradients reach the transforms: nothing is provable
+            for key, t in cancelled_by(flat, j):
+                name = type(t).__name__
+                what = "the learning rate's value (only lr=0 would stop the step)" if name == "LR" else "its scaling"
+                findings.append(Finding(
+                    key, nkey,
+                    f"{key} has no effect: {nkey} (scope={n.scope!r}) rescales every segment to norm "
+                    f"{n.norm_value} afterwards, cancelling {what}.",
+                    f"put Normalize first (Normalize(), {name}(), ...) so that {name} acts on the normalized "
+                    f"update, or drop {name}",
+                ))
+        if _is(n, "ClipNorm"):
+            for i in range(j - 1, -1, -1):
+                key, t = flat[i]
+                if t.update_access == "none":
+                    continue
+                if _is(t, "ClipNorm"):
+                    if (segments(t) == segments(n) and parse_ord(t.ord) == parse_ord(n.ord)
+                            and pnorm(t.ord) is not None and t.min_size == 1 and n.max_norm >= t.max_norm + n.eps):
+                        findings.append(Finding(
+                            nkey, key,
+                            f"{nkey} never clips: {key} already limits the same norm to {t.max_norm} "
+                            f"<= {n.max_norm}.",
+                            f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.max_norm})",
+                        ))
+                        break
+                if (_is(t, "Normalize") and nonfinite != "ignore" and segments(t) == segments(n)
+                        and pnorm(t.ord) is not None and parse_ord(t.ord) == parse_ord(n.ord)
+                        and t.min_size == 1 and n.min_size == 1
+                        and n.max_norm >= t.norm_value * (1 + 1e-5) + n.eps):
+                    findings.append(Finding(
+                        nkey, key,
+                        f"{nkey} never clips: {key} has already set that norm to {t.norm_value} "
+                        f"<= {n.max_norm}.",
+                        f"drop {nkey.split(':')[-1]} (or give it a threshold below {t.norm_value})",
+                    ))
+                break
+    return findings

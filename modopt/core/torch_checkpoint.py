@@ -3,7 +3,8 @@
 `Modular.load_state_dict` accepts the `state_dict()` of `torch.optim.SGD`,
 `Adam` or `AdamW` (with or without momentum, amsgrad, ...) when the pipeline's
 optimizer transform runs the same algorithm: `mo.SGD`, `mo.Adam`, `mo.AdamW`,
-or `mo.TorchOptimizer` of that class. `from_torch` rewrites such a dict into
+or `mo.TorchOptimizer` of that class (each says so by its `torch_class`, the
+torch.optim class whose state it continues). `from_torch` rewrites such a dict into
 the form `Modular.state_dict` writes, and `Modular` then checks and loads it
 like any of its own checkpoints (all or nothing, the door checks on every
 group value).
@@ -121,10 +122,9 @@ def torch_algorithm(groups: list[dict[str, Any]]) -> str:
 
 
 def _live_optimizer(transforms: tuple[Transform, ...]) -> tuple[str, Transform, str]:
-    """The pipeline's optimizer transform: (key, transform, the torch algorithm it runs or '')."""
-    from ..transforms.optimizers import SGD, Adam
-    from ..transforms.torch_optimizer import _RESOLVED, TorchOptimizer  # (the classes TorchOptimizer runs)
-
+    """The pipeline's optimizer transform: (key, transform, the torch algorithm it runs or ''), read from
+    its `torch_class` (the torch.optim class whose state it continues; `mo.SGD`, `mo.Adam`, `mo.AdamW` and
+    `mo.TorchOptimizer` declare it)."""
     found = [(k, t) for k, t in walk(transforms) if t.is_optimizer]
     if len(found) != 1:
         names = ", ".join(k for k, _ in found) or "none"
@@ -137,16 +137,14 @@ def _live_optimizer(transforms: tuple[Transform, ...]) -> tuple[str, Transform, 
         if type(parent).__name__ != "Chain":
             raise ValueError(f"load_state_dict: a torch.optim state dict continues an optimizer transform of the "
                              f"whole chain; {key} runs inside {type(parent).__name__}")
-    if isinstance(t, Adam):
-        return key, t, "AdamW" if getattr(t, "decoupled", False) else "Adam"
-    if isinstance(t, SGD):
-        return key, t, "SGD"
-    if isinstance(t, TorchOptimizer):
-        cls = _RESOLVED.get(t.cls)
-        for name, c in _TORCH_CLASS.items():
-            if cls is c:
-                return key, t, name
-    return key, t, ""
+    cls = getattr(t, "torch_class", None)
+    return key, t, next((name for name, c in _TORCH_CLASS.items() if cls is c), "")
+
+
+def _torch_buffer(t: Transform) -> str | None:
+    """The name of `t`'s buffer that keeps each parameter's torch state whole (kind `"torch"`:
+    `TorchOptimizer`'s `"inner"`), or None; such a transform takes torch's state and param groups as they are."""
+    return next((name for name, b in declared_buffers(t).items() if b.kind == "torch"), None)
 
 
 def _signature_defaults(cls: type) -> dict[str, Any]:
@@ -201,8 +199,6 @@ def from_torch(sd: dict[str, Any], transforms: tuple[Transform, ...], group_keys
     saved config, None without a handle). `warning` names the transforms that
     start fresh (None: none has state).
     """
-    from ..transforms.torch_optimizer import TorchOptimizer
-
     groups = sd["param_groups"]
     algo = torch_algorithm(groups)
     key, t, live = _live_optimizer(transforms)
@@ -210,12 +206,13 @@ def from_torch(sd: dict[str, Any], transforms: tuple[Transform, ...], group_keys
         raise ValueError(f"load_state_dict: this is a torch.optim.{algo} state dict; it continues in mo.SGD, mo.Adam, "
                          f"mo.AdamW or mo.TorchOptimizer of the same class, and this pipeline's optimizer transform "
                          f"is {key} ({type(t).__name__})")
-    wrapped = isinstance(t, TorchOptimizer)
+    inner = _torch_buffer(t)
+    wrapped = inner is not None
     fits = live == algo or (algo == "Adam or AdamW" and live in ("Adam", "AdamW"))
     if wrapped and algo != "SGD" and live != "SGD":  # torch's Adam takes decoupled_weight_decay per group
         fits = True
     if not fits:
-        what = f"mo.TorchOptimizer({t.cls})" if wrapped else f"{type(t).__name__}"
+        what = f"mo.TorchOptimizer({getattr(t, 'cls', '')})" if wrapped else f"{type(t).__name__}"
         raise ValueError(f"load_state_dict: this is a torch.optim.{algo} state dict and this pipeline's optimizer "
                          f"transform is {key} ({what}): a torch run continues with the same algorithm, "
                          f"here {'mo.Adam or mo.AdamW' if algo == 'Adam or AdamW' else 'mo.' + algo}")
@@ -255,8 +252,8 @@ def from_torch(sd: dict[str, Any], transforms: tuple[Transform, ...], group_keys
         if bad:
             raise ValueError(f"load_state_dict: state of parameter {idx!r} holds {bad}, which torch.optim.{torch_name} "
                              f"does not write (it writes {sorted(allowed)})")
-        if wrapped:
-            new_state[idx] = {value_key(key, "inner"): dict(entry)}
+        if inner is not None:
+            new_state[idx] = {value_key(key, inner): dict(entry)}
             continue
         out = {}
         for k, v in entry.items():

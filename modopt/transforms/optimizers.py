@@ -292,6 +292,8 @@ class SGD(_FusedOptimizer):
     differentiable: bool = False
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
     kernel: ClassVar[str] = "sgd"
+    #: the torch.optim class whose `state_dict()` it continues (`modopt.core.torch_checkpoint` reads it)
+    torch_class: ClassVar[type[torch.optim.Optimizer]] = torch.optim.SGD
     # "started": see `STARTED` (only buffers the device path created with dampening have one)
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"momentum_buffer": "param", "started": STARTED}
 
@@ -541,6 +543,12 @@ class Adam(_FusedOptimizer):
     def kernel(self) -> str:  # type: ignore[override]
         """The fused kernel's name: `"adamw"` with decoupled weight decay, else `"adam"` (`kernels.fused_ok`)."""
         return "adamw" if self.decoupled else "adam"
+
+    @property
+    def torch_class(self) -> type[torch.optim.Optimizer]:
+        """The torch.optim class whose `state_dict()` it continues (`modopt.core.torch_checkpoint` reads it):
+        `torch.optim.AdamW` with decoupled weight decay, else `torch.optim.Adam`."""
+        return torch.optim.AdamW if self.decoupled else torch.optim.Adam
 
     def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
         """With `capturable=True` on torch's own kernels, refuse parameters those kernels cannot capture."""

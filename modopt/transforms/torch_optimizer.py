@@ -180,6 +180,11 @@ class TorchOptimizer(Transform):
             given = ", ".join(f"{k!r} = {v!r}" for k, v in kwargs.items() if k not in defaults or defaults[k] != v)
             raise ValueError(f"{self.cls} refused {given or 'its default arguments'}: {e}") from None
 
+    @property
+    def torch_class(self) -> type[torch.optim.Optimizer]:
+        """The wrapped class, whose `state_dict()` it continues (`modopt.core.torch_checkpoint` reads it)."""
+        return self._cls
+
     def check_group_values(self, values: dict[str, Any]) -> None:
         """Refuse param-group values that the wrapped torch optimizer's constructor refuses."""
         if values:
