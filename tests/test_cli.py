@@ -319,7 +319,7 @@ def test_compare_prints_table_and_writes_plot(tmp_path, capsys):
     assert lines[0].startswith("| run") and "loss spikes" in lines[0] and "% clipped" in lines[0] and "ms/step" in lines[0]
     assert len(lines) == 2 + 3
     assert {"fixed", "v-none", "v-clip"} <= {ln.split("|")[1].strip() for ln in lines[2:]}
-    assert (out / "compare.md").read_text().strip() == table.strip()
+    assert (out / "compare.md").read_text().startswith(table.strip() + "\n\nProvenance:\n")  # the table, then its provenance
     assert len(json.loads((out / "compare.json").read_text())["runs"]) == 3
     if _has_matplotlib():
         assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"

@@ -71,18 +71,18 @@ def test_interval_of_known_values():
     st = pytest.importorskip("scipy.stats")
     assert iv["half_width"] == pytest.approx(st.t.ppf(0.975, 4) * statistics.stdev([1, 2, 3, 4, 5]) / math.sqrt(5), rel=1e-12)
     assert (iv["low"], iv["high"]) == (pytest.approx(3 - iv["half_width"]), pytest.approx(3 + iv["half_width"]))
-    assert format_interval(iv, ".4g") == "3 ± 2.0"
+    assert iv["status"] == "interval" and format_interval(iv, ".4g") == "3 ± 2.0 (n=5)"
 
 
 def test_one_value_has_no_interval_and_missing_values_are_counted():
     one = interval([0.25])
     assert one["mean"] == 0.25 and one["half_width"] is None and one["low"] is None and one["sd"] is None
-    assert format_interval(one) == "0.25 ± n/a"
+    assert one["status"] == "one" and format_interval(one) == "0.25 (n=1, no interval)"
     none = interval([None, None])
     assert none["mean"] is None and none["n"] == 0 and none["missing"] == 2 and format_interval(none) == "-"
     part = interval([2.0, None, 4.0])
     assert part["n"] == 2 and part["missing"] == 1 and part["mean"] == 3.0
-    assert format_interval(part).endswith("(n=2)")
+    assert format_interval(part) == "3 (n=2 of 3, too few)"
 
 
 def test_paired_difference_of_a_known_case():
@@ -93,11 +93,34 @@ def test_paired_difference_of_a_known_case():
     # pairing removes what the seed does to both: the unpaired means differ by the same 7/3,
     # but the spread of either group alone is wider than that of the differences
     assert interval([3.0, 5.0, 4.0])["half_width"] > d["half_width"]
-    # a pair with a missing side is left out; equal differences: a zero-width interval, which is real
+    # a pair with a missing side is left out; equal differences: no interval (not one of zero width)
     d = paired([3.0, None, 4.0, 6.0], [1.0, 2.0, 2.0, None])
-    assert (d["n"], d["missing"], d["mean"], d["half_width"]) == (2, 2, 2.0, 0.0)
+    assert (d["n"], d["missing"], d["mean"], d["sd"], d["half_width"], d["status"]) == (2, 2, 2.0, 0.0, None, "same")
     with pytest.raises(ValueError, match="one baseline value each"):
         paired([1.0], [1.0, 2.0])
+
+
+def test_below_five_seeds_no_interval_is_printed_and_the_cell_names_n():
+    for n in (2, 3, 4):
+        iv = interval(list(range(1, n + 1)))
+        assert iv["status"] == "too_few" and iv["half_width"] > 0  # computed (in the JSON), not printed
+        assert format_interval(iv) == f"{(n + 1) / 2:g} (n={n}, too few)"
+    five = interval([1, 2, 3, 4, 5, None])
+    assert five["status"] == "interval" and format_interval(five) == "3 ± 2.0 (n=5 of 6)"
+    assert interval([None])["status"] == "none" and format_interval(interval([None])) == "-"
+
+
+def test_a_difference_equal_on_every_seed_is_not_an_interval_of_zero_width():
+    # the Muon case: two seeds that each gave 8 spikes fewer than the baseline
+    d = paired([2.0, 5.0], [10.0, 13.0])
+    assert (d["n"], d["mean"], d["sd"], d["half_width"], d["low"], d["high"], d["status"]) == (2, -8.0, 0.0, None, None, None, "same")
+    assert format_interval(d, ".3g", signed=True) == "-8 (same on all 2 seeds)"
+    assert format_interval(interval([0.1] * 5)) == "0.1 (same on all 5 seeds)"  # its mean is the value, unrounded
+    assert format_interval(interval([0.0, -0.0, 0.0])) == "0 (same on all 3 seeds)"
+    # an interval of compare.json's schema 1 (no status) reads the same way
+    old = {"n": 2, "missing": 0, "mean": -8.0, "sd": 0.0, "half_width": 0.0, "low": -8.0, "high": -8.0}
+    assert format_interval(old, ".3g", signed=True) == "-8 (same on all 2 seeds)"
+    assert format_interval({**old, "sd": 1.0, "half_width": 9.0}, ".3g") == "-8 (n=2, too few)"
 
 
 def test_worst_excursion_on_known_series():
@@ -118,6 +141,11 @@ def test_band_is_the_geometric_mean_with_its_t_interval():
 
 
 # --- the command ------------------------------------------------------------------------------
+def _cells(table: str, prefix: str) -> list[str]:
+    """The metric cells (after the name and seeds columns) of the table rows starting with `prefix`."""
+    return [c.strip() for ln in table.splitlines() if ln.startswith(prefix) for c in ln.strip("|").split("|")[2:]]
+
+
 def test_compare_seeds_end_to_end(tmp_path, capsys):
     cfg = tiny_config(tmp_path / "ts.yaml")
     out = tmp_path / "cmp"
@@ -129,9 +157,14 @@ def test_compare_seeds_end_to_end(tmp_path, capsys):
     table = capsys.readouterr().out
     words = " ".join(table.split())
     assert "Student-t 95% interval" in words and "Δ final loss" in table and "± n/a" not in table
+    # three seeds: every cell says so, and none has an interval
+    cells = _cells(table, "| ts-")
+    assert len(cells) == 18 and "(n >= 5) that excludes 0" in words
+    assert all(re.fullmatch(r"[-+]?[\d.e+-]+ \((n=3, too few|same on all 3 seeds)\)|-", c) for c in cells), cells
     data = json.loads((out / "compare.json").read_text())
-    assert data["schema"] == 1 and data["kind"] == "compare" and data["baseline"] == "ts-sgd"
-    assert data["interval"]["level"] == 0.95 and data["spike"]["window"] == 5
+    assert data["schema"] == 2 and data["kind"] == "compare" and data["baseline"] == "ts-sgd"
+    assert data["interval"] == {"method": "Student-t 95% interval of the mean over seeds", "level": 0.95, "min_seeds": 5}
+    assert data["spike"]["window"] == 5
     assert [r["name"] for r in data["runs"]] == ["ts-sgd", "ts-clip"]
     st = pytest.importorskip("scipy.stats")
     for run in data["runs"]:
@@ -163,7 +196,7 @@ def test_compare_seeds_end_to_end(tmp_path, capsys):
     assert vs["metrics"]["final_eval_loss"]["mean"] == pytest.approx(statistics.fmean(diffs), rel=1e-12)
     assert vs["metrics"]["final_eval_loss"]["half_width"] == pytest.approx(
         st.t.ppf(0.975, 2) * statistics.stdev(diffs) / math.sqrt(3), rel=1e-9)
-    assert (out / "compare.md").read_text(encoding="utf-8").strip() == table.strip()
+    assert (out / "compare.md").read_text(encoding="utf-8").startswith(table.strip() + "\n\nProvenance:\n")
     text = assert_self_contained(out / "report.html")
     assert "<table>" in text and "Paired difference" in text
     if _has_matplotlib():
@@ -177,7 +210,8 @@ def test_one_seed_says_there_is_no_interval(tmp_path, capsys):
     assert main(["compare", str(cfg), "--seed", "4", "--out", str(out), "--quiet", "--no-plots"]) == 0
     table = capsys.readouterr().out
     rows = [ln for ln in table.splitlines() if ln.startswith("| ts-")]
-    assert len(rows) == 2 and all("± n/a" in r for r in rows) and "n/a: one seed, no interval exists" in table
+    assert len(rows) == 2 and all("(n=1, no interval)" in r and "±" not in r for r in rows)
+    assert "(n=1, no interval): one seed" in " ".join(table.split())
     data = json.loads((out / "compare.json").read_text())
     for run in data["runs"]:
         assert run["seeds"] == [4] and (out / run["name"] / "seed-4" / "summary.json").is_file()
@@ -185,6 +219,27 @@ def test_one_seed_says_there_is_no_interval(tmp_path, capsys):
         assert fl["n"] == 1 and fl["half_width"] is None and fl["low"] is None
     text = assert_self_contained(out / "report.html")
     assert "turned off with --no-plots" in text
+
+
+def test_two_seeds_print_no_interval_and_an_equal_difference_says_so(tmp_path, capsys):
+    cfg = tiny_config(tmp_path / "ts.yaml", steps=8)  # 8 steps: no loss spike on any seed (window 20)
+    out = tmp_path / "cmp"
+    assert main(["compare", str(cfg), "--seeds", "0", "1", "--baseline", "ts-sgd", "--out", str(out), "--quiet",
+                 "--no-plots"]) == 0
+    table = capsys.readouterr().out
+    cells = _cells(table, "| ts-")
+    assert len(cells) == 18 and not any("±" in c for c in cells)
+    assert all(c.endswith(("(n=2, too few)", "(same on all 2 seeds)")) or c == "-" for c in cells), cells
+    head, _, row = table.split("\n\n")[1].splitlines()[:3]  # the paired-difference table
+    by_column = dict(zip((c.strip() for c in head.split("|")), (c.strip() for c in row.split("|"))))
+    assert by_column["Δ loss spikes"] == "+0 (same on all 2 seeds)"  # 0 spikes on both seeds of both runs
+    data = json.loads((out / "compare.json").read_text())
+    vs = data["runs"][1]["vs_baseline"]["metrics"]
+    assert (vs["loss_spikes"]["status"], vs["loss_spikes"]["half_width"], vs["loss_spikes"]["n"]) == ("same", None, 2)
+    assert vs["final_loss"]["status"] == "too_few" and vs["final_loss"]["n"] == 2 and vs["final_loss"]["half_width"] > 0
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert "+0 (same on all 2 seeds)" in html and "(n=2, too few)" in html and "± 0<" not in html
+    assert "± " not in (out / "compare.md").read_text(encoding="utf-8").split("\n\n")[0]
 
 
 def test_seeds_come_from_the_config_unless_the_command_line_names_them(tmp_path, capsys):

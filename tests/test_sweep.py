@@ -95,7 +95,7 @@ def test_sweep_runs_the_grid_in_parallel_and_resumes(tmp_path, capsys):
     cap = capsys.readouterr()
     assert _counts(cap.err) == (4, 0) and "4 runs in 2 worker processes" in cap.err
     data = json.loads((out / "sweep.json").read_text())
-    assert data["schema"] == 1 and data["kind"] == "sweep" and data["metric"] == "final_loss"
+    assert data["schema"] == 2 and data["kind"] == "sweep" and data["metric"] == "final_loss"
     assert data["grid"] == [{"path": MAX_NORM, "values": [0.5, 2]}] and data["seeds"] == [0, 1]
     assert [p["values"] for p in data["points"]] == [{MAX_NORM: 0.5}, {MAX_NORM: 2}]
     for point in data["points"]:
@@ -146,7 +146,7 @@ def test_two_fields_make_a_product_and_a_plot_each(tmp_path, capsys):
     assert {p.name for p in out.iterdir() if p.is_dir()} == {"max_norm=0.5,lr=0.01", "max_norm=0.5,lr=0.1",
                                                             "max_norm=2,lr=0.01", "max_norm=2,lr=0.1"}
     rows = [ln for ln in cap.out.splitlines() if ln.startswith("| ")]
-    assert len(rows) == 5 and all("± n/a" in r for r in rows[1:])  # one seed (train.seed): no interval
+    assert len(rows) == 5 and all("(n=1, no interval)" in r and "±" not in r for r in rows[1:])  # one seed (train.seed)
     if _has_matplotlib():
         for field in ("max_norm", "lr"):
             assert (out / f"sweep-{field}.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""The `modopt` command: run, compare, sweep, validate, schema, modules, examples, bench.
+"""The `modopt` command: run, compare, sweep, report, validate, schema, modules, examples, bench.
 
 `main(argv)` returns the exit status: 0 on success, 1 on a user error (a config
 that does not validate, a missing file, a bad option value, a path or disk the
@@ -30,11 +30,7 @@ from pydantic import ValidationError
 
 from ..config import ConfigError
 from ..rewind import RewindError
-from .experiment import INT64_MAX, SEED_MAX
-
-#: `modopt sweep`'s default `--max-runs` (`sweep.MAX_RUNS`: defined here, where the parser shows it, so that
-#: building the parser imports no training code)
-SWEEP_MAX_RUNS = 1000
+from .experiment import INT64_MAX, SEED_MAX, SWEEP_MAX_RUNS
 
 #: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
 #: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
@@ -202,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the example configs shipped with modopt, or print one (to copy and edit).")
     p.add_argument("name", nargs="?", metavar="NAME", help="print this example's config")
 
+    p = sub.add_parser("report", help="show what a result came from: versions, commit, devices, date, config hash",
+                       description="Show the provenance of a run directory, a compare or sweep output directory, or "
+                       "one of their result files (summary.json, config.yaml, compare.json, sweep.json): the modopt "
+                       "version and commit, torch and Python, the devices, the date, the command line and the hash "
+                       "of the resolved config; with a compare or sweep, its tables too.")
+    p.add_argument("path", metavar="PATH", help="a run, compare or sweep directory, or one of their result files")
+
     sub.add_parser("bench", help="time the default step against torch (benchmarks/bench.py, source checkout)",
                    add_help=False)
     return parser
@@ -242,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "schema": _cmd_schema,
             "modules": _cmd_modules,
             "examples": _cmd_examples,
+            "report": _cmd_report,
         }[args.command](args)
     except USER_ERRORS as e:
         if os.environ.get("MODOPT_DEBUG"):
@@ -454,6 +458,14 @@ def _cmd_examples(args) -> int:
         sys.stdout.write(example_text(args.name))  # the file as it is, to redirect into a copy
     else:
         print(format_examples())
+    return 0
+
+
+# --- report ------------------------------------------------------------------------------
+def _cmd_report(args) -> int:
+    from .show import printable, show
+
+    print(printable(show(args.path)))
     return 0
 
 

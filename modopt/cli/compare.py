@@ -4,8 +4,11 @@ Every variant runs once per seed into `OUT/<run>/seed-<S>/` (a run directory
 of `modopt run`, whose `config.yaml` re-runs it exactly). The table gives, per
 metric, the mean over seeds with its 95% Student-t interval (`stats.py`);
 `--baseline NAME` adds each run's paired difference to NAME over the same seeds.
-`compare.json` keeps every seed's values and the summary (`SCHEMA`, documented
-in docs/cli.md); `report.html` holds the tables and plots in one file.
+Every cell names the seeds it rests on, and below `stats.MIN_SEEDS` seeds no
+interval is printed. `compare.json` keeps every seed's values and the summary
+(`SCHEMA`, documented in docs/cli.md); `report.html` holds the tables and plots
+in one file. Each of them, and `compare.md`, carries the provenance block
+(`provenance.py`).
 
 The pieces `modopt sweep` shares live here too: the seeds of an experiment,
 the job runner (in process, or in parallel worker processes), the per-seed
@@ -27,14 +30,18 @@ from typing import Any, Callable
 from ..config import ConfigError
 from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
 from .outfiles import refuse_links, write_text
+from .provenance import KEY as PROVENANCE
+from .provenance import markdown as provenance_markdown
+from .provenance import provenance
 from .run import (
     METRIC_FIELDS, RUN_FILES, SPIKE_FACTOR, SPIKE_MIN_RISE, SPIKE_WINDOW, TIMING_FIELDS, check_kind, prepare_dir, read_jsonl,
     run_experiment, summarize,
 )
-from .stats import LEVEL, METHOD, format_interval, interval, paired
+from .stats import LEVEL, METHOD, MIN_SEEDS, format_interval, interval, paired
 
 #: version of the layout of `compare.json` and `sweep.json` (docs/cli.md); bumped on an incompatible change
-SCHEMA = 1
+#: (2: equal values have no interval, `half_width` null and `status` "same", where 1 gave a zero width)
+SCHEMA = 2
 
 #: the files `compare` writes into OUT (beside a directory per run)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png", "report.html")
@@ -215,7 +222,8 @@ def markdown(table: Table) -> str:
 
 def summary_cells(summary: dict[str, dict[str, Any]], metrics: tuple[str, ...] = TABLE,
                   signed: bool = False) -> list[str]:
-    """The cells `mean ± half-width` of `metrics` from a summary over seeds (`signed`: with a sign, for differences)."""
+    """The cells of `metrics` from a summary over seeds, each naming its seeds (`stats.format_interval`;
+    `signed`: with a sign, for differences)."""
     return [format_interval(summary[k], METRICS[k][1], signed=signed) for k in metrics]
 
 
@@ -246,15 +254,20 @@ def per_seed_table(runs: list[dict[str, Any]]) -> Table:
 def footnote(spike: dict[str, Any], baseline: str | None = None) -> str:
     """What the cells of the tables mean (printed under them), wrapped at 100 columns."""
     text = (
-        f"Each cell: mean ± half-width of the {METHOD} (t_{{0.975, n-1}} × sd / √n over n seeds); "
-        "n/a: one seed, no interval exists; (n=k): only k seeds have a value. "
+        f"Each cell: the mean over n seeds ± the half-width of the {METHOD} (t_{{0.975, n-1}} × sd / √n), "
+        f"given from {MIN_SEEDS} seeds on. (n=k, too few): k = 2 to {MIN_SEEDS - 1} seeds that differ, too few "
+        "for an interval (its width would rest on an sd estimated from k values): the mean alone. (same on all k "
+        "seeds): every seed gave this value; not an interval of zero width. (n=1, no interval): one seed. "
+        "(n=k of m): only k of the m seeds have a value; -: none has. "
         f"Worst excursion: the largest ratio of the loss to the median of its previous {spike['window']} values "
         "(the loss-spike median; 1 = never above it)."
     )
     if baseline is not None:
         text += (
             f" Δ: the paired difference run - {baseline} over the seeds both ran: the mean of the per-seed "
-            "differences ± the half-width of its t interval; an interval that excludes 0 is a difference these seeds resolve."
+            f"differences ± the half-width of its t interval. Only an interval (n >= {MIN_SEEDS}) that excludes 0 "
+            "is a difference these seeds resolve at the 95% level; a Δ with too few seeds, or the same on every "
+            "seed, is not resolved by them."
         )
     return textwrap.fill(text, 100)
 
@@ -341,12 +354,15 @@ def compare(
         base = next(r for r in runs if r["name"] == baseline)
         for r in runs:
             r["vs_baseline"] = versus(r["per_seed"], base["per_seed"], baseline) if r is not base else None
+    resolved = {"runs": {label: exp.to_dict() for label, exp, _ in planned},
+                "seeds": {label: ss for label, _, ss in planned}, "baseline": baseline,
+                "spike": spike_settings(spike_kw)}
     result = {"schema": SCHEMA, "kind": "compare", "command": command,
-              "interval": {"method": METHOD, "level": LEVEL}, "spike": spike_settings(spike_kw),
-              "baseline": baseline, "runs": runs}
+              "interval": {"method": METHOD, "level": LEVEL, "min_seeds": MIN_SEEDS}, "spike": resolved["spike"],
+              "baseline": baseline, "runs": runs, PROVENANCE: provenance(resolved)}
     tables = [summary_table(runs)] + ([baseline_table(runs, baseline)] if baseline is not None else [])
     text = "\n\n".join(markdown(t) for t in tables) + "\n\n" + footnote(result["spike"], baseline)
-    write_text(out / "compare.md", text + "\n")
+    write_text(out / "compare.md", text + "\n\n" + provenance_markdown(result[PROVENANCE]) + "\n")
     write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
     plot_msg = _compare_plot(out / "compare.png", runs, curves) if plots else None
     if plot_msg:
@@ -374,7 +390,7 @@ def _compare_plot(path: Path, runs: list[dict[str, Any]],
 def _compare_report(path: Path, result: dict[str, Any], tables: list[Table], plots: bool) -> None:
     from .report import Report
 
-    rep = Report("modopt compare", command=result["command"])
+    rep = Report("modopt compare", command=result["command"], provenance=result[PROVENANCE])
     rep.heading("Summary over seeds")
     rep.table(tables[0])
     if len(tables) > 1:

@@ -39,6 +39,9 @@ SEED_MAX = 2**64 - 1
 #: the most intra-op threads a run asks torch for (OpenMP allocates per thread: two billion of them ended
 #: the process from inside its runtime, with its own message)
 THREADS_MAX = 1024
+#: `modopt sweep`'s default `--max-runs` (`sweep.MAX_RUNS`): here, where both the parser (which shows it and
+#: imports no training code) and the sweep read it without importing each other
+SWEEP_MAX_RUNS = 1000
 
 
 def read_config(path: str | Path) -> Any:

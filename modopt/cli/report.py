@@ -3,16 +3,17 @@
 The tables are HTML tables, the plots PNG files embedded as base64 `data:`
 URIs, the style inline: no external asset, no script, nothing fetched, so the
 file reads the same offline, attached to a mail or archived. Without
-matplotlib the report holds the tables and says that the plots need it.
+matplotlib the report holds the tables and says that the plots need it. Its
+head is the command line and the provenance block of the result
+(`provenance.py`): versions, commit, devices, date, config hash.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import platform
-import time
 from pathlib import Path
+from typing import Any
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 72em;
@@ -29,29 +30,20 @@ img { max-width: 100%; height: auto; }
 """
 
 
-def machine() -> str:
-    """One line naming the machine and the software the numbers were measured with."""
-    import os
-
-    import torch
-
-    from .. import __version__
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"modopt {__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
-            f"{platform.system()} {platform.machine()}, {cores} CPU cores available")
-
-
 class Report:
-    """An HTML page built block by block: `heading`, `text`, `table`, `plot`; `write(path)`."""
+    """An HTML page built block by block: `heading`, `text`, `table`, `plot`; `write(path)`.
 
-    def __init__(self, title: str, command: str | None = None):
+    `provenance`: the block of the result the page shows (the compare's or sweep's own); without one,
+    the block of this process is built."""
+
+    def __init__(self, title: str, command: str | None = None, provenance: dict[str, Any] | None = None):
+        from .provenance import describe
+        from .provenance import provenance as build
+
         self.title = title
         self.blocks: list[str] = []
-        meta = [f"written {time.strftime('%Y-%m-%d %H:%M:%S')}", machine()]
-        if command:
-            meta.insert(0, f"command: {command}")
-        self.meta = meta
+        self.provenance = provenance if provenance is not None else build()
+        self.meta = ([f"command: {command}"] if command else []) + describe(self.provenance)
 
     def heading(self, text: str) -> None:
         """Add a section heading."""

@@ -2,11 +2,13 @@
 
 A run directory holds:
 
-* `config.yaml`: the resolved experiment (every default written out);
+* `config.yaml`: the resolved experiment (every default written out), opened by
+  the provenance block as a comment (`provenance.py`);
 * `metrics.jsonl`: one JSON object per step (deterministic: no timings);
 * `timing.jsonl`: wall-clock seconds per step (kept apart so that the same
   config and seed give byte-identical `metrics.jsonl`);
-* `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step;
+* `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step,
+  and the provenance block;
 * `loss.png`, `grad_norm.png` (with matplotlib);
 * `checkpoint.pt`: model, optimizer, RNG state and step; `--resume` continues from it.
 
@@ -44,6 +46,8 @@ from ..rewind import Rewind, RewindEvent
 from ..telemetry import History
 from .experiment import Experiment, experiment_from_data
 from .outfiles import open_out, refuse_links, write_text
+from .provenance import KEY as PROVENANCE
+from .provenance import provenance, yaml_comment
 from .tasks import machine_memory, make_task
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", "loss.png", "grad_norm.png",
@@ -673,6 +677,16 @@ def run_experiment(
         raise
 
 
+def _devices(model: torch.nn.Module) -> set[torch.device]:
+    """The devices the model's parameters and buffers are on."""
+    return {t.device for t in (*model.parameters(), *model.buffers())}
+
+
+def _write_config(out: Path, exp: Experiment, model: torch.nn.Module) -> None:
+    """`config.yaml`: the provenance block as a comment, then the resolved experiment (which it hashes)."""
+    write_text(out / "config.yaml", yaml_comment(provenance(exp.to_dict(), used=_devices(model))) + exp.to_yaml())
+
+
 def _remove_run_files(out: Path, remove_dir: bool) -> None:
     """Undo a run that failed before its first checkpoint: its files, and the directory if it made it."""
     for name in (*RUN_FILES, "checkpoint.tmp"):
@@ -728,7 +742,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
             else:
                 prepare_dir(out, force)
             wrote["files"] = True
-            write_text(out / "config.yaml", exp.to_yaml())
+            _write_config(out, exp, model)
         base_lrs = [g.get("lr") for g in opt.param_groups]
         sched = tr.schedule.build(opt, tr.steps)
         start = 0
@@ -766,7 +780,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         if resume and start:
             log(f"resuming {out} from step {start}")
         if resume and saved is not None:
-            write_text(out / "config.yaml", exp.to_yaml())
+            _write_config(out, exp, model)
         _write_jsonl(out / "metrics.jsonl", metrics)
         _write_jsonl(out / "timing.jsonl", timing)
         tb = _tensorboard(out, exp, start)
@@ -844,6 +858,7 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
         summary["rewinds"] = [e.as_dict() for e in guard.rewinds]
         skipped = sum(e.skipped[1] - e.skipped[0] + 1 for e in guard.rewinds)
         log(f"rewinds: {len(guard.rewinds)}, {skipped} batches skipped (each listed in {out / 'summary.json'})")
+    summary[PROVENANCE] = provenance(exp.to_dict(), used=_devices(model))
     write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if plots if plots is not None else exp.output.plots:
         from .plots import plot_run

@@ -8,8 +8,20 @@ distribution with `n - 1` degrees of freedom:
 
 The interval assumes the per-seed values are independent draws from one
 distribution (seeds are) and is exact for normal values; for a few seeds of a
-skewed metric (a spike count) it is an approximation. With one value there is
-no interval: the half-width is None (shown as "n/a"), never a zero width.
+skewed metric (a spike count) it is an approximation. What an interval rests
+on is its `status` (`interval`), and every printed cell names its `n`:
+
+* `interval`: `MIN_SEEDS` values or more that differ: `mean ± half-width (n=5)`;
+* `too_few`: 2 to `MIN_SEEDS - 1` values that differ: the half-width is
+  computed (in the JSON) but not printed, the cell reads `mean (n=3, too few)`.
+  Its width is t x sd / sqrt(n) with sd estimated from those few values, and
+  that estimate is itself loose: the 95% interval of the true sd reaches 31.9x
+  the observed one with 2 values, 6.3x with 3, 3.7x with 4 and 2.9x with 5;
+* `same`: 2 or more values, all equal: `mean (same on all 3 seeds)`. There is
+  no interval (half-width None), and no zero width is ever shown: equal values
+  say the seeds did not vary this metric, not that its mean is known exactly;
+* `one`: one value, no interval: `mean (n=1, no interval)`;
+* `none`: no value: `-`.
 
 A paired difference (`paired`) is the same interval over the per-seed
 differences `variant - baseline` on the seeds both have: pairing removes what
@@ -29,6 +41,10 @@ from typing import Any, Sequence
 LEVEL = 0.95
 #: how an interval is named in tables, JSON and reports
 METHOD = "Student-t 95% interval of the mean over seeds"
+#: the fewest seeds an interval is printed for (below: "too few", see the module's docstring)
+MIN_SEEDS = 5
+#: every `status` of an interval, as `interval()` sets it
+STATUSES = ("none", "one", "same", "too_few", "interval")
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -98,23 +114,26 @@ def t_quantile(p: float, df: float) -> float:
 def interval(values: Sequence[float | None], level: float = LEVEL) -> dict[str, Any]:
     """Mean and Student-t interval of `values` (None entries, e.g. a non-finite loss, left out).
 
-    Returns `{n, missing, mean, sd, half_width, low, high}`; with one value
-    `sd`, `half_width`, `low` and `high` are None (no interval exists), with
-    none every statistic is None.
+    Returns `{n, missing, mean, sd, half_width, low, high, status}` (`status`:
+    one of `STATUSES`, see the module's docstring). With one value `sd`,
+    `half_width`, `low` and `high` are None; with equal values `sd` is 0 and the
+    others None (no interval, not one of zero width); with none every statistic
+    is None.
     """
     xs = [float(v) for v in values if v is not None]
     n = len(xs)
     out: dict[str, Any] = {"n": n, "missing": len(values) - n, "mean": None, "sd": None,
-                           "half_width": None, "low": None, "high": None}
+                           "half_width": None, "low": None, "high": None, "status": "none"}
     if n == 0:
         return out
-    mean = math.fsum(xs) / n
-    out["mean"] = mean
-    if n == 1:
+    if all(x == xs[0] for x in xs):  # the value itself as the mean (a sum divided back may round); -0.0 as 0
+        out.update(mean=xs[0] + 0.0, status="one" if n == 1 else "same", sd=None if n == 1 else 0.0)
         return out
+    mean = math.fsum(xs) / n
     sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
     half = t_quantile(0.5 + level / 2.0, n - 1) * sd / math.sqrt(n)
-    out.update(sd=sd, half_width=half, low=mean - half, high=mean + half)
+    out.update(mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half,
+               status="interval" if n >= MIN_SEEDS else "too_few")
     return out
 
 
@@ -135,11 +154,30 @@ def _two_digits(x: float) -> str:
 
 
 def format_interval(iv: dict[str, Any], spec: str = ".4g", signed: bool = False) -> str:
-    """`mean ± half-width` (`± n/a` with one value, `-` with none; `(n=k)` when values are missing)."""
+    """A table cell that says what it rests on: `mean ± half-width (n=5)` from `MIN_SEEDS` seeds,
+    `mean (n=3, too few)` below, `mean (same on all 3 seeds)`, `mean (n=1, no interval)`, `-` with none;
+    `n=4 of 5` when a seed has no value."""
     if iv["mean"] is None:
         return "-"
+    n, missing = iv["n"], iv.get("missing") or 0
+    of = f" of {n + missing}" if missing else ""
     text = format(iv["mean"], ("+" if signed else "") + spec)
-    text += " ± " + ("n/a" if iv["half_width"] is None else _two_digits(iv["half_width"]))
-    if iv.get("missing"):
-        text += f" (n={iv['n']})"
-    return text
+    status = iv.get("status") or _status(iv)
+    if status == "same":
+        return f"{text} (same on all {n}{of} seeds)"
+    if status == "one":
+        return f"{text} (n=1{of}, no interval)"
+    if status == "too_few":
+        return f"{text} (n={n}{of}, too few)"
+    return f"{text} ± {_two_digits(iv['half_width'])} (n={n}{of})"
+
+
+def _status(iv: dict[str, Any]) -> str:
+    """The status of an interval written before intervals carried one (compare.json of schema 1)."""
+    if iv["mean"] is None:
+        return "none"
+    if iv["n"] == 1 or iv["half_width"] is None:
+        return "one"
+    if iv["half_width"] == 0:
+        return "same"
+    return "interval" if iv["n"] >= MIN_SEEDS else "too_few"

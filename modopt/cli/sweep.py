@@ -13,7 +13,9 @@ this process one after the other, or `--jobs N` at a time in worker processes. A
 the same resolved config is reused, anything else there is run again: a sweep
 that was interrupted (or extended with more values or seeds) continues where
 it stopped. The table, `sweep.json`, one plot per swept field (the metric
-against the value, with intervals) and `report.html` are written to `OUT`.
+against the value, with intervals) and `report.html` are written to `OUT`;
+`sweep.md`, `sweep.json` and `report.html` carry the provenance block
+(`provenance.py`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ import yaml
 
 from ..config import ConfigError
 from ..core.configfile import load_yaml
-from . import SWEEP_MAX_RUNS
 from .compare import (
     METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
     run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
 )
-from .experiment import INT64_MAX, NAME_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
+from .experiment import (INT64_MAX, NAME_MAX, SWEEP_MAX_RUNS, Experiment, apply_overrides, experiment_from_data,
+                         load_experiment)
 from .outfiles import refuse_links, write_text
+from .provenance import KEY as PROVENANCE
+from .provenance import markdown as provenance_markdown
+from .provenance import provenance
 from .run import METRIC_FIELDS, RUN_FILES, check_experiment, check_kind, load_run_config, make_dir, read_jsonl
-from .stats import LEVEL, METHOD
+from .stats import LEVEL, METHOD, MIN_SEEDS
 
 #: paths (and what is under them) a grid may not sweep, and why
 RESERVED = {
@@ -267,16 +272,19 @@ def sweep(
     for pt in points:
         recs = [seed_record(pt["label"], s, out / pt["dir"] / f"seed-{s}", pt["exp"].task.name, spike_kw)[0] for s in ss]
         pt.update(seeds=ss, per_seed=recs, summary=over_seeds(recs))
+    resolved = {"experiment": exp.to_dict(), "grid": [{"path": p, "values": v} for p, v, _ in grid], "seeds": ss,
+                "metric": metric, "spike": spike_settings(spike_kw)}
     result = {
         "schema": SCHEMA, "kind": "sweep", "command": command, "config": str(config), "variant": variant,
-        "pipeline": pipeline_text(exp), "grid": [{"path": p, "values": v} for p, v, _ in grid], "seeds": ss,
-        "metric": metric, "interval": {"method": METHOD, "level": LEVEL}, "spike": spike_settings(spike_kw),
+        "pipeline": pipeline_text(exp), "grid": resolved["grid"], "seeds": ss, "metric": metric,
+        "interval": {"method": METHOD, "level": LEVEL, "min_seeds": MIN_SEEDS}, "spike": resolved["spike"],
         "points": [{"label": p["label"], "dir": str(out / p["dir"]), "values": p["values"], "seeds": p["seeds"],
                     "summary": p["summary"], "per_seed": p["per_seed"]} for p in points],
+        PROVENANCE: provenance(resolved),
     }
     table = sweep_table(grid, points, metric)
     text = markdown(table) + "\n\n" + footnote(result["spike"])
-    write_text(out / "sweep.md", text + "\n")
+    write_text(out / "sweep.md", text + "\n\n" + provenance_markdown(result[PROVENANCE]) + "\n")
     write_text(out / "sweep.json", json.dumps(result, indent=2) + "\n")
     pngs = _sweep_plots(out, grid, points, metric) if plots else {}
     _sweep_report(out / "report.html", result, table, pngs, grid, plots)
@@ -334,7 +342,7 @@ def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list
 def _sweep_report(path: Path, result: dict, table: Table, pngs: list[str], grid: list, plots: bool) -> None:
     from .report import Report
 
-    rep = Report("modopt sweep", command=result["command"])
+    rep = Report("modopt sweep", command=result["command"], provenance=result[PROVENANCE])
     rep.text(f"{result['config']}" + (f" (variant {result['variant']})" if result["variant"] else "")
              + f": {result['pipeline']}; seeds {', '.join(map(str, result['seeds']))}")
     rep.heading("Summary over seeds")
