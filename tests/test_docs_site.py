@@ -175,3 +175,58 @@ def test_a_transform_no_page_documents_gets_its_section_from_its_class(monkeypat
 
     out = hook.on_page_markdown("# Normalization\n", Page, None, None)
     assert out.startswith("# Normalization\n\n## ") and text in out
+
+
+# --- what a first hour on the docs meets ---------------------------------------------------------
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_the_performance_page_opens_with_a_summary_of_its_own_figures():
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^## .*$", text, flags=re.M)
+    assert headings[0] == "## Where modopt stands", headings[:2]
+    summary = _section(text, "## Where modopt stands")
+    assert len(summary.strip().splitlines()) <= 20  # one screen
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and not line.startswith("| against")]
+    assert len(rows) >= 4
+    # no new measurement: every figure of the table is one the rest of the page states
+    rest = text.replace(summary, "")
+    for row in rows:
+        for number in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", row):
+            assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", rest), (number, row)
+
+
+def test_wide_tables_show_that_they_scroll():
+    """Material puts each table in a `.md-typeset__scrollwrap` that scrolls sideways: its background draws a
+    shadow at each edge (attached to the box: `scroll`), which two covers of the page's colour attached to the
+    content (`local`) hide at an end the table has reached; the table lets them show through."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    rules = dict((sel.strip(), body) for sel, body in re.findall(r"([^{}/]+)\{([^{}]*)\}", re.sub(r"/\*.*?\*/", "", css, flags=re.S)))
+    layers = re.split(r",\s*(?=(?:linear|radial)-gradient)", rules[".md-typeset__scrollwrap"].split("background:", 1)[1])
+    covers = [x for x in layers if re.search(r"\blocal\b", x) and "--md-default-bg-color" in x]
+    shadows = [x for x in layers if re.search(r"\bscroll\b", x) and "--md-default-fg-color" in x]
+    assert {("left" in x.split(")")[-1]) for x in covers} == {True, False} and len(covers) == 2, covers
+    assert {("left" in x.split(")")[-1]) for x in shadows} == {True, False} and len(shadows) == 2, shadows
+    assert "transparent" in rules[".md-typeset__scrollwrap table:not([class])"]
+    mkdocs = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "stylesheets/extra.css" in mkdocs
+
+
+def test_getting_started_has_no_hidden_step():
+    """A reader runs the page's blocks as they are shown: nothing the blocks need is made by a hidden setup
+    (its `modopt validate my_experiment.yaml` validated a file only the test's setup had written)."""
+    text = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    assert "docs-test: setup" not in text
+    shown = text[text.index("## The command line"):]
+    assert shown.index("> my_experiment.yaml") < shown.index("modopt validate my_experiment.yaml")
+
+
+def test_the_readme_timing_names_its_machine_and_the_loaded_figure():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    para = readme[readme.index("Run the default experiment"):]
+    para = " ".join(para[:para.index("```")].split())
+    assert re.search(r"about 6 s \(5\.7 s, plots included\) on the project's 2-core development machine", para), para
+    assert "torch 2.13.0" in para and "12 to 25 s" in para and "busy" in para

@@ -321,3 +321,43 @@ def test_telemetry_of_statistical_clippers():
             v = opt.stats[f"{key}.{name}"]
             assert isinstance(v, torch.Tensor) and v.shape == (1,)
     assert bool(opt.stats["1:ZClip.spike"][0]) or bool(opt.stats["0:HistClip.clipped"][0])
+
+
+def test_zclip_caps_every_step_by_default_and_every_place_that_shows_it_says_so():
+    from pathlib import Path
+
+    from modopt.cli.modules import describe_modules, format_modules
+
+    cap = mo.ZClip.model_fields["max_grad_norm"].default
+    assert cap == 1.0  # the zclip package's default (REFERENCE.md's ZClip signature)
+    # the behaviour the texts state: the first step (warm-up: no spike possible) of norm 5 is scaled to the cap
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mo.Modular([p], mo.ZClip(), mo.LR(1.0))
+    p.grad = torch.tensor([3.0, 4.0])
+    opt.step()
+    assert bool(opt.stats["0:ZClip.clipped"][0]) and not bool(opt.stats["0:ZClip.spike"][0])
+    torch.testing.assert_close(p.detach(), -torch.tensor([3.0, 4.0]) * cap / (5.0 + 1e-6))
+    q = torch.nn.Parameter(torch.zeros(2))
+    off = mo.Modular([q], mo.ZClip(max_grad_norm=None), mo.LR(1.0))
+    q.grad = torch.tensor([3.0, 4.0])
+    off.step()
+    assert torch.equal(q.detach(), -torch.tensor([3.0, 4.0])) and not bool(off.stats["0:ZClip.clipped"][0])
+    # the README's comment, the docstring's first paragraph, `modopt modules ZClip` and the docs page
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    comment = readme[readme.index("mo.ZClip(),"):readme.index("mo.AdamW(lr=3e-4)")]
+    assert f"caps every step's norm at {cap}" in comment and "max_grad_norm=None" in comment
+    first = _first_paragraph(mo.ZClip)
+    assert f"caps every step's norm at {cap}" in first and "max_grad_norm=None" in first
+    shown = format_modules(describe_modules(["ZClip"])).splitlines()
+    assert f"caps every step's norm at {cap}" in shown[0]
+    assert any(line.lstrip().startswith("max_grad_norm:") and "None: no cap" in line for line in shown)
+    page = (root / "docs" / "modules" / "statistical.md").read_text(encoding="utf-8")
+    section = page[page.index("\n## ZClip\n"):page.index("\n## AutoClip\n")]
+    assert f"`mo.ZClip()` scales every step\nwhose norm is over {cap} down to {cap}" in section
+
+
+def _first_paragraph(cls) -> str:
+    import inspect
+
+    return " ".join((inspect.getdoc(cls) or "").partition("\n\n")[0].split())

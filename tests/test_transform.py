@@ -122,10 +122,10 @@ def test_python_side_validation_errors_name_transform_and_field():
     with pytest.raises(pydantic.ValidationError) as info:
         mo.ClipNorm(max_norm=-1)
     msg = str(info.value)
-    assert msg.splitlines()[0].endswith("ClipNorm -- ClipNorm.max_norm: Input should be greater than 0 (got -1)")
+    assert msg == "ClipNorm.max_norm: Input should be greater than 0 (got -1)"
     err = info.value.errors()[0]
     assert err["loc"] == ("max_norm",) and err["type"] == "greater_than"
-    with pytest.raises(pydantic.ValidationError, match=r"Adam.betas: Value error, betas\[1\] must be in \[0, 1\)"):
+    with pytest.raises(pydantic.ValidationError, match=r"^Adam.betas: betas\[1\] must be in \[0, 1\)"):
         mo.Adam(betas=(0.9, 1.0))
 
 
@@ -246,3 +246,86 @@ def test_help_shows_each_field_with_its_type_in_words_and_its_default():
     pos = inspect.signature(mo.ClipNorm).parameters["max_norm"]
     assert pos.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and pos.default is inspect.Parameter.empty
     assert "Annotated" not in str(inspect.signature(mo.Masked)) and "function" not in str(sig)
+
+
+# --- what a first hour trips on: suggestions, each error once, bounds as written ----------------
+def test_did_you_mean_ignores_case():
+    from modopt.core.transform import closest, did_you_mean
+
+    # compared as written, `Adamw` is closer to `Adam` (drop a letter) than to `AdamW` (change a case)
+    assert did_you_mean("Adamw", mo.available()) == " (did you mean 'AdamW'?)"
+    assert closest("adamw", mo.available()) == "AdamW" and closest("zclip", mo.available()) == "ZClip"
+    assert closest("ClipNrom", mo.available()) == "ClipNorm" and closest("qwerty", mo.available()) is None
+    with pytest.raises(pydantic.ValidationError, match=r"Adam.Amsgrad: unknown field \(did you mean 'amsgrad'\?\)"):
+        mo.Adam(Amsgrad=True)
+    # a config's type, in the library and through `modopt validate`'s loader; nothing is built
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(mo.ConfigError, match=r"transforms.0: unknown transform type 'Adamw' \(did you mean 'AdamW'\?\)"):
+        mo.Modular.from_config(model.parameters(), {"transforms": [{"type": "Adamw", "lr": 0.1}]})
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_validation_error_states_each_error_once_with_the_value():
+    with pytest.raises(pydantic.ValidationError) as info:
+        mo.Adam(amsgrad="yes")
+    text = str(info.value)
+    assert text == "Adam.amsgrad: true or false is needed, not str (got 'yes')"  # (pydantic's text said it twice)
+    assert info.value.errors()[0]["loc"] == ("amsgrad",) and info.value.title == "Adam"
+    with pytest.raises(pydantic.ValidationError) as info:
+        mo.Adam(amsgrad="yes", lr=-1)
+    lines = str(info.value).splitlines()
+    assert lines == ["2 errors in Adam:", "  Adam.lr: Input should be greater than or equal to 0 (got -1)",
+                     "  Adam.amsgrad: true or false is needed, not str (got 'yes')"]
+    # a message that names the value already is not followed by it again
+    with pytest.raises(pydantic.ValidationError) as info:
+        mo.ZClip(warmup_steps=2**62)
+    assert str(info.value) == "ZClip.warmup_steps: a count below 2**62 is needed, got 4611686018427387904"
+    # a changed copy that is refused leaves the original as it was
+    t = mo.ClipNorm(1.0)
+    with pytest.raises(pydantic.ValidationError) as info:
+        t.model_copy(update={"max_norm": -2.0})
+    assert str(info.value) == "ClipNorm.max_norm: Input should be greater than 0 (got -2.0)" and t.max_norm == 1.0
+
+
+def test_a_validation_error_pickles_whole():
+    import pickle
+
+    with pytest.raises(pydantic.ValidationError) as info:
+        mo.Adam(amsgrad="yes", lr=-1)
+    back = pickle.loads(pickle.dumps(info.value))  # (a worker process sends its error back this way)
+    assert isinstance(back, pydantic.ValidationError) and str(back) == str(info.value)
+    assert back.errors() == info.value.errors()
+
+
+def test_modopt_validate_states_each_error_once(tmp_path, capsys):
+    from modopt.cli import main as cli_main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("transforms:\n  - {type: Adam, amsgrad: yes2}\n  - {type: Adamw}\n")
+    before = path.read_bytes()
+    assert cli_main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("true or false is needed") == 1 and "Value error" not in err
+    assert "transforms.0.amsgrad: true or false is needed, not str" in err
+    assert "transforms.1: unknown transform type 'Adamw' (did you mean 'AdamW'?)" in err
+    assert path.read_bytes() == before
+
+
+def test_bounds_read_as_a_user_writes_them():
+    import inspect
+
+    from modopt.core.fieldtext import format_range, number_text
+
+    assert [number_text(v) for v in (2**62, 2**63 - 1, 2.0**64, -2**63, 2**20, 65535, 100, 0.5, 1e-6)] == [
+        "2**62", "2**63 - 1", "2**64", "-2**63", "2**20", "65535", "100", "0.5", "1e-06"]
+    assert format_range({"ge": 0, "lt": 2**62}) == "0 <= x < 2**62"
+    # every field's range in help() and `modopt modules` (the same text): no int64-sized literal
+    for name in mo.available():
+        for pname, param in inspect.signature(registry.get_transform(name)).parameters.items():
+            assert not re.search(r"\d{7,}", str(param.annotation)), (name, pname, param.annotation)
+    # AdaGC's count is bounded where every count field is (the check before the field's own)
+    assert str(inspect.signature(mo.AdaGC).parameters["warmup_steps"].annotation) == "int, 0 <= x < 2**62"
+    # and the errors say it the same way
+    with pytest.raises(pydantic.ValidationError, match=r"^SPAM.warmup_steps: Input should be less than 2\*\*20 \(got 1048576\)$"):
+        mo.SPAM(warmup_steps=2**20)

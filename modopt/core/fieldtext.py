@@ -1,7 +1,8 @@
 """A transform field's type and range in words, for people: `modopt modules`, `help()` and IDEs.
 
 `type_name(int | None)` is `"int | None"`, `format_range(bounds(...))` is `"0 <= x < 1"`;
-`field_text` joins them (`"float, 0 <= x < 1"`).
+`field_text` joins them (`"float, 0 <= x < 1"`). A large bound reads as it is written: `2**62`, not
+`4611686018427387904`.
 """
 
 from __future__ import annotations
@@ -32,16 +33,33 @@ def bounds(ann: Any, metadata: list) -> dict[str, float]:
     return out
 
 
+def number_text(v: Any) -> str:
+    """A bound as a user writes it: a power of two from `2**16` up as `2**k` (`2**62`, `2**64` for the float
+    `1.8446744073709552e+19`), one less as `2**k - 1`; any other number as `str()` gives it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        return str(v)
+    n = abs(int(v))
+    if n >= 2**16:
+        if n & (n - 1) == 0:
+            text = f"2**{n.bit_length() - 1}"
+            return f"-{text}" if v < 0 else text
+        if (n + 1) & n == 0:
+            text = f"2**{n.bit_length()} - 1"
+            return f"-({text})" if v < 0 else text
+    return str(v)
+
+
 def format_range(b: dict[str, float]) -> str:
-    """`{"ge": 0, "lt": 1}` -> `"0 <= x < 1"`; `{"gt": 0}` -> `"> 0"`; `{}` -> `""`."""
-    lo = f"{b['gt']} < " if "gt" in b else f"{b['ge']} <= " if "ge" in b else ""
-    hi = f" < {b['lt']}" if "lt" in b else f" <= {b['le']}" if "le" in b else ""
+    """`{"ge": 0, "lt": 1}` -> `"0 <= x < 1"`; `{"gt": 0}` -> `"> 0"`; `{"lt": 2**62}` -> `"< 2**62"`; `{}` -> `""`."""
+    t = {k: number_text(v) for k, v in b.items()}
+    lo = f"{t['gt']} < " if "gt" in t else f"{t['ge']} <= " if "ge" in t else ""
+    hi = f" < {t['lt']}" if "lt" in t else f" <= {t['le']}" if "le" in t else ""
     if lo and hi:
         return f"{lo}x{hi}"
     if lo:
-        return (">" if "gt" in b else ">=") + f" {b.get('gt', b.get('ge'))}"
+        return (">" if "gt" in t else ">=") + f" {t.get('gt', t.get('ge'))}"
     if hi:
-        return ("<" if "lt" in b else "<=") + f" {b.get('lt', b.get('le'))}"
+        return ("<" if "lt" in t else "<=") + f" {t.get('lt', t.get('le'))}"
     return ""
 
 

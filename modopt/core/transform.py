@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal
@@ -23,7 +24,7 @@ from pydantic_core import PydanticCustomError
 import torch
 
 from . import registry
-from .fieldtext import field_text
+from .fieldtext import field_text, number_text
 from .keys import transform_key
 from .runner import Step, TransformState, run
 from .values import host_number
@@ -41,17 +42,19 @@ def to_plain(value: Any) -> Any:
 
 
 def closest(name: Any, candidates: Any) -> str | None:
-    """The closest of `candidates` to `name` (difflib's, cutoff 0.6; else the same name in another case), or None."""
+    """The closest of `candidates` to `name`, case ignored: the same name in another case, else difflib's
+    closest (cutoff 0.6), or None. (`Adamw` is `AdamW`, not `Adam`: compared as written, dropping the `w`
+    looks closer than changing its case.)"""
     import difflib
 
     if not isinstance(name, str):
         return None
-    cands = [c for c in candidates if isinstance(c, str)]
-    close = difflib.get_close_matches(name, cands, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    lowered = {c.lower(): c for c in cands}
-    return lowered.get(name.lower())
+    lowered: dict[str, str] = {}
+    for c in candidates:
+        if isinstance(c, str):
+            lowered.setdefault(c.lower(), c)
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return lowered[close[0]] if close else None
 
 
 def did_you_mean(name: Any, candidates: Any) -> str:
@@ -72,10 +75,59 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+class TransformValidationError(ValidationError):
+    """A transform's fields refused: a `pydantic.ValidationError` whose text states each error once, as
+    `Class.field: message (got value)` (pydantic's own text repeats every message under its location)."""
+
+    def __str__(self) -> str:
+        lines = []
+        for err in self.errors(include_url=False):
+            loc = ".".join(str(x) for x in err["loc"])
+            where = f"{self.title}.{loc}" if loc else self.title
+            lines.append(f"{where}: {err['msg']}{_got(err) if loc else ''}")
+        if len(lines) == 1:
+            return lines[0]
+        return f"{len(lines)} errors in {self.title}:\n" + "\n".join(f"  {line}" for line in lines)
+
+    def __reduce__(self) -> tuple:  # (pydantic's rebuilds its errors as built-in types, which need their context)
+        return _rebuild_error, (self.title, [(err["type"], err["msg"], err["loc"], err.get("input"))
+                                              for err in self.errors(include_url=False)])
+
+
+def _rebuild_error(title: str, errors: list) -> TransformValidationError:
+    return TransformValidationError.from_exception_data(
+        title, [{"type": PydanticCustomError(t, msg), "loc": loc, "input": v} for t, msg, loc, v in errors])
+
+
+def _got(err: dict) -> str:
+    """` (got <value>)`, unless the message already says what it got or the value is a mapping."""
+    if "input" not in err or isinstance(err["input"], dict) or re.search(r"\bgot\b", err["msg"]):
+        return ""
+    return f" (got {err['input']!r})"
+
+
+#: pydantic's bound errors: the context key of the bound and the words before it
+_BOUND_WORDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
+                "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
+
+
+def _message(err: dict) -> str:
+    """An error's message in the words a reader needs: a validator's own text (no "Value error, "), a large
+    bound as it is written (`2**62`)."""
+    ctx = err.get("ctx") or {}
+    if err["type"] == "value_error" and isinstance(ctx.get("error"), Exception):
+        return str(ctx["error"])
+    if err["type"] in _BOUND_WORDS:
+        key, words = _BOUND_WORDS[err["type"]]
+        if key in ctx and number_text(ctx[key]) != str(ctx[key]):
+            return f"Input should be {words} {number_text(ctx[key])}"
+    return err["msg"]
+
+
 def _named_error(cls_name: str, e: ValidationError, fields: Any = ()) -> ValidationError:
-    """`e` retitled so that its first line names the transform and fields as `modopt validate` does; an
-    unknown field gets the closest of `fields` as a suggestion, and the "required" error of the field it
-    suggests is left out (one mistake, one message).
+    """`e` as a `TransformValidationError` titled with the transform's name, each error stated once as
+    `modopt validate` states it; an unknown field gets the closest of `fields` as a suggestion, and the
+    "required" error of the field it suggests is left out (one mistake, one message).
 
     Still a `pydantic.ValidationError` with the errors it names (type, location, message, input).
     """
@@ -84,22 +136,13 @@ def _named_error(cls_name: str, e: ValidationError, fields: Any = ()) -> Validat
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             hint = did_you_mean(str(err["loc"][0]), fields)
             err = {**err, "msg": f"unknown field{hint}; the fields: {', '.join(fields)}"}
+        else:
+            err = {**err, "msg": _message(err)}
         errors.append(err)
     meant = {closest(str(err["loc"][0]), fields) for err in errors if err["type"] == "extra_forbidden"}
     errors = [err for err in errors if not (err["type"] == "missing" and err["loc"] and err["loc"][0] in meant)]
-    parts = []
-    for err in errors:
-        loc = ".".join(str(x) for x in err["loc"])
-        where = f"{cls_name}.{loc}" if loc else cls_name
-        got = f" (got {err['input']!r})" if loc and "input" in err and not isinstance(err["input"], dict) else ""
-        parts.append(f"{where}: {err['msg']}{got}")
-    title = f"{cls_name} -- " + "; ".join(parts)
     try:
-        return ValidationError.from_exception_data(
-            title,
-            [{"type": PydanticCustomError(err["type"], err["msg"]), "loc": err["loc"], "input": err.get("input")}
-             for err in errors],
-        )
+        return _rebuild_error(cls_name, [(err["type"], err["msg"], err["loc"], err.get("input")) for err in errors])
     except Exception:  # pragma: no cover - keep the original if pydantic refuses
         return e
 

@@ -233,7 +233,9 @@ class HistClip(Scoped):
 
 
 class ZClip(Scoped):
-    r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the `zclip` package.
+    r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the `zclip` package. By
+    default it also caps every step's norm at 1.0, warm-up included (`max_grad_norm=1.0`, the package's
+    default); `max_grad_norm=None` leaves only the spike clipping.
 
     Warm-up: the first `warmup_steps` norms set `mu` (mean) and
     `sigma**2` (variance, ddof 0). Then, with `z = (g - mu) / (sigma + eps)`:
@@ -273,7 +275,9 @@ class ZClip(Scoped):
 
     alpha: float = Field(0.97, ge=0.0, lt=1.0)
     z_thresh: PositiveFloat = 2.5
-    max_grad_norm: Optional[PositiveFloat] = 1.0
+    max_grad_norm: Optional[PositiveFloat] = Field(
+        1.0, description="a fixed cap on every step's norm, warm-up included (the zclip package's default); "
+                         "None: no cap, spikes only")
     eps: NonNegativeFloat = 1e-6
     warmup_steps: PositiveInt = 25
     mode: Literal["zscore", "percentile"] = "zscore"

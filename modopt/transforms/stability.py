@@ -118,7 +118,7 @@ class AdaGC(Scoped):
     beta: float = Field(0.98, ge=0.0, lt=1.0)
     lambda_abs: FinitePositiveFloat = 1.0
     lambda_rel: FinitePositiveFloat = 1.05
-    warmup_steps: int = Field(100, ge=0, lt=2**63)  # (compared with an int64 step count)
+    warmup_steps: int = Field(100, ge=0, lt=2**62)  # (every count field takes values below 2**62)
     eps: FiniteNonNegativeFloat = 1e-8
     scope: ScopeName = "tensor"
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
