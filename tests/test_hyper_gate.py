@@ -39,7 +39,8 @@ def bad_values():
         "nan": NAN, "inf": INF, "-1": -1.0, "huge": 1e300, "string": "0.1", "numpy-nan": np.float32("nan"),
         "numpy-neg": np.float64(-1.0), "tensor0d-nan": torch.tensor(NAN), "tensor1d-nan": torch.tensor([NAN]),
         "tensor2d-inf": torch.tensor([[INF]]), "tensor-int": torch.tensor(1), "tensor-two": torch.tensor([0.1, 0.2]),
-        "tensor-complex": torch.tensor(0.1 + 0j),
+        "tensor-complex": torch.tensor(0.1 + 0j), "tensor-meta": torch.tensor(0.1, device="meta"),
+        "numpy-array": np.array([[0.01]]),
     }
 
 
@@ -252,7 +253,8 @@ def test_a_rule_is_the_fields_declared_range_and_refuses_nan_on_both_sides():
 
 
 @pytest.mark.parametrize("v", [torch.tensor([1.0, 2.0]), torch.tensor(1), torch.tensor(True), torch.tensor(1j),
-                               np.array([1.0, 2.0]), np.complex64(1j)])
+                               torch.tensor(1.0, device="meta"), np.array([1.0, 2.0]), np.array([[0.01]]),
+                               np.array(0.01), np.complex64(1j)])
 def test_host_number_refuses_what_cannot_be_one_real_number(v):
     with pytest.raises(TypeError, match="'lr'"):
         host_number(v, "lr")

@@ -40,7 +40,7 @@ import torch
 
 from . import hostdata, registry
 from .transform import Transform, walk
-from .values import F64_MAX, Rule, bound_of, dtype_name, host_number
+from .values import F64_MAX, Rule, bound_of, check_tensor, dtype_name, host_number
 
 #: group keys modopt itself reads or writes (parameter names, the transform state of a checkpoint)
 RESERVED = frozenset({"params", "param_names", "names", "name", "modopt"})
@@ -174,7 +174,7 @@ class GroupGate:
         rule = self.rules.get(k, Rule())
         for place, x in _numbers(v):
             if isinstance(x, torch.Tensor) and not read:
-                _check_kind(x, k)
+                check_tensor(x, k)
                 continue
             x = host_number(x, k)
             if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -318,11 +318,6 @@ def _as_0d(groups: Any, keys: tuple[str, ...], now: list[Any] | None = None) -> 
                 g[k] = v.reshape(())
                 if now is not None:
                     now[i * len(keys) + j] = g[k]
-
-
-def _check_kind(t: torch.Tensor, k: str) -> None:
-    if t.numel() != 1 or not t.is_floating_point():
-        host_number(t, k)  # (raises, saying what the tensor is)
 
 
 def _host_only(v: Any) -> Any:

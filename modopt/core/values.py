@@ -29,20 +29,30 @@ def is_numpy(v: Any) -> bool:
 
 
 def host_number(v: Any, key: str = "value") -> Any:
-    """`v` as the host checks it: a NumPy scalar or one-element array, or a one-element tensor (any shape),
+    """`v` as the host checks it: a NumPy scalar, or a one-element tensor (any shape),
     as its Python number (a host read: never in a step on a device); anything else as it is. A tensor
     that is not one real floating-point number is refused (`TypeError` naming `key`): the kernels read it
     as the group's value."""
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or not v.is_floating_point():
-            what = f"{v.numel()} elements" if v.numel() != 1 else f"dtype {v.dtype}"
-            raise TypeError(f"{key!r}: a tensor value must hold one real floating-point number, got one with {what}")
+        check_tensor(v, key)
         return v.item()
     if is_numpy(v):
-        if v.size != 1 or v.dtype.kind not in "fiu":
-            raise TypeError(f"{key!r}: a NumPy value must be one real number, got {v!r}")
+        # (an array, even of one element, is not a number the kernels take: torch's fused ones refuse it)
+        if type(v).__name__ == "ndarray" or v.dtype.kind not in "fiu":
+            raise TypeError(f"{key!r}: a NumPy value must be one real number (a NumPy scalar such as "
+                            f"np.float32(0.1)), got {v!r}")
         return v.item()
     return v
+
+
+def check_tensor(v: torch.Tensor, key: str = "value") -> None:
+    """Refuse (`TypeError` naming `key`) a tensor value that is not one real floating-point number with a
+    value (metadata only: no read)."""
+    if v.is_meta:
+        raise TypeError(f"{key!r}: a meta tensor holds no value")
+    if v.numel() != 1 or not v.is_floating_point():
+        what = f"{v.numel()} elements" if v.numel() != 1 else f"dtype {v.dtype}"
+        raise TypeError(f"{key!r}: a tensor value must hold one real floating-point number, got one with {what}")
 
 
 def bound_of(params: Any) -> float:
