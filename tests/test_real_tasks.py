@@ -102,11 +102,11 @@ def test_a_trimmed_python_is_an_error_naming_the_missing_file(tmp_path, monkeypa
 
 @pytest.mark.parametrize("name, options, message", [
     ("chars", {"d_model": 30, "nhead": 4}, r"chars task: d_model \(30\) must be divisible by nhead \(4\)"),
-    ("chars", {"layers": 0}, r"chars task: layers must be an integer >= 1, got 0"),
-    ("chars", {"seq_len": 10**6}, r"chars task: seq_len \(1000000\) must be shorter than the held-out text"),
-    ("chars", {"eval_size": 0}, r"chars task: eval_size must be >= 1"),
+    ("chars", {"layers": 0}, r"task 'chars': option 'layers' must be an integer in 1\.\.1024, got 0"),
+    ("chars", {"seq_len": 10**6}, r"task 'chars': option 'seq_len' must be an integer in 2\.\.16384, got 1000000"),
+    ("chars", {"eval_size": 0}, r"task 'chars': option 'eval_size' must be an integer in 1\.\.1048576, got 0"),
     ("transformer", {"d_model": 30, "nhead": 4}, r"transformer task: d_model \(30\) must be divisible by nhead \(4\)"),
-    ("digits", {"hidden": 0}, r"digits task: hidden and depth must be >= 1, got hidden=0"),
+    ("digits", {"hidden": 0}, r"task 'digits': option 'hidden' must be an integer in 1\.\.65536, got 0"),
 ])
 def test_bad_sizes_are_errors_naming_the_option(name, options, message):
     if name == "digits":
