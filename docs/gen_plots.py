@@ -42,7 +42,7 @@ def stream() -> list[torch.Tensor]:
 def response(transforms: list[mo.Transform], grads: list[torch.Tensor]) -> list[float]:
     """Norm of the parameter change per step for ``transforms + [LR(1)]`` (or the optimizer as given)."""
     p = torch.nn.Parameter(torch.zeros(8, dtype=torch.float64))
-    chain = transforms if transforms and transforms[-1].is_optimizer else [*transforms, mo.LR(1.0)]
+    chain = transforms if transforms and isinstance(transforms[-1], mo.roles.Optimizer) else [*transforms, mo.LR(1.0)]
     opt = mo.Modular([p], *chain)
     out = []
     for g in grads:

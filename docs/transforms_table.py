@@ -21,8 +21,9 @@ START, END = "<!-- transforms-table: start -->", "<!-- transforms-table: end -->
 
 #: the page (relative to docs/modules/) that documents the transforms of each module
 PAGES = {
-    "modopt.core.transform": "../concepts.md",
+    "modopt.core.roles": "../concepts.md",  # (Chain)
     "modopt.transforms.masked": "../howto/compose.md",
+    "modopt.transforms.matrix_scale": "orthogonal.md",
     "modopt.transforms.accumulate": "accumulate.md",
     "modopt.transforms.adaptive": "statistical.md",
     "modopt.transforms.agc": "agc.md",

@@ -14,7 +14,9 @@ from .core.registry import available, register_optimizer, trust_imports
 from .core.scope import Scoped
 from .core.select import Select
 from .core.state import Buffer
-from .core.transform import Chain, Transform
+from .core import roles
+from .core.roles import Chain
+from .core.transform import Transform
 from .lint import LintWarning
 from .functional import clip_grad_norm_, clip_grad_percentile_, clip_grad_value_, grad_norm, normalize_grads_
 from .rewind import Rewind, RewindConfig, RewindError, RewindEvent
@@ -25,7 +27,7 @@ from .transforms import __all__ as _transforms_all
 __version__ = "0.1.0"
 
 __all__ = [
-    "Transform", "Chain", "Modular", "Scoped", "Select", "PipelineConfig", "ConfigError", "load_config", "config_schema",
+    "Transform", "Chain", "roles", "Modular", "Scoped", "Select", "PipelineConfig", "ConfigError", "load_config", "config_schema",
     "available", "register_optimizer", "trust_imports", "attach",
     "compile_step", "cuda_graph_step", "tensor_hyperparams",
     "clip_grad_norm_", "clip_grad_value_", "grad_norm", "normalize_grads_", "clip_grad_percentile_",

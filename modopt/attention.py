@@ -132,7 +132,7 @@ class AttentionLogits:
     def __init__(self, keep_inputs: bool = False) -> None:
         self.layers: dict[str, _Layer] = {}
         self._handles: list[Any] = []
-        self.keep_inputs = _flag(keep_inputs, "AttentionLogits(keep_inputs=...)")
+        self.keep_inputs: bool = _flag(keep_inputs, "AttentionLogits(keep_inputs=...)")
 
     # --- a user's own attention ---------------------------------------------------------------------
     def watch(self, name: str, heads: int, query: Sequence[Any] | Any, key: Sequence[Any] | Any,

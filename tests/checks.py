@@ -56,7 +56,7 @@ def train(model, opt, n, seed=0):
 
 
 def needs_the_host():
-    """A transform that changes nothing and does not declare `skips_on_device()`: a pipeline holding
+    """A transform that changes nothing and declares `device_skip = False`: a pipeline holding
     it decides the non-finite skip on the host (one sync a step), the way to test that path."""
     return _NeedsTheHost()
 
@@ -65,7 +65,7 @@ def _make_needs_the_host():
     import modopt as mo
 
     class _NeedsTheHost(mo.Transform):  # (a leading underscore: the registry's checks pass it by)
-        """Changes nothing; does not declare `skips_on_device()` (tests only)."""
+        """Changes nothing; declares `device_skip = False` (tests only)."""
 
         positional = None
         update_access = "none"  # it neither reads nor writes them: the norm memo passes by it

@@ -290,12 +290,12 @@ def all_examples() -> list[tuple[str, mo.Transform]]:
 
 
 def routes_optimizer(t: mo.Transform) -> bool:
-    return isinstance(t, mo.Masked) and any(c.is_optimizer for c in t.transforms)
+    return isinstance(t, mo.Masked) and any(isinstance(c, mo.roles.Optimizer) for c in t.transforms)
 
 
 def needs_moments(t: mo.Transform) -> bool:
     """``t`` or a transform inside it needs the optimizer's moments (SPAM: ``modopt.core.moments``)."""
-    from modopt.core.moments import needs_of
+    from modopt.core.plan import needs_of
 
     return bool(needs_of(t)) or any(needs_moments(c) for c in t.children())
 
@@ -305,14 +305,14 @@ def pipeline_for(t: mo.Transform) -> list[mo.Transform]:
     that needs the optimizer's moments); a masked optimizer gets a second branch for the parameters it
     does not select (routing), with the same optimizer, so that one param group holding both selections
     has one default per shared key."""
-    if t.is_optimizer or t.must_be_last:  # (Lookahead ends the pipeline: its inner optimizer writes)
+    if isinstance(t, mo.roles.Optimizer) or isinstance(t, mo.roles.LastWriter):  # (Lookahead ends the pipeline: its inner optimizer writes)
         return [t]
-    if t.stage == "weights":  # after the optimizer's write
+    if isinstance(t, mo.roles.WeightStage):  # after the optimizer's write
         return [mo.SGD(lr=0.01), t]
     if needs_moments(t) and isinstance(t, mo.Masked):  # its optimizer in its selection (SPAM's warm-up scales the lr)
         return [mo.Masked(*t.transforms, mo.Adam(lr=0.01), where=t.where), mo.Masked(mo.Adam(lr=0.01), where=MASK_REST)]
     if needs_moments(t):
         return [t, mo.Adam(lr=0.01)]
     if routes_optimizer(t):
-        return [t, mo.Masked(*[c for c in t.transforms if c.is_optimizer], where=MASK_REST)]
+        return [t, mo.Masked(*[c for c in t.transforms if isinstance(c, mo.roles.Optimizer)], where=MASK_REST)]
     return [t, mo.SGD(lr=0.01)]

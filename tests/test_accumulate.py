@@ -4,7 +4,7 @@ mid-cycle, sums that never leak into the next cycle, and the non-finite skip dec
 Every `opt.step()` call is a call of the cycle, a skipped one too: the cycle ends on the host's
 `steps`-th call (a Python counter, no sync), a skipped call adds nothing to the sums, and the
 cycle's update is the mean over the calls that added (a device counter). A skipped final call
-skips the cycle's step. The host-decided path (`Transform.on_host_skip`) follows the same rules.
+skips the cycle's step. The host-decided path (`SeesHostSkips.on_host_skip`) follows the same rules.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def acc_state(opt):
 
 
 def test_accumulate_skips_on_the_device():
-    assert mo.Accumulate(3).skips_on_device()
+    assert mo.roles.skips_on_device(mo.Accumulate(3))
     ps = params()
     assert mo.Modular(ps, mo.Accumulate(3), mo.ClipNorm(1.0), mo.Adam())._skip_on_device
     assert not mo.Modular(ps, *HOST_IDENTITY, mo.Accumulate(3), mo.Adam())._skip_on_device

@@ -311,7 +311,7 @@ def test_weight_decay_without_an_lr_in_the_groups_says_so():
 
 def test_weight_decay_is_not_attachable():
     p = torch.nn.Parameter(torch.ones(2))
-    assert not mo.WeightDecay.attachable and not mo.CautiousWeightDecay.attachable
+    assert not mo.roles.attachable(mo.WeightDecay()) and not mo.roles.attachable(mo.CautiousWeightDecay())
     with pytest.raises(Exception, match="WeightDecay"):
         mo.attach(torch.optim.SGD([p], lr=0.1), mo.WeightDecay(0.1))
 

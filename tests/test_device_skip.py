@@ -36,9 +36,9 @@ def backward(m, k, poison=False):
 
 
 def pipeline_of(t):
-    if t.stage == "weights":  # (after the optimizer's write)
+    if isinstance(t, mo.roles.WeightStage):  # (after the optimizer's write)
         return [mo.Adam(lr=1e-2), t]
-    return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
+    return [t] if isinstance(t, mo.roles.Optimizer) or isinstance(t, mo.roles.LastWriter) else [t, mo.Adam(lr=1e-2)]
 
 
 #: the conformance examples, and the defaults of the transforms whose examples set a field that needs the host
@@ -110,8 +110,8 @@ def test_sgd_in_half_precision_skips_on_the_device_too():
         ends.append([p.detach().clone() for p in ps])
     for a, b in zip(*ends):
         assert torch.equal(a, b)
-DEVICE = [(n, t) for n, t in EXAMPLES if t.skips_on_device()]
-HOST = [(n, t) for n, t in EXAMPLES if not t.skips_on_device()]
+DEVICE = [(n, t) for n, t in EXAMPLES if mo.roles.skips_on_device(t)]
+HOST = [(n, t) for n, t in EXAMPLES if not mo.roles.skips_on_device(t)]
 #: every built-in transform skips on the device: a transform that does not declare it stands for the rest
 HOST = HOST or [("needs-the-host", needs_the_host())]
 
@@ -119,11 +119,11 @@ HOST = HOST or [("needs-the-host", needs_the_host())]
 def test_the_benchmark_pipelines_and_most_transforms_skip_on_device():
     for make in ([mo.ClipNorm(1.0), mo.Adam()], [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()],
                  [mo.ZClip(), mo.AdamW()], [mo.ClipValue(0.01), mo.SGD(0.01, momentum=0.9)]):
-        assert all(t.skips_on_device() for t in make)
+        assert all(mo.roles.skips_on_device(t) for t in make)
     # dampening too, in the transform or in a param group (its buffers' "started" flags: the first buffer is g)
-    assert mo.SGD(momentum=0.9, dampening=0.1).skips_on_device()
-    assert mo.SGD(momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.1}])
-    assert mo.SGD(momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.0}])
+    assert mo.roles.skips_on_device(mo.SGD(momentum=0.9, dampening=0.1))
+    assert mo.roles.skips_on_device(mo.SGD(momentum=0.9), [{"momentum": 0.9, "dampening": 0.1}])
+    assert mo.roles.skips_on_device(mo.SGD(momentum=0.9), [{"momentum": 0.9, "dampening": 0.0}])
     names = {n.split("-")[0] for n, _ in DEVICE}
     assert {"ClipNorm", "Normalize", "ZClip", "HistClip", "ClipNormGrowth", "Adam", "AdamW", "LR", "SGD",
             "ClipNormByRMS", "Masked", "Chain"} <= names
@@ -265,7 +265,7 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
             opt.step()
         ends.append((saved(opt, m), int(opt.stats["skipped_steps"])))
         hosts.append(opt.plan.host_on_cpu)
-    assert hosts[0] == (not any(x.decides_skip for _, x in walk([t]))), name  # (SkipStep: the device's count)
+    assert hosts[0] == (not any(isinstance(x, mo.roles.SkipDecider) for _, x in walk([t]))), name  # (SkipStep: the device's count)
     host, device = ends[0][0], ends[1][0]
     for k in set(device) - set(host):  # the device path's "started" flags: a value with no flag has started
         assert k.endswith(".started") and bool(device.pop(k).all()), k

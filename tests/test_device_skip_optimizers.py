@@ -81,18 +81,18 @@ OWN_READS = {"TorchOptimizer-" + n for n in ("Adagrad", "NAdam", "AdamW", "ASGD"
 
 def test_they_skip_on_the_device():
     for make in PIPELINES.values():
-        assert all(t.skips_on_device() for t in make())
-    assert mo.SGD(momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.5}])
+        assert all(mo.roles.skips_on_device(t) for t in make())
+    assert mo.roles.skips_on_device(mo.SGD(momentum=0.9), [{"momentum": 0.9, "dampening": 0.5}])
     # the host decides for a wrapped class outside torch.optim's tensor-state ones, and for torch's SGD
     # with momentum and dampening (its first buffer is g, which the wrapper cannot reproduce)
 
     class MySGD(torch.optim.SGD):
         pass
 
-    assert not mo.TorchOptimizer(MySGD, lr=0.1).skips_on_device()
-    assert not mo.TorchOptimizer(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.1).skips_on_device()
-    assert not mo.TorchOptimizer(torch.optim.SGD, momentum=0.9).skips_on_device([{"momentum": 0.9, "dampening": 0.1}])
-    assert mo.TorchOptimizer(torch.optim.SGD, lr=0.1, dampening=0.1).skips_on_device()  # no momentum: no buffer
+    assert not mo.roles.skips_on_device(mo.TorchOptimizer(MySGD, lr=0.1))
+    assert not mo.roles.skips_on_device(mo.TorchOptimizer(torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.1))
+    assert not mo.roles.skips_on_device(mo.TorchOptimizer(torch.optim.SGD, momentum=0.9), [{"momentum": 0.9, "dampening": 0.1}])
+    assert mo.roles.skips_on_device(mo.TorchOptimizer(torch.optim.SGD, lr=0.1, dampening=0.1))  # no momentum: no buffer
     m = model()
     opt = mo.Modular(m.parameters(), mo.TorchOptimizer(MySGD, lr=0.1, momentum=0.9))
     syncs = Syncs()

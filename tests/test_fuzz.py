@@ -44,8 +44,8 @@ COUNTS: Counter = Counter()
 N_EXAMPLES = int(os.environ.get("MODOPT_FUZZ_EXAMPLES", "120"))
 NAMES = sorted(NON_DEFAULT)
 #: what ends the update stage (an optimizer, or a wrapper around one), what precedes it, what follows the write
-OPTIMIZERS = [n for n in NAMES if instances(n)[0].is_optimizer or instances(n)[0].must_be_last]
-WEIGHTS = [n for n in NAMES if instances(n)[0].stage == "weights"]
+OPTIMIZERS = [n for n in NAMES if isinstance(instances(n)[0], (mo.roles.Optimizer, mo.roles.LastWriter))]
+WEIGHTS = [n for n in NAMES if isinstance(instances(n)[0], mo.roles.WeightStage)]
 #: transforms that read the lr an optimizer before them exposes: drawn right after one
 AFTER_OPTIMIZER = [n for n in ("WeightDecay", "CautiousWeightDecay") if n in NAMES]
 MODULES = [n for n in NAMES if n not in OPTIMIZERS and n not in WEIGHTS and n not in AFTER_OPTIMIZER]
@@ -85,10 +85,10 @@ def pipelines(draw):
         mods.append(draw(perturbed(draw(st.sampled_from(["Adam", "AdamW"])))))
     elif draw(st.booleans()) or not mods:
         mods.append(draw(perturbed(draw(st.sampled_from(OPTIMIZERS)))))
-        if AFTER_OPTIMIZER and not mods[-1].must_be_last and draw(st.booleans()):
+        if AFTER_OPTIMIZER and not isinstance(mods[-1], mo.roles.LastWriter) and draw(st.booleans()):
             mods.append(draw(perturbed(draw(st.sampled_from(AFTER_OPTIMIZER)))))
     # the weight stage, after the write (not after Schedule-Free: its y/z relation refuses one)
-    if draw(st.booleans()) and not any(t.swaps_weights for t in mods):
+    if draw(st.booleans()) and not any(isinstance(t, mo.roles.WeightSwap) for t in mods):
         mods.append(draw(perturbed(draw(st.sampled_from(WEIGHTS)))))
     skips = [t for t in mods if isinstance(t, mo.SkipStep)]
     if skips:  # SkipStep goes first, before every transform that keeps state (Modular refuses it elsewhere)

@@ -603,8 +603,8 @@ _SELECTS = {
 # SPAM and Stable-SPAM need the optimizer after them in their selection: tests/test_spam.py checks them masked
 # SkipStep skips the whole step and is refused inside Masked (tests/test_stability_more.py)
 _INNER = [(eid, t) for eid, t in base_examples()
-          if not t.is_optimizer and eid not in ("Masked", "TorchOptimizer", "Accumulate", "Lookahead") and not needs_moments(t)
-          and t.stage != "weights"
+          if not isinstance(t, mo.roles.Optimizer) and eid not in ("Masked", "TorchOptimizer", "Accumulate", "Lookahead") and not needs_moments(t)
+          and not isinstance(t, mo.roles.WeightStage)
           and not isinstance(t, mo.SkipStep)]
 
 

@@ -52,9 +52,9 @@ def _model():
 
 
 def _pipeline(t):
-    if t.stage == "weights":  # (after the optimizer's write)
+    if isinstance(t, mo.roles.WeightStage):  # (after the optimizer's write)
         return [mo.Adam(lr=1e-2), t]
-    return [t] if t.is_optimizer or t.must_be_last else [t, mo.Adam(lr=1e-2)]
+    return [t] if isinstance(t, mo.roles.Optimizer) or isinstance(t, mo.roles.LastWriter) else [t, mo.Adam(lr=1e-2)]
 
 
 def _backward(m, k):
@@ -78,7 +78,7 @@ def _examples():
 
     # TorchOptimizer runs outside the graph (below); an optimizer on torch's non-fused kernels (`fused=False`,
     # `foreach`) has the host decide the skip, a declared sync (tests/test_kernel_choice.py)
-    return [(n, t) for n, t in base_examples() if n != "TorchOptimizer" and t.skips_on_device()]
+    return [(n, t) for n, t in base_examples() if n != "TorchOptimizer" and mo.roles.skips_on_device(t)]
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "compile_step"])
@@ -92,7 +92,7 @@ def test_every_transform_compiles_to_one_graph_equal_to_eager(name, t, how):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    counts_every_call = any(type(x).on_host_skip is not mo.Transform.on_host_skip for _, x in walk([t]))
+    counts_every_call = any(isinstance(x, mo.roles.SeesHostSkips) for _, x in walk([t]))
     a, b = _model(), _model()
     eager = mo.Modular(list(a.named_parameters()), *_pipeline(t))
     comp = mo.Modular(list(b.named_parameters()), *_pipeline(t))

@@ -33,7 +33,7 @@ def test_every_example_decides_the_skip_on_the_device_or_says_why_not(name, t):
         return
     from modopt.core.transform import walk
 
-    host = [x for _, x in walk(pipe) if not x.skips_on_device([{"params": [p]}]) and not x.children()]
+    host = [x for _, x in walk(pipe) if not mo.roles.skips_on_device(x, [{"params": [p]}]) and not x.children()]
     assert host, f"{name}: the plan says the host decides, but no transform says so"
     for x in host:
         cls = type(x).__name__
@@ -102,7 +102,7 @@ def test_a_subclass_that_rewrites_apply_without_declaring_again_says_nothing():
         def apply(self, ctx, st, updates):
             return [u * 2 for u in super().apply(ctx, st, updates)]
 
-    assert mo.Normalize().sets_norm() is not None
+    assert plan_mod.sets_norm(mo.Normalize()) is not None
     assert plan_mod.sets_norm(Louder()) is None
     assert make_plan([mo.ClipNorm(1.0), Louder(), mo.Adam()], "skip").cancelled == frozenset()
     assert make_plan([mo.ClipNorm(1.0), mo.Normalize(), mo.Adam()], "skip").cancelled == {"0:ClipNorm"}
@@ -125,7 +125,8 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     class Declared(Halve, abstract=True):
         device_skip = False
 
-    assert Halve().skips_on_device() and not Counting().skips_on_device() and not Declared().skips_on_device()
+    assert mo.roles.skips_on_device(Halve()) and not mo.roles.skips_on_device(Counting())
+    assert not mo.roles.skips_on_device(Declared())
     p = torch.nn.Parameter(torch.zeros(3))
     assert make_plan([Halve(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])
     assert not make_plan([Declared(), mo.Adam()], "skip").skips_on_device([{"params": [p]}])
@@ -138,10 +139,10 @@ def test_a_transform_with_nothing_to_keep_decides_the_skip_on_the_device_without
     ([mo.ClipNorm(1.0, scope="tensor"), mo.Adam()], "0:ClipNorm"),  # (one factor per tensor)
     ([mo.ClipNorm(1.0, scope="tensor", dim=0), mo.Adam()], None),  # (per slice: not one factor per tensor)
     ([mo.ClipNorm(1.0, scope="group"), mo.Adam()], None),  # (one factor per group)
-    ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], "1:Normalize"),  # (ends_with_scale, per tensor)
+    ([mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()], "1:Normalize"),  # (a scale fact, per tensor)
     ([mo.Normalize(dim=0), mo.Adam()], None),
     ([mo.ClipNorm(1.0), mo.Normalize(), mo.SGD(lr=0.1)], None),
-    ([mo.ZClip(), mo.AdamW()], "0:ZClip"),  # (ends_with_scale: its factor can be 0, not a positive scale)
+    ([mo.ZClip(), mo.AdamW()], "0:ZClip"),  # (a scale fact: its factor can be 0, not a positive scale)
     ([mo.HistClip(), mo.AdamW()], None),  # (it declares neither)
     ([mo.ClipNorm(1.0), mo.SGD(lr=0.1)], None),  # (its traced step is the runner's write: nothing to take it)
     ([mo.ClipNorm(1.0), mo.Lookahead(mo.Adam())], None),  # (a wrapper last: the runner's multiply)

@@ -346,15 +346,17 @@ def test_links_look_through_chains_and_stay_inside_a_selection():
 
 
 def test_a_transform_declaring_an_unknown_need_is_named():
-    class NeedsCurvature(mo.Transform):
+    class _NeedsCurvature(mo.roles.NeedsMoments):
         positional = None
-        needs: ClassVar[tuple] = ("hessian",)
+
+        def needs(self):
+            return ("hessian",)
 
         def apply(self, ctx, st, updates):
             return updates
 
-    with pytest.raises(ValueError, match=r"0:NeedsCurvature: NeedsCurvature.needs names \['hessian'\]"):
-        mo.Modular([torch.nn.Parameter(torch.zeros(2))], NeedsCurvature(), mo.Adam())
+    with pytest.raises(ValueError, match=r"0:_NeedsCurvature: _NeedsCurvature.needs names \['hessian'\]"):
+        mo.Modular([torch.nn.Parameter(torch.zeros(2))], _NeedsCurvature(), mo.Adam())
 
 
 def test_attach_refuses_them():

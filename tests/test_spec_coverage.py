@@ -138,7 +138,7 @@ def test_one_step_through_modular_matches_the_spec(name, data):
         t = other_scope(data.draw, t)
     params = [torch.nn.Parameter(torch.zeros_like(x)) for x in ts]
     groups = [{"params": [p for p, g in zip(params, group_of) if g == k]} for k in (0, 1)]
-    opt = mo.Modular(groups, *([t] if t.is_optimizer else [t, mo.LR(1.0)]))
+    opt = mo.Modular(groups, *([t] if isinstance(t, mo.roles.Optimizer) else [t, mo.LR(1.0)]))
     out = step_updates(opt, params, ts)  # the parameters start at zero: -p is the update
     ref = run_spec(how.fn, ts, group_of, t)
     if how.cancels:
@@ -223,8 +223,8 @@ def test_the_worked_example_clips_each_tensor_to_its_rms_threshold():
     assert torch.equal(-pa.detach(), torch.full((100,), 1.5)) and torch.equal(-pb.detach(), b)  # halved; kept
     assert torch.equal(opt.stats["0:ClipNormByRMS.norm"], torch.tensor([3.0, 0.5]))
     assert opt.stats["0:ClipNormByRMS.clipped"].tolist() == [True, False]
-    assert mo.ClipNormByRMS(1.5).positive_scale() == ("tensor", None, False)
-    # the linter reads positive_scale(): a scale constant on each segment of a later Normalize is cancelled by it
+    assert mo.ClipNormByRMS(1.5).scale_fact() == mo.roles.Scale("tensor", None, False, positive=True)
+    # the linter reads the positive scale fact: a scale constant on each segment of a later Normalize is cancelled by it
     findings = mo.PipelineConfig(transforms=[mo.ClipNormByRMS(1.0), mo.Normalize(scope="global"), mo.SGD(lr=0.1)]).lint()
     assert [f.key for f in findings] == []  # per tensor, under a global Normalize: it changes the direction
     findings = mo.PipelineConfig(transforms=[mo.ClipNormByRMS(1.0, scope="global"), mo.Normalize(), mo.SGD(lr=0.1)]).lint()

@@ -144,7 +144,7 @@ def test_every_benchmark_pipeline_makes_no_host_sync_on_finite_and_nan_steps(pip
             next(iter(model.parameters())).grad.view(-1)[0] = float("nan")
         with syncs:
             opt.step()
-    if all(t.skips_on_device() for t in opt.transforms):
+    if all(mo.roles.skips_on_device(t) for t in opt.transforms):
         assert syncs.n == 0
     else:  # a declared setting (`AdamW(fused=False)`: the for-loop kernel, docs/modules/optimizers.md):
         # the host decides each skip (1 sync per finite step, 2 on the NaN step: the exact check,

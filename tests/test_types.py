@@ -1,4 +1,4 @@
-"""The public API is typed: `pyright --verifytypes modopt --ignoreexternal` scores it at 95% or more.
+"""The public API is typed: `pyright --verifytypes modopt --ignoreexternal` scores it at 98% or more.
 
 pyright (the `pyright` package of the `dev` extra, a wrapper that fetches pyright's node package
 through npm on first use) reads the package's `py.typed` and counts every exported symbol whose type
@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs pyright (the slow lane)
+
 ROOT = Path(__file__).resolve().parents[1]
-BAR = 0.95
+BAR = 0.98  # (issue 55 found 96.0%; the typing pass after it measured 99.7%: docs/releasing.md, "Types")
 COMMAND = ["pyright", "--verifytypes", "modopt", "--ignoreexternal", "--outputjson"]
 
 

@@ -251,8 +251,10 @@ def page(name: str) -> str:
     cls = _cls(name)
     title, fam = family(name)
     up = "../"  # from transforms/<Name>.md to docs/
-    what = "an optimizer transform (it carries the learning rate)" if getattr(cls, "is_optimizer", False) else (
-        "a weight-stage transform (after the optimizer's write)" if getattr(cls, "stage", "") == "weights"
+    from modopt.core import roles
+
+    what = "an optimizer transform (it carries the learning rate)" if issubclass(cls, roles.Optimizer) else (
+        "a weight-stage transform (after the optimizer's write)" if issubclass(cls, roles.WeightStage)
         else "a transform of the updates")
     out = [f"# {name}", "", _first(name), "",
            f"`modopt.{name}` (`{cls.__module__}`): {what}. Family: [{title}]({up}{fam}).", ""]

@@ -12,6 +12,7 @@ from pydantic_core import PydanticUndefined
 from ..config import ConfigError
 from ..core.fieldtext import bounds, format_range, type_name
 from ..core.registry import available, get_transform
+from ..core.roles import Optimizer
 
 
 def _one_line(cls: type) -> str:
@@ -74,7 +75,7 @@ def describe_modules(names: list[str] | None = None) -> list[dict[str, Any]]:
         out.append({
             "name": name,
             "module": cls.__module__,
-            "optimizer": bool(cls.is_optimizer),
+            "optimizer": issubclass(cls, Optimizer),
             "description": plain_text(_one_line(cls)),
             "fields": fields,
         })

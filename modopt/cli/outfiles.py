@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Any, Iterable
 
 from ..config import ConfigError
 
@@ -51,7 +51,7 @@ def refuse_links(root: Path, paths: Iterable[str | Path]) -> None:
                 break  # (nothing exists below a missing path or a file)
 
 
-def open_out(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> IO:
+def open_out(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> IO[Any]:
     """`open(path, mode)` for writing ("w", "a", "wb"), without following a link at `path`: a link
     there is a `ConfigError` naming it, and what it points to is left alone."""
     if not _NOFOLLOW and Path(path).is_symlink():  # (a system without O_NOFOLLOW)

@@ -11,10 +11,11 @@ import torch
 from .pipeline_config import PipelineConfig
 from .runner import drive
 from .hyper import GroupGate
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
+from .roles import NOT_ATTACHABLE
 from .transform import Transform, walk
 
 #: `AttachHandle._pending` after a load of a state dict without the handle's entry: start fresh
@@ -63,7 +64,7 @@ class AttachHandle:
         self.transforms = transforms
         self.nonfinite = nonfinite
         #: what is decided about the attached pipeline once (`modopt.core.plan`); the step reads it
-        self.plan = make_plan(transforms, nonfinite)
+        self.plan: Plan = make_plan(transforms, nonfinite)
         # the transforms' values against the parameters' compute dtype, the bound every door holds them to
         # (`modopt.core.hyper`; the optimizer's own values are its own constructor's to check)
         gate = GroupGate(transforms)
@@ -342,6 +343,6 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
             "step and cannot follow its line search. Put the transforms in a mo.Modular instead."
         )
     for key, t in walk(transforms):
-        if t.is_optimizer or not t.attachable:
+        if isinstance(t, NOT_ATTACHABLE):  # (the innermost such transform is named)
             raise ValueError(f"{key}: {type(t).__name__} cannot be attached in front of a torch optimizer")
     return AttachHandle(optimizer, tuple(transforms), nonfinite)

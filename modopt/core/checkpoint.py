@@ -27,6 +27,7 @@ import torch
 from .keys import inventory_key, split_group_key, split_value_key, value_key
 from .reduce import acc_dtype
 from .state import Buffer, declared_buffers
+from .roles import Optimizer, Segmented
 from .transform import Transform, to_plain
 
 #: fields whose value decides where (and in which shape) a transform keeps its state
@@ -85,7 +86,7 @@ def upgrade(sd: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def param_inventory(state: dict, groups: list[dict]) -> list[list]:
+def param_inventory(state: dict[Any, Any], groups: list[dict[str, Any]]) -> list[list[list[str] | list[int]]]:
     """Which saved values each parameter holds: `[[keys], [positions]]` pairs, one per distinct key set,
     a parameter named by its position in the param groups' order (torch.distributed.checkpoint renames
     the state's keys to parameter names but keeps that order). Parameters without state are absent."""
@@ -123,13 +124,13 @@ def _saved_inventory(carried: Any, n_params: int, who: str) -> tuple[list[str], 
     return keys, [(set(k), list(i)) for k, i in pairs]
 
 
-class Missing(list):
+class Missing(list[str]):
     """`missing_state`'s lines; `values`: how many saved values they name."""
 
     values: int = 0
 
 
-def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict, carried: Any,
+def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict[str, Any], carried: Any,
                   live_keys: list[set[str]], live_store: set[str], who: str = "load_state_dict") -> Missing:
     """What a checkpoint lacks of the state its pipeline keeps, one line per part that would restart
     (`[]`: nothing). The reference is the inventory the checkpoint carries (what the optimizer that
@@ -249,7 +250,7 @@ def _group_key_paths(transforms: Iterable[Transform], path: str = "transforms") 
     out: dict[str, set[str]] = {}
     for i, t in enumerate(transforms):
         p = f"{path}.{i}"
-        keys = set(t.hyperparams()) | set(t.group_keys)
+        keys = set(t.hyperparams()) | set(t.group_keys) if isinstance(t, Optimizer) else set()
         if "kwargs" in type(t).model_fields and keys:  # TorchOptimizer: its kwargs are the group keys
             keys.add("kwargs")
         out[p] = keys
@@ -573,7 +574,7 @@ class StateLoader:
             if b is None:
                 raise _undeclared(prefix, t, name, where)
             what = f"{self.who}: buffer {k!r} of {where} (shape {tuple(p.shape)})"
-            shape_of = getattr(t, "segment_shape", None) if b.kind == "segment" else None
+            shape_of = t.segment_shape if b.kind == "segment" and isinstance(t, Segmented) else None
             if shape_of is not None and shape_of(p) is None:
                 raise ValueError(f"{what}: {type(t).__name__}(scope={t.scope!r}) keeps this value transform-wide, "
                                  "not per parameter")
@@ -601,7 +602,7 @@ class StateLoader:
     def _torch_keys(self, t: Transform, group: dict[str, Any] | None, ndim: int) -> set[str] | None:
         """`torch_state_keys` of a wrapped optimizer transform `t` under `group`'s values (cached per load)."""
         cls = getattr(t, "_cls", None)
-        if group is None or not isinstance(cls, type) or not callable(getattr(t, "hyperparams", None)):
+        if group is None or not isinstance(cls, type) or not isinstance(t, Optimizer):
             return None
         values = {k: group.get(k, v) for k, v in t.hyperparams().items()}
         try:

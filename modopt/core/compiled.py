@@ -210,9 +210,9 @@ class CompiledStep:
         if type(warmup) is not int or warmup < 0:
             raise ValueError(f"compile_step: warmup must be a whole number of eager steps >= 0, got {warmup!r}")
         fused_adam_op()  # (declared now: a trace cannot)
-        self.opt = opt
-        self.warmup = warmup
-        self.calls = 0
+        self.opt: Modular = opt
+        self.warmup: int = warmup
+        self.calls: int = 0
         options = dict(compile_kwargs.pop("options", None) or {})
         if guards == "tensors":
             options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
@@ -319,7 +319,7 @@ def _numels(values: list[Any]) -> tuple:
     return tuple(v.numel() if isinstance(v, torch.Tensor) else None for v in values)
 
 
-def own_key(opt: Any, loss: Any = None) -> tuple:
+def own_key(opt: Any, loss: Any = None) -> tuple[Any, ...]:
     """What `compile_step(opt, guards="own")`'s guard-free graphs are keyed by: everything the traced step
     reads from Python, by identity. The pipeline (`opt.plan`, `opt.transforms`), every param group's
     dict, its values and parameters (a float learning rate a scheduler rebinds is a new object: a new key;

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ def _splits(pl: Any) -> bool:
     return not (pl.is_replicate() or pl.is_partial())
 
 
-def groups_of(t: torch.Tensor, where: str = "") -> tuple:
+def groups_of(t: torch.Tensor, where: str = "") -> tuple[torch.distributed.ProcessGroup, ...]:
     """The process groups to all-reduce a partial *sum* (or count, or max) of `t` over: those of the mesh dims
     that split `t` (empty: it is whole here). `Replicate` dims are left out: each of their ranks holds the
     same values, and summing over them would count those values once per rank."""
@@ -84,7 +84,7 @@ def groups_of(t: torch.Tensor, where: str = "") -> tuple:
     return tuple(groups)
 
 
-def all_groups_of(t: torch.Tensor) -> tuple:
+def all_groups_of(t: torch.Tensor) -> tuple[torch.distributed.ProcessGroup, ...]:
     """The groups of every mesh dim of `t` (split or replicated): a *maximum* taken over them is the same
     on every rank that holds a piece or a copy of `t`, even where copies that should be equal are not
     (a NaN in one rank's copy of a replicated gradient: every rank sees it)."""
@@ -103,7 +103,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 _local = local
 
 
-def all_reduce(values: torch.Tensor, keys: list[tuple], op: str) -> torch.Tensor:
+def all_reduce(values: torch.Tensor, keys: list[tuple[torch.distributed.ProcessGroup, ...]], op: str) -> torch.Tensor:
     """A copy of the 1-D `values` with entry `i` all-reduced (`op`: "sum" or "max") over the groups `keys[i]`
     (`groups_of`, `all_groups_of`), batched: one collective per distinct key and group."""
     import torch.distributed as dist
@@ -295,7 +295,8 @@ def _plan_item(index: int, t: torch.Tensor, stages: tuple) -> _OwnerItem:
     return _OwnerItem(index, stages, sizes, shapes, shape)
 
 
-def owner_apply(tensors: list[torch.Tensor], fn, wire_in: list[torch.dtype], wire_out: list[torch.dtype]) -> list[torch.Tensor]:
+def owner_apply(tensors: list[torch.Tensor], fn: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+                wire_in: list[torch.dtype], wire_out: list[torch.dtype]) -> list[torch.Tensor]:
     """`fn` applied to each *full* tensor once, on one owner rank, and the result's shards sent back: for each
     DTensor `tensors[i]` (every one accepted by `owner_split`), the plain tensor this rank holds of
     `fn(full_i)` (the shard of the same placement as `tensors[i]`'s), in `wire_out[i]`.

@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 
-def bounds(ann: Any, metadata: list) -> dict[str, float]:
+def bounds(ann: Any, metadata: list[Any]) -> dict[str, float]:
     """`{gt, ge, lt, le}` from a field's constraints (its metadata and Annotated types inside its annotation)."""
     out: dict[str, float] = {}
     items = list(metadata)

@@ -5,7 +5,7 @@ exposes (`lr`, `betas`, `momentum`, a wrapped optimizer's arguments) can
 also enter later, through other doors: `Modular`'s keyword defaults, a param
 group dict, `add_param_group`, a config's `defaults`, `load_state_dict`'s
 groups, a scheduler. Every door calls `GroupGate.check`, which validates
-the group's values as the transform's own fields (`Transform.check_group_values`),
+the group's values as the transform's own fields (`Optimizer.check_group_values`),
 so a value refused by `mo.Adam(lr=...)` is refused in a group too, naming
 the group and the key.
 
@@ -39,6 +39,7 @@ from typing import Any, Iterable
 import torch
 
 from . import hostdata, registry
+from .roles import Optimizer
 from .transform import Transform, walk
 from .values import F64_MAX, Rule, bound_of, check_tensor, dtype_name, host_number
 
@@ -90,8 +91,10 @@ class GroupGate:
     def __init__(self, transforms: Iterable[Transform]):
         walked = walk(tuple(transforms))
         self.readers: dict[str, list[str]] = {}
-        self.checks: list[tuple[str, Transform, tuple[str, ...]]] = []
+        self.checks: list[tuple[str, Optimizer, tuple[str, ...]]] = []
         for key, t in walked:
+            if not isinstance(t, Optimizer):
+                continue
             keys = tuple(t.hyperparams())
             for k in keys:
                 self.readers.setdefault(k, []).append(key)
@@ -104,11 +107,11 @@ class GroupGate:
                     self.fields.setdefault(f, []).append(key)
         self.optimizer_keys: dict[str, list[str]] = {}
         for name, cls in sorted(registry._TRANSFORMS.items()):
-            if cls.is_optimizer:
+            if issubclass(cls, Optimizer):
                 for k in cls.group_keys:
                     if k not in self.readers:
                         self.optimizer_keys.setdefault(k, []).append(name)
-        self.live = tuple(self.readers)  # the group keys a transform reads, checked at every step
+        self.live: tuple[str, ...] = tuple(self.readers)  # the group keys a transform reads, checked at every step
         self.checked: list[Any] = []  # their values (per group) that check_live last found good
         #: each live key's range: the meet of its readers' field declarations (a key no field declares, a
         #: wrapped torch optimizer's: any finite number); tuple values (betas) are held to it element-wise
@@ -119,12 +122,12 @@ class GroupGate:
                 rule = Rule.of_field(info) if info is not None and not _is_tuple_field(info) else Rule()
                 self.rules[k] = self.rules[k].meet(rule) if k in self.rules else rule
         #: the largest magnitude of a value for the parameters' compute dtype (`values.bound_of`; set by `Modular`)
-        self.bound = F64_MAX
+        self.bound: float = F64_MAX
         #: tensor values of live keys, as the last `check_live` found them: `(group, key, place, tensor)`; those
         #: the host reads each step (on the CPU) with the number last read, and those the device checks
         self.host_tensors: list[list[Any]] = []
         self.device_tensors: list[tuple[int, str, int | None, torch.Tensor]] = []
-        self.host_flag = hostdata.HOST_ON_CPU  # the partition above was made under this setting
+        self.host_flag: bool = hostdata.HOST_ON_CPU  # the partition above was made under this setting
         #: the transforms' own finite float field values, held to the bound when a group's parameters arrive
         self.field_numbers = [(f"{key}.{f}", x) for key, t in walked for f in type(t).model_fields
                               for x in _floats(getattr(t, f))]

@@ -28,7 +28,8 @@ from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch
 from .runner import TransformState, check_loss
 from .select import check_selections, route_group
 from .pipeline_config import PipelineConfig, load_config
-from .plan import LintWarning, lint_findings, make_plan
+from .plan import LintWarning, Plan, lint_findings, make_plan
+from .roles import Optimizer
 from .transform import Transform, plain_input, to_plain, walk
 from .moments import Link
 
@@ -146,14 +147,14 @@ class Modular(torch.optim.Optimizer):
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
         # anything is built); the step reads it
-        self.plan = make_plan(self.transforms, self._pipeline.nonfinite, stage_group=stage_group)
+        self.plan: Plan = make_plan(self.transforms, self._pipeline.nonfinite, stage_group=stage_group)
         self._keys = list(self.plan.keys)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}
         self._routes = self.plan.routes  # optimizer transforms in Masked branches (None: no routing)
         routed = {key for key, _, _ in self._routes or ()}
         for key, t in walk(self.transforms):
-            for k, v in t.hyperparams().items():
+            for k, v in (t.hyperparams() if isinstance(t, Optimizer) else {}).items():
                 if k in hyper and key in routed and owner[k] in routed:
                     continue  # shared by routed branches: one value per param group (see route_group)
                 if k in hyper:
@@ -267,7 +268,7 @@ class Modular(torch.optim.Optimizer):
             host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
             values_ok=values_ok)
         if not go:  # the host skipped it: the chain did not run, each transform hears of the call
-            for key, t in walk(self.transforms):
+            for key, t in plan.host_skips:
                 t.on_host_skip(ctx, TransformState(ctx, key))
             stats["skipped_steps"] = self._count_skipped(1)
             stats["skipped"] = torch.ones((), dtype=torch.bool)

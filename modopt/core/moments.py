@@ -6,16 +6,16 @@ optimizer's moments every `DeltaT` steps (SPAM then warms the learning rate up
 again). No transform reads another's state by name; the two sides declare what
 they offer and need, and `mo.Modular` links them once, when it is built.
 
-* **The optimizer offers** (a class variable): `offers = Offer(moments={"second_moment":
+* **The optimizer offers** (a class variable of `modopt.core.roles.Optimizer`): `offers = Offer(moments={"second_moment":
   "exp_avg_sq", ...}, resets=(...), count="step", lr_scale=True)`. `moments` maps a role
   (`ROLES`) to the name of its own per-parameter buffer (the parameter's shape, zeros when
   created); `resets` are the buffers a reset zeroes; `count` is its step counter (the bias
   correction's `t`), which a reset may restart; `lr_scale` says that it multiplies its
   learning rate by the factor a transform asks for on a step (`lr_scale(ctx, st)` reads it).
-* **A transform needs** (`needs`, a tuple or a method of its fields): roles and the
+* **A transform needs** (`modopt.core.roles.NeedsMoments.needs()`, by its fields): roles and the
   capabilities `"reset"`, `"restart_count"`, `"lr_scale"`. At step time it asks through
   `Moments(ctx, st)`: `get(role)`, `reset(when, restart_count)`, `scale_lr(factor)`.
-* **The link** (`link`, called by `Modular` when built): a transform's provider is the first
+* **The link** (`modopt.core.plan.link`, when the optimizer is built): a transform's provider is the first
   optimizer transform that runs after it: its later siblings, then those of the chains around
   it (a plain `Chain` is looked into). It must offer everything the transform needs; an
   optimizer inside a `Masked` branch steps only its selection and cannot be the provider.
@@ -69,103 +69,6 @@ class Link(NamedTuple):
 
     key: str
     offer: Offer
-
-
-def offer_of(t: Any) -> Offer | None:
-    """The offer of an optimizer transform (or class), None for one that offers nothing."""
-    return getattr(t, "offers", None)
-
-
-def needs_of(t: Any) -> tuple[str, ...]:
-    """What a transform needs from its optimizer: its `needs` (a tuple, or a method of its fields)."""
-    need = getattr(t, "needs", None)
-    need = need() if callable(need) else need
-    return tuple(need or ())
-
-
-def _check_names(key: str, t: Any, need: tuple[str, ...]) -> None:
-    bad = [n for n in need if n not in ROLES + CAPABILITIES]
-    if bad:  # a transform's own mistake: name it for its author
-        raise ValueError(f"{key}: {type(t).__name__}.needs names {bad}, which is neither a role {ROLES} "
-                         f"nor a capability {CAPABILITIES} of modopt.core.moments")
-
-
-def _offering(need: tuple[str, ...]) -> str:
-    from .registry import available, get_transform
-
-    names = [n for n in available() if set(need) <= set((offer_of(get_transform(n)) or Offer()).provides())]
-    return " or ".join(f"mo.{n}" for n in names) or "none registered"
-
-
-def _flat(items: list[tuple[str, Any, bool]]):
-    """`(key, transform, outside)` in the order they run, looking into plain containers (`Chain`), not into
-    branches that route their own selection (`Masked` holding an optimizer: `routes()`), which come as
-    themselves; `outside`: the transform runs outside the selection (`Masked`) that holds the asking one."""
-    for key, t, outside in items:
-        kids = t.children()
-        if kids and not t.is_optimizer and not t.routes():
-            yield from _flat([(transform_key(i, type(c).__name__, key), c, outside) for i, c in enumerate(kids)])
-        else:
-            yield key, t, outside
-
-
-def _holds_optimizer(t: Any) -> bool:
-    return t.is_optimizer or any(_holds_optimizer(c) for c in t.children())
-
-
-def _provider(key: str, t: Any, need: tuple[str, ...], after: list[tuple[str, Any, bool]]) -> Link:
-    name, what = type(t).__name__, ", ".join(need)
-    for k, r, outside in _flat(after):
-        if r.is_optimizer and outside and "lr_scale" in need:
-            raise ValueError(
-                f"{key}: {name} scales the learning rate of the optimizer transform after it, and {k} also steps "
-                f"parameters outside the selection around {name}; put an optimizer in the same selection "
-                f"(mo.Masked({name}(...), mo.AdamW(...), where=...)), or turn the warm-up off (warmup_steps=0)"
-            )
-        if r.is_optimizer:
-            offer = offer_of(r) or Offer()
-            missing = [n for n in need if n not in offer.provides()]
-            if missing:
-                has = ", ".join(offer.provides()) or "nothing"
-                raise ValueError(
-                    f"{key}: {name} needs {', '.join(missing)} from the optimizer transform after it, and {k} "
-                    f"does not offer {'it' if len(missing) == 1 else 'them'} (it offers: {has}); "
-                    f"put {_offering(need)} after {name}"
-                )
-            return Link(k, offer)
-        if _holds_optimizer(r):
-            raise ValueError(
-                f"{key}: {name} needs {what} from the optimizer transform after it, and the next one is inside {k}, "
-                f"which steps only the parameters it selects; put the optimizer in the same chain as {name} "
-                f"(mo.Masked({name}(...), mo.AdamW(...), where=...))"
-            )
-    raise ValueError(
-        f"{key}: {name} needs {what} from an optimizer transform after it, and the pipeline has none after it; "
-        f"end the pipeline with {_offering(need)}"
-    )
-
-
-def link(transforms: Any) -> dict[str, Link]:
-    """Every transform that needs something (`needs_of`), by key, with its provider; `ValueError` otherwise."""
-    out: dict[str, Link] = {}
-    _link(list(transforms), "", [], out)
-    return out
-
-
-def _link(chain: list[Any], parent: str, after: list[tuple[str, Any, bool]], out: dict[str, Link]) -> None:
-    from .transform import Chain
-
-    keyed = [(transform_key(i, type(t).__name__, parent), t, False) for i, t in enumerate(chain)]
-    for i, (key, t, _) in enumerate(keyed):
-        rest = keyed[i + 1:] + after
-        need = needs_of(t)
-        if need:
-            _check_names(key, t, need)
-            out[key] = _provider(key, t, need, rest)
-        kids = t.children()
-        if kids:  # inside a selection (`Masked`: any container but a plain Chain) what follows it is outside
-            selects = type(t) is not Chain
-            _link(list(kids), key, [(k, r, o or selects) for k, r, o in rest], out)
 
 
 # --- the step: what a transform asks of its provider -------------------------------------------------

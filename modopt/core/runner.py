@@ -23,7 +23,7 @@ import sys
 from itertools import accumulate, compress, count, repeat
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -124,7 +124,7 @@ class Step:
 
     __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
                  "memo", "cancelled", "folded", "deferred", "pending", "loss", "moment_requests", "checked",
-                 "_states")
+                 "shapes", "_states")
     layout: Layout
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -142,6 +142,7 @@ class Step:
     cancelled: frozenset[str]
     folded: str | None
     deferred: str | None
+    shapes: dict[tuple[str, bool], Any] | None
     pending: tuple[Any, torch.Tensor] | None
     loss: Any
     moment_requests: dict[str, dict[str, Any]]
@@ -177,6 +178,8 @@ class Step:
         #: the key of the global scale a traced `compile_step` leaves to the fused optimizer op (the plan's
         #: `deferred`): kept as `pending` there only, and multiplied in place by the op
         self.deferred = plan.deferred if plan is not None else None
+        #: how each chain of the pipeline runs, by `(parent key, final)` (the plan's `RunShape`s), or None
+        self.shapes = plan.shapes if plan is not None else None
         #: that transform's `(segments, scale)` on this step, not yet applied (`TransformState.scale_`);
         #: whatever runs next applies it (`flush_`) unless it is the optimizer kernel that folds it
         self.pending = None
@@ -449,7 +452,7 @@ class TransformState:
             self.record(k, v)
 
     def scale_(self, seg: Any, updates: list[torch.Tensor], scale: torch.Tensor) -> None:
-        """`seg.mul_(updates, scale)`: a transform's positive per-segment scale (`positive_scale()`).
+        """`seg.mul_(updates, scale)`: a transform's per-segment scale (`modopt.core.roles.ScaleFact`).
 
         Left out when the normalization right after this transform cancels it (the step's
         `cancelled`, from `modopt.core.plan.cancelled_scales`): the result is the same up to
@@ -548,45 +551,29 @@ class TransformState:
             copy_(dst, seg.split(value))
 
 
-def _may_stop(t: Any) -> bool:
-    return t.may_stop or any(_may_stop(c) for c in t.children())
+class RunShape(NamedTuple):
+    """How one chain runs, decided by the plan when the optimizer is built (`modopt.core.plan.run_shapes`)."""
+
+    #: each transform's state key (`keys.transform_key(i, type, parent)`)
+    keys: tuple[str, ...]
+    #: with `final`, the index of the writer: the last transform that touches the updates (a trailing
+    #: `Identity` runs after it)
+    end: int
+    #: the start of the routed `Masked` branches that end the chain at `end` (`end` when none or one)
+    first: int
+    #: whether the writer writes the parameters itself (`modopt.core.roles.Writer.apply_final`)
+    writes: bool
 
 
-def _routed_run(transforms, end: int) -> int:
-    """The start of the run of routed `Masked` branches that ends the chain at `end` (`end` when there is
-    none, or one). Each branch's optimizer writes its own parameters in turn, as separate torch optimizers
-    would (`torch.optim.Muon` on the matrices, `AdamW` on the rest), instead of only the last one: this
-    is the order of the plain step, since a branch touches only its own parameters' updates and every
-    parameter reaches one optimizer. It needs that no branch after the first can stop the step
-    (`Transform.may_stop`): parameters already written could not be taken back."""
-    first = end
-    if end >= 0 and transforms[end].routes():
-        while first > 0 and transforms[first - 1].routes() and not _may_stop(transforms[first]):
-            first -= 1
-    return first
-
-
-#: `_run_shape` of the chains met, by `(id(chain), parent, final)` (a chain is a tuple the entry keeps alive,
-#: so its id stays its own)
-_RUN_SHAPES: dict[tuple, tuple] = {}
-
-
-def _run_shape(transforms: Sequence[Any], parent: str, final: bool, cache: bool = False) -> tuple:
-    """`(transforms, keys, end, first)` of a chain: its transforms' state keys, the writer (with `final`, the
-    last transform that touches the updates: a trailing Identity runs after it) and the start of the routed
-    branches that end at it (`_routed_run`). Worked out once per chain; the chain is immutable."""
+def plain_shape(transforms: Sequence[Any], parent: str, final: bool) -> RunShape:
+    """The shape of a chain the plan did not see (a step outside an optimizer): its keys, no routing, and a
+    writer that leaves the write to the runner."""
     keys = tuple(transform_key(i, type(t).__name__, parent) for i, t in enumerate(transforms))
-    end = first = len(transforms) - 1
+    end = len(transforms) - 1
     if final:
         while end > 0 and transforms[end].update_access == "none":
             end -= 1
-        first = _routed_run(transforms, end)
-    shape = (transforms, keys, end, first)
-    if cache and type(transforms) is tuple:
-        if len(_RUN_SHAPES) >= 1024:
-            _RUN_SHAPES.clear()
-        _RUN_SHAPES[(id(transforms), parent, final)] = shape
-    return shape
+    return RunShape(keys, end, end, False)
 
 
 def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], parent: str = "",
@@ -596,17 +583,16 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
     Returns the updates (not `final`) or True (`final`: the parameters were written),
     or None when a transform stopped the step (returned None). `parent` is the key of the chain
     holding the transforms (`""` at the top): each transform's state key is
-    `keys.transform_key(i, type, parent)`. The step's norm memo closes after the
-    first transform that writes the updates.
+    `keys.transform_key(i, type, parent)`. How the chain runs (its keys, its writer, its routed
+    branches) is the plan's `RunShape`. The step's norm memo closes after the first transform that
+    writes the updates.
     """
     n = len(transforms)
-    if torch.compiler.is_compiling():  # (traced once: no id(), no cache written inside the graph)
-        shape = _run_shape(transforms, parent, final)
-    else:
-        shape = _RUN_SHAPES.get((id(transforms), parent, final))
-        if shape is None or shape[0] is not transforms:
-            shape = _run_shape(transforms, parent, final, cache=True)
-    _, keys, end, first = shape
+    shapes = step.shapes  # (the plan's, by the chain's parent key: no work here)
+    shape = shapes.get((parent, final)) if shapes is not None else None
+    if shape is None or len(shape[0]) != n:
+        shape = plain_shape(transforms, parent, final)
+    keys, end, first, writes = shape
     written: list[int] = []
     for i, t in enumerate(transforms):
         st = TransformState(step, keys[i])  # (made as it runs: a transform that stops the step spares the rest)
@@ -629,7 +615,7 @@ def run(transforms: Sequence[Any], step: Step, updates: list[torch.Tensor], pare
                 transforms[j].apply(step, TransformState(step, keys[j]), updates)
             return True
         if final and i == end:
-            if not t.apply_final(step, st, updates):  # (a fused kernel may take a pending scale)
+            if not (writes and t.apply_final(step, st, updates)):  # (a fused kernel may take a pending scale)
                 step.flush_(updates)
                 out = t.apply(step, st, updates)
                 if out is not None:
@@ -816,7 +802,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
     """Apply the policy; return False when the step must be skipped.
 
     With `on_device` (only for `"skip"`, when every transform of the pipeline
-    `skips_on_device()`), the decision stays on the device: `ctx.skip` is set to
+    `modopt.core.roles.skips_on_device`), the decision stays on the device: `ctx.skip` is set to
     the 0-d bool "the total 2-norm is not finite" (from all-reduced norms under
     FSDP2: every rank decides alike) and the chain runs, keeping every state on
     a skipped step; no host sync at all (on a CPU, with `host_on_cpu`, the host reads that
@@ -917,7 +903,7 @@ FULLGRAPH_HINT = (
     "modopt: this step decides on the host whether it goes ahead (bool() of an on-device check, one sync "
     "per step), which a single graph cannot hold. That happens with nonfinite='raise', and with the default "
     "nonfinite='skip' when a transform of the pipeline keeps its state only with the host's decision "
-    "(Transform.skips_on_device() is False: SGD/Adam/AdamW with fused=False or foreach (torch's non-fused "
+    "(modopt.core.roles.skips_on_device() is False: SGD/Adam/AdamW with fused=False or foreach (torch's non-fused "
     "kernels); a TorchOptimizer of a class its docstring does not list, or of torch's SGD with momentum and "
     "dampening; a transform of your own that does not declare it). For "
     "torch.compile(opt.step, fullgraph=True), use transforms that skip on the device, or build the optimizer with nonfinite='ignore' (no check) or nonfinite='zero' (non-finite "
@@ -936,7 +922,7 @@ def drive(host: Any, groups: list[dict[str, Any]], transforms: Sequence[Any], po
     """One step of `transforms` over the parameters of `groups` that have a gradient; `(ctx, go, out)`.
 
     `go` is False when the policy skipped the step on the host (the chain did not run: the caller tells
-    its transforms, `Transform.on_host_skip`); `out` is then None, else `run_step`'s result: True when
+    its transforms, `SeesHostSkips.on_host_skip`); `out` is then None, else `run_step`'s result: True when
     `write` and the parameters were written, the updates without `write`, None when a transform stopped
     the step. `taps` see the step after the decision, before the chain (telemetry); the weight stage
     (`weights`: `(key, transform)`) reads the weights before the write and acts after it. `values_ok`: the

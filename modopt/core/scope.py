@@ -15,12 +15,12 @@ import torch
 from pydantic import Field, model_validator
 
 from .reduce import Dims, segment_shape
-from .transform import Transform
+from .roles import Segmented
 
 ScopeName = Literal["global", "group", "tensor"]
 
 
-class Scoped(Transform, abstract=True):
+class Scoped(Segmented, abstract=True):
     """Mixin of the scope fields (see `modopt.core.scope`)."""
 
     scope: ScopeName = "global"

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from . import compile_marks
 from .keys import transform_key
 from .runner import Step
+from .roles import Optimizer, SelectsByName
 from .transform import Transform
 
 
@@ -298,8 +299,7 @@ def check_selections(transforms: Sequence[Transform], groups: list[tuple[int, di
 def _check_tree(transforms: Sequence[Transform], prefix: str, entries: list[Entry], known: list[str] | None) -> None:
     for i, t in enumerate(transforms):
         key = transform_key(i, type(t).__name__, prefix)
-        found = getattr(t, "name_selection", None)
-        sel = found(key) if found is not None else None
+        sel = t.name_selection(key) if isinstance(t, SelectsByName) else None
         inner = entries
         if sel is not None:
             select, owner = sel
@@ -318,7 +318,7 @@ def _optimizer_paths(transforms: Sequence[Transform], prefix: str = "", selects:
     out = []
     for i, t in enumerate(transforms):
         key = transform_key(i, type(t).__name__, prefix)
-        if t.is_optimizer:
+        if isinstance(t, Optimizer):
             out.append((key, t, selects))
         where = getattr(t, "where", None)
         inner = selects + (where,) if isinstance(where, Select) else selects
@@ -367,7 +367,7 @@ def route_group(paths: list[Route], group: dict[str, Any], index: int, given: se
     by_key = {key: t for key, t, _ in paths if key in present}
     values: dict[str, dict[str, Any]] = {}
     for key, t in by_key.items():
-        for k, v in t.hyperparams().items():
+        for k, v in (t.hyperparams() if isinstance(t, Optimizer) else {}).items():
             values.setdefault(k, {})[key] = v
     for k, per in values.items():
         if k in given:

@@ -26,6 +26,7 @@ import torch
 
 from .keys import value_key
 from .runner import Step, TransformState
+from .transform import Transform
 
 
 # --- buffer declarations (what a transform saves, checked when a checkpoint loads) ---------------
@@ -132,10 +133,10 @@ class Buffer:
         return hash(self._key())
 
 
-def declared_buffers(t: Any) -> dict[str, Buffer]:
+def declared_buffers(t: Transform | type[Transform]) -> dict[str, Buffer]:
     """The buffers a transform (or transform class) declares, as `Buffer` objects."""
     cls = t if isinstance(t, type) else type(t)
-    spec = getattr(cls, "state_buffers", None) or {}
+    spec = cls.state_buffers or {}
     out: dict[str, Buffer] = {}
     for name, b in spec.items():
         out[name] = b if isinstance(b, Buffer) else Buffer(b)

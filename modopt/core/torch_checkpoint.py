@@ -44,6 +44,7 @@ import torch
 
 from .keys import value_key
 from .state import declared_buffers
+from .roles import Optimizer
 from .transform import Transform, walk
 
 #: torch's kernel choices: how torch computes a step, not what it computes; the live transform's fields decide
@@ -125,7 +126,7 @@ def _live_optimizer(transforms: tuple[Transform, ...]) -> tuple[str, Transform, 
     """The pipeline's optimizer transform: (key, transform, the torch algorithm it runs or ''), read from
     its `torch_class` (the torch.optim class whose state it continues; `mo.SGD`, `mo.Adam`, `mo.AdamW` and
     `mo.TorchOptimizer` declare it)."""
-    found = [(k, t) for k, t in walk(transforms) if t.is_optimizer]
+    found = [(k, t) for k, t in walk(transforms) if isinstance(t, Optimizer)]
     if len(found) != 1:
         names = ", ".join(k for k, _ in found) or "none"
         raise ValueError(f"load_state_dict: a torch.optim state dict continues one optimizer transform; this "

@@ -26,8 +26,7 @@ import torch
 from . import registry
 from .fieldtext import field_text, number_text
 from .keys import transform_key
-from .runner import Step, TransformState, run
-from .values import host_number
+from .runner import Step, TransformState
 
 
 def to_plain(value: Any) -> Any:
@@ -89,7 +88,7 @@ class TransformValidationError(ValidationError):
             return lines[0]
         return f"{len(lines)} errors in {self.title}:\n" + "\n".join(f"  {line}" for line in lines)
 
-    def __reduce__(self) -> tuple:  # (pydantic's rebuilds its errors as built-in types, which need their context)
+    def __reduce__(self) -> tuple[Any, tuple[str, list[Any]]]:  # (pydantic's rebuilds its errors as built-in types, which need their context)
         return _rebuild_error, (self.title, [(err["type"], err["msg"], err["loc"], err.get("input"))
                                               for err in self.errors(include_url=False)])
 
@@ -258,28 +257,46 @@ def plain_input(value: Any) -> Any:
 
 def _stateless(cls: type) -> bool:
     """Whether `cls` keeps nothing a skipped step could change, so the device may decide its skips: it
-    declares no saved values, never stops the step or decides a skip, acts on the updates (not the
-    weights, not as the writer of the parameters) and has no field that holds transforms (`Chain`,
-    `Masked`: they ask their children)."""
-    if cls.state_buffers or cls.may_stop or cls.decides_skip or cls.must_be_last or cls.stage != "update":
-        return False
-    if getattr(cls, "swaps_weights", False) or cls.on_host_skip is not Transform.on_host_skip:
+    declares no saved values and has no field that holds transforms (`Chain`, `Masked`: they ask their
+    children). A role that keeps order or state (`modopt.core.roles`) declares `device_skip = False`."""
+    if cls.state_buffers:
         return False
     return not any("Transform" in str(f.annotation) for f in cls.model_fields.values())
+
+
+#: a role's hook -> the role that declares it (`modopt.core.roles` fills it as it defines the roles), and the
+#: names of the flags and methods the roles replaced -> the role to take instead
+ROLE_HOOKS: dict[str, str] = {}
+RETIRED = {"is_optimizer": "Optimizer", "group_keys": "Optimizer", "must_be_last": "LastWriter",
+           "attachable": "PostOptimizer (or another role that is not attachable)", "may_stop": "StepStopper",
+           "decides_skip": "SkipDecider", "stage": "WeightStage", "swaps_weights": "WeightSwap",
+           "positive_scale": "ScaleFact", "ends_with_scale": "ScaleFact", "sets_norm": "ScaleFact"}
+
+
+def _check_roles(cls: type) -> None:
+    """A class that defines a role's hook takes the role: a hook the plan would never call (it asks
+    `isinstance(t, Role)`) is a mistake named when the class is defined, as is a flag the roles replaced."""
+    if cls.__module__ == __name__.rsplit(".", 1)[0] + ".roles":
+        return
+    taken = {k.__name__ for k in cls.__mro__ if k.__module__ == __name__.rsplit(".", 1)[0] + ".roles"}
+    for name in cls.__dict__:
+        if name in cls.model_fields:
+            continue
+        role = ROLE_HOOKS.get(name) or RETIRED.get(name)
+        if role is not None and role not in taken:
+            raise TypeError(f"transform {cls.__name__} defines {name!r}, which the {role.split(' ')[0]} role declares: "
+                            f"take the role by inheriting it (class {cls.__name__}(modopt.roles.{role.split(' ')[0]}, "
+                            f"...)); see docs/contributing.md, \"Roles\"")
 
 
 class Transform(BaseModel):
     """Base class of every modopt module.
 
-    Subclasses declare their hyperparameters as pydantic fields and implement
-    `apply()`. Every concrete subclass is registered under its class name.
-
-    When the host skips a step (the non-finite policy decided on the host: the chain does not
-    run at all), `Modular` calls `on_host_skip()` instead, on every transform of the pipeline,
-    nested ones included. It does nothing by default; a transform whose state counts
-    `opt.step()` calls whatever their gradients (`Accumulate`'s cycle) overrides it, so that
-    both ways of skipping (on the device, where the chain runs with `ctx.skip`, and on the
-    host) leave it in the same state.
+    Subclasses declare their hyperparameters as pydantic fields and implement `apply()`; every concrete
+    subclass is registered under its class name. Its hooks are the eight below (`positional`,
+    `state_buffers`, `update_access`, `device_skip`, `apply`, `children`, `check_params`,
+    `check_loaded`); a rarer part (the optimizer that writes, a weight stage, a router, a scale fact...)
+    is a role it inherits from `modopt.core.roles`.
     """
 
     # (inf and NaN are not numbers a field takes: `Normalize(norm_value=inf)` made every loss NaN; a
@@ -291,12 +308,6 @@ class Transform(BaseModel):
     #: Every concrete transform states it (in its own body or a base class's other than
     #: `Transform`): forgetting it is an error when the class is defined.
     positional: ClassVar[str | None]
-    #: fields exposed as param-group keys (so torch schedulers can drive them)
-    group_keys: ClassVar[tuple[str, ...]] = ()
-    #: True for transforms that produce the step itself (they carry the learning rate)
-    is_optimizer: ClassVar[bool] = False
-    #: False for transforms that cannot run in front of another optimizer (`mo.attach`)
-    attachable: ClassVar[bool] = True
     #: what `apply` does to the updates: `"write"` (default: anything), `"read"` (reads them,
     #: never writes them) or `"none"` (neither: `Identity`). The runner keeps the raw gradients'
     #: norms (its norm memo) only until the first transform that writes them.
@@ -304,30 +315,6 @@ class Transform(BaseModel):
     #: the values this transform saves (name -> kind or `modopt.Buffer`); checked on load,
     #: see `modopt.core.state.Buffer`. A saved value not declared here cannot be loaded.
     state_buffers: ClassVar[dict[str, Any]] = {}
-    #: True for a transform whose `apply` may return None (stop the step: `Accumulate` between cycles).
-    #: The runner lets several masked optimizer branches write their parameters one after another only
-    #: when none after the first can stop the step (`modopt.core.runner.run`)
-    may_stop: ClassVar[bool] = False
-    #: True for a transform that writes the parameters itself and so must end the pipeline (`TorchOptimizer`)
-    must_be_last: ClassVar[bool] = False
-    #: True for a transform that may skip the whole step (`SkipStep`): it must come first, before any state
-    decides_skip: ClassVar[bool] = False
-    #: True for a last transform whose `apply_final`, traced by `modopt.compile_step`, multiplies the updates
-    #: by a scale the step left pending (`Step.pending`) itself, or applies it (`Step.flush_`) before anything
-    #: else reads them (`Adam`, `AdamW`; `modopt.core.plan.deferrable_scale`)
-    takes_scale: ClassVar[bool] = False
-    #: True when `skips_on_device` reads param-group values (which a scheduler may change): the plan then
-    #: asks it every step instead of once (`modopt.core.plan`)
-    skip_reads_groups: ClassVar[bool] = False
-    #: `"update"` (default: `apply` transforms the update) or `"weights"`: a post-step transform that reads
-    #: and writes the parameters after the optimizer wrote them (`prepare_weights` before the step's
-    #: transforms run, `apply_weights` after the write); weight transforms end the pipeline, at its top level
-    stage: ClassVar[Literal["update", "weights"]] = "update"
-    #: True for a transform whose parameters have a train and an eval form (Schedule-Free: `y` while
-    #: training, the average `x` to evaluate): `Modular.train()` / `eval()` / `evaluating()` call its
-    #: `swap_weights`, and a step refuses to run in eval mode (`weights_mode`). It sits at the top level
-    #: of the pipeline (or in plain `Chain`s), with no weight stage after it (`modopt.core.plan`)
-    swaps_weights: ClassVar[bool] = False
     _abstract: ClassVar[bool] = True
 
     @field_validator("*", mode="before")
@@ -357,6 +344,7 @@ class Transform(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
+        _check_roles(cls)
         if not any(c.__dict__.get("device_skip") is not None and "_device_skip_inferred" not in c.__dict__
                    for c in cls.__mro__[:cls.__mro__.index(Transform)]):
             # not declared: inferred (a forgotten declaration must not cost a sync a step), per class
@@ -480,70 +468,17 @@ class Transform(BaseModel):
         """Return the new updates (may modify `updates` in place), or None to stop this step."""
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """As the last transform, write the parameters itself (fused); return False if not supported."""
-        return False
-
-    def prepare_weights(self, ctx: Step, st: TransformState) -> None:
-        """A weight-stage transform (`stage = "weights"`), before the step's update transforms run: read
-        what it needs of the weights as they are (its state when first seen). Default: nothing."""
-
-    def apply_weights(self, ctx: Step, st: TransformState) -> None:
-        """A weight-stage transform, after the optimizer wrote `ctx.params`: write them in place. On a step
-        the device skips (`ctx.skip`), every bit of the parameters and of the state must stay."""
-        raise NotImplementedError(f"{type(self).__name__}.apply_weights")
-
-    def weights_mode(self, host: Any, key: str) -> Literal["train", "eval"]:
-        """A transform with `swaps_weights`: which form the parameters hold now (`host`: the optimizer,
-        `key`: this transform's state key)."""
-        raise NotImplementedError(f"{type(self).__name__}.weights_mode")
-
-    def swap_weights(self, host: Any, key: str, to: Literal["train", "eval"]) -> None:
-        """A transform with `swaps_weights`: put the parameters in the form `to` (nothing when they hold it),
-        outside a step; the form is saved state."""
-        raise NotImplementedError(f"{type(self).__name__}.swap_weights")
-
-    def routes(self) -> bool:
-        """True for a `Masked` whose branch ends in an optimizer transform: it writes the parameters it
-        selects itself, through `write_branch` (see `modopt.core.runner.run`). Default: False."""
-        return False
-
     def check_loaded(self, values: dict[str, Any], where: str) -> None:
         """Refuse (`ValueError` starting with `where`) loaded values whose relation this transform's
         steps rely on: `values` holds one segment's values by declared name (each already checked
         against its `Buffer`). A host read is fine here (a load, never a step). Default: nothing."""
 
-    def on_host_skip(self, ctx: Step, st: TransformState) -> None:
-        """The host skipped this step: the chain did not run (`apply` is not called for it).
-
-        Called by `Modular.step` for every transform of the pipeline (nested ones included,
-        whether or not `apply` would have reached it), with the step over the parameters
-        that have a gradient and this transform's state. The default does nothing: a
-        skipped step leaves the state as it was. Override it only for state that must see
-        every call, skipped or not, and change nothing there that a step the device skips
-        (`ctx.skip`) would not change too. (`modopt.attach` does not call it: a transform that
-        overrides it is not attachable.)
-        """
-
     # --- what the runner and the linter may rely on ----------------------------------
     #: True when the transform leaves its state bit-identical on a step the device decided to skip
-    #: (`ctx.skip`, a 0-d bool tensor), without a host sync: see `skips_on_device()`. Inferred True for a
-    #: class that declares nothing it keeps (no `state_buffers`), never stops the step, acts on the
-    #: updates and holds no other transform: it has nothing to keep. Declare it on any other class
+    #: (`ctx.skip`, a 0-d bool tensor), without a host sync (`modopt.core.roles.skips_on_device`). Inferred
+    #: True for a class that declares nothing it keeps (no `state_buffers`) and holds no other transform,
+    #: unless a role it takes says False: it has nothing to keep. Declare it on any other class
     device_skip: ClassVar[bool] = False
-
-    def skips_on_device(self, groups: list[dict[str, Any]] | None = None) -> bool:
-        """Whether `nonfinite="skip"` may decide on the device with this transform in the pipeline
-        (`groups`: the optimizer's param groups as they are now, for a transform whose answer depends
-        on a group key; None asks about the fields alone).
-
-        On such a step the chain runs with `ctx.skip` set (a 0-d bool tensor, true to skip):
-        per-segment values saved with `st.seg_set` keep their old values by themselves, the
-        parameters are written only where it is false; a transform with other state must keep
-        it too (a full-size buffer must never take in the non-finite update). A pipeline with
-        a transform that does not declare it decides on the host instead (one sync per step).
-        """
-        return self.device_skip and all(c.skips_on_device(groups) for c in self.children())
 
     def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
         """Refuse parameters this transform cannot step (`ValueError` naming one), when `Modular` is
@@ -552,77 +487,10 @@ class Transform(BaseModel):
         for c in self.children():
             c.check_params(named)
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)` when this transform only multiplies each segment of that
-        scope by a factor > 0 (for finite gradients) and does nothing else; None otherwise.
-
-        `modopt.lint` reads it: such a scale before a `Normalize` of the same or a finer
-        scope has no effect. Declare it on a scaling transform whose factor is provably positive.
-        """
-        return None
-
-    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)` when this transform's last touch of the updates is one multiply of each
-        segment of that scope by a factor, through `st.scale_`, with nothing read from the updates after
-        it (the factor need not be positive); None otherwise. A transform that declares `positive_scale()`
-        needs not declare it too. `modopt.compile_step` reads it (`modopt.core.plan.deferrable_scale`): a
-        global one right before the final fused `Adam`/`AdamW` is multiplied inside the kernel's op.
-        """
-        return None
-
-    def sets_norm(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)` when this transform sets each segment of that scope to one norm
-        whatever positive factor multiplied it before (`Normalize` with `eps=0`); None otherwise.
-
-        The plan reads it (`modopt.core.plan.cancelled_scales`): a positive scale right before it, of
-        the same or a coarser scope, has no effect and is left out of the step.
-        """
-        return None
-
-    @property
-    def folds_clip(self) -> bool:
-        """True for an optimizer transform that takes the global scale before it into its fused kernel
-        (`Adam(fold_clip=True)`; `modopt.core.plan.folded_scale`)."""
-        return False
-
     # --- structure --------------------------------------------------------
     def children(self) -> tuple["Transform", ...]:
         """Sub-transforms run by this one (for keys, group keys and checks)."""
         return ()
-
-    def check_stages(self) -> None:
-        """Raise `ValueError` (why, and what to use instead) when this transform cannot take its statistics
-        over pipeline stages (`Modular(..., stage_group=)`); checked when the optimizer is built. Default:
-        it can (its statistics go through `modopt.core.reduce`, which spans the stages)."""
-
-    def hyperparams(self) -> dict[str, Any]:
-        """Default param-group values this transform exposes."""
-        return {k: getattr(self, k) for k in self.group_keys}
-
-    def check_group_values(self, values: dict[str, Any]) -> None:
-        """Refuse param-group values (of keys in `hyperparams()`) that this transform's own fields
-        would refuse: `ValueError` naming each key, its value and the rule (`modopt.core.hyper`).
-
-        A one-element tensor (of any shape, as torch.optim takes) or a NumPy scalar is checked by its
-        value (`host_number`: a host read, only at the doors, never in a step on a device).
-        A value the field would only accept by converting it (the string `"0.1"` for a float) is
-        refused too: the kernels receive the group's value as it is.
-        """
-        if not values:
-            return
-        plain = {k: host_number(v, k) for k, v in values.items()}
-        try:
-            new = self.model_copy(update=plain)
-        except ValidationError as e:
-            parts = []
-            for err in e.errors(include_url=False):
-                k = err["loc"][0] if err["loc"] else None
-                msg = err["msg"].removeprefix("Value error, ")
-                parts.append(f"{k!r} = {values[k]!r}: {msg}" if k in values else msg)
-            raise ValueError("; ".join(parts)) from None
-        for k, v in plain.items():
-            if isinstance(v, str) and to_plain(getattr(new, k)) != v:
-                raise ValueError(f"{k!r} = {v!r}: a string where a number is needed")
 
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -673,38 +541,6 @@ def variadic_transforms(owner: str, transforms: tuple[Any, ...], kwargs: dict[st
         kwargs = {**kwargs, "transforms": list(transforms)}
     return kwargs
 
-
-class Chain(Transform):
-    """Run transforms in order; a chain is itself a transform and may be nested.
-
-    `mo.Chain(mo.ClipNorm(1.0), mo.Normalize())`
-    """
-
-    transforms: list[TransformField] = Field(default_factory=list)
-    positional: ClassVar[str | None] = "transforms"  # variadic: mo.Chain(a, b, c)
-    device_skip = True  # when every transform inside does (skips_on_device checks the children)
-
-    def __init__(self, *transforms: Any, **kwargs: Any) -> None:
-        super().__init__(**variadic_transforms(type(self).__name__, transforms, kwargs))
-
-    def __repr__(self) -> str:
-        inner = [repr(t) for t in self.transforms]
-        return f"Chain({', '.join(inner)})"
-
-    def children(self) -> tuple[Transform, ...]:
-        """The chained transforms, in order."""
-        return tuple(self.transforms)
-
-    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Run the chained transforms in order (None when one of them stopped the step)."""
-        return run(self.transforms, ctx, updates, parent=st.key)
-
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """Run the chained transforms, the last one writing the parameters (False for an empty chain)."""
-        if not self.transforms:
-            return False
-        run(self.transforms, ctx, updates, parent=st.key, final=True)
-        return True
 
 
 def walk(transforms: list[Transform] | tuple[Transform, ...], prefix: str = "") -> list[tuple[str, Transform]]:

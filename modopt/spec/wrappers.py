@@ -13,8 +13,10 @@ class Lookahead:
     weights then take (`slow` starts as the parameters before the first step)."""
 
     def __init__(self, params: Sequence[torch.Tensor], k: int, alpha: float) -> None:
-        self.k, self.alpha, self.calls = k, alpha, 0
-        self.slow = [p.detach().to(torch.float64).clone() for p in params]
+        self.k: int = k
+        self.alpha: float = alpha
+        self.calls: int = 0
+        self.slow: list[torch.Tensor] = [p.detach().to(torch.float64).clone() for p in params]
 
     def step(self, fast: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The parameters after this call."""

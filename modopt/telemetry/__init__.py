@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .history import DERIVED, MODULE, History, column_name, module_of
+from .history import DERIVED, MODULE, History, Sink, column_name, module_of
 from .sinks import PREFIX, CsvSink, JsonlSink, TensorBoardSink, WandbSink, tag
 
-__all__ = ["History", "JsonlSink", "CsvSink", "TensorBoardSink", "WandbSink", "LightningTelemetry", "HFTelemetry",
-           "DERIVED", "MODULE", "PREFIX", "tag", "column_name", "module_of"]
+__all__ = ["History", "Sink", "JsonlSink", "CsvSink", "TensorBoardSink", "WandbSink", "LightningTelemetry",
+           "HFTelemetry", "DERIVED", "MODULE", "PREFIX", "tag", "column_name", "module_of"]
 
 
 def __getattr__(name: str) -> Any:

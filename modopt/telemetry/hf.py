@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 from transformers import TrainerCallback
 
-from .history import History
+from .history import History, Sink
 from .history import find_modular
 from .sinks import tagged
 
@@ -24,8 +24,8 @@ class HFTelemetry(TrainerCallback):
     """
 
     def __init__(self, capacity: int = 1024, every: int | None = 50, module_depth: int | None = None,
-                 sinks: Iterable[Any] = ()):
-        self.history = History(capacity, every, module_depth, [*sinks, self])
+                 sinks: Iterable[Sink] = ()):
+        self.history: History = History(capacity, every, module_depth, [*sinks, self])
         self._pending: list[dict[str, Any]] = []
         self._state: Any = None
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -87,6 +87,16 @@ def module_of(name: str, depth: int) -> str:
     return ".".join(parts[:keep])
 
 
+class Sink(Protocol):
+    """What a `History` delivers rows to: any object with `write(rows)` (`JsonlSink`, `CsvSink`, the
+    Lightning and HF callbacks, one of your own). A `close()` it also has is called by `History.close`."""
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        """Take the rows not yet delivered to this sink, oldest first (`{"step": n, column: value, ...}`);
+        one that raises keeps them pending, to be offered again at the next delivery."""
+        ...
+
+
 class History:
     """A ring buffer of step telemetry on the device; see the module docstring.
 
@@ -101,7 +111,7 @@ class History:
     """
 
     def __init__(self, capacity: int = 1024, every: int | None = None, module_depth: int | None = None,
-                 sinks: Iterable[Any] = ()):
+                 sinks: Iterable[Sink] = ()):
         for field, v, low in (("capacity", capacity, 1), ("every", every, 1), ("module_depth", module_depth, 1)):
             if v is None and field != "capacity":
                 continue
@@ -113,8 +123,10 @@ class History:
         if every is not None and every > capacity:
             raise ValueError(f"History: every ({every}) must be at most capacity ({capacity}): rows would be "
                              "overwritten before they are read")
-        self.capacity, self.every, self.module_depth = capacity, every, module_depth
-        self.sinks = list(sinks)
+        self.capacity: int = capacity
+        self.every: int | None = every
+        self.module_depth: int | None = module_depth
+        self.sinks: list[Sink] = list(sinks)
         for s in self.sinks:
             if not callable(getattr(s, "write", None)):
                 raise TypeError(f"History: sink {s!r} has no write(rows) method")
@@ -126,8 +138,8 @@ class History:
         self._plan_ids: dict[tuple[int, ...], int] = {}
         self._slot_plan: list[int] = [-1] * capacity
         self._col_cache: dict[tuple, tuple[int, torch.Tensor]] = {}
-        self.count = 0  # rows recorded (the step number of the last row)
-        self.delivered = 0  # rows every sink has taken (the oldest of `_sink_done`)
+        self.count: int = 0  # rows recorded (the step number of the last row)
+        self.delivered: int = 0  # rows every sink has taken (the oldest of `_sink_done`)
         self._sink_done = [0] * len(self.sinks)  # per sink: the last step it wrote without raising
         self._sink_failing: set[int] = set()  # sinks whose last write raised (reported once until one succeeds)
         self._base = 0  # steps before the first row (start_at)
@@ -141,7 +153,7 @@ class History:
     # --- attaching ---------------------------------------------------------------------------
     @classmethod
     def attach(cls, optimizer: Any, capacity: int = 1024, every: int | None = None,
-               module_depth: int | None = None, sinks: Iterable[Any] = (), save: bool = True,
+               module_depth: int | None = None, sinks: Iterable[Sink] = (), save: bool = True,
                names: Any = None) -> "History":
         """A new history recording every `optimizer.step()` of a `mo.Modular` (see `attach_to`)."""
         return cls(capacity, every, module_depth, sinks).attach_to(optimizer, save=save, names=names)
@@ -427,8 +439,9 @@ class History:
         """`flush()`, then close every sink that has `close()`."""
         rows = self.flush()
         for s in self.sinks:
-            if callable(getattr(s, "close", None)):
-                s.close()
+            close = getattr(s, "close", None)  # (optional: not part of `Sink`)
+            if callable(close):
+                close()
         return rows
 
     def window(self, column: str, n: int | None = None) -> torch.Tensor:

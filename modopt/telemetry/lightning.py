@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import lightning.pytorch as pl
 
-from .history import History, find_modular
+from .history import History, Sink, find_modular
 from .sinks import tagged
 
 
@@ -22,9 +22,9 @@ class LightningTelemetry(pl.Callback):
     """
 
     def __init__(self, capacity: int = 1024, every: int | None = 50, module_depth: int | None = None,
-                 sinks: Iterable[Any] = ()):
+                 sinks: Iterable[Sink] = ()):
         super().__init__()
-        self.history = History(capacity, every, module_depth, [*sinks, self])
+        self.history: History = History(capacity, every, module_depth, [*sinks, self])
         self._trainer: Any = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

@@ -41,7 +41,7 @@ class JsonlSink:
     inf/NaN are written as null."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path: Path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -57,7 +57,7 @@ class CsvSink:
     column leaves its cell empty. inf/NaN are written as `inf`/`nan`."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path: Path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fields: list[str] = ["step"]
         if self.path.exists() and self.path.stat().st_size:

@@ -12,6 +12,7 @@ from ..core import distributed
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype
 from ..core.runner import SMALL_CLEAN, Step, TransformState
+from ..core.roles import SeesHostSkips, StepStopper
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -20,7 +21,7 @@ __all__ = ["Accumulate"]
 _dtype_of = operator.attrgetter("dtype")
 
 
-class Accumulate(Transform):
+class Accumulate(StepStopper, SeesHostSkips):
     r"""Average the updates of `steps` calls; only every `steps`-th call goes on.
 
     $$
@@ -73,14 +74,12 @@ class Accumulate(Transform):
     ```
     """
 
-    may_stop = True  # every call but the last of a cycle stops the step
     positional: ClassVar[str | None] = "steps"
 
     steps: PositiveInt
     # "calls": the host's count of calls in this cycle (every call); "count": the device's count of the
     # calls that added to the sums (a checkpoint written before it existed has only finite calls: see _count)
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"sum": Buffer("param", dtype="acc"), "calls": "counter", "count": "counter"}
-    attachable: ClassVar[bool] = False
     device_skip: ClassVar[bool] = True  # a skipped call adds zeros and does not count; the host counts calls
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:

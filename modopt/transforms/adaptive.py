@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 from ..core.kernels import const
 from ..core.reduce import Ord, _parsed_ord
 from ..core.runner import reads_on_host
+from ..core.roles import Scale, ScaleFact
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer
@@ -232,7 +233,7 @@ class HistClip(Scoped):
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "v": v}, triggered=trig)
 
 
-class ZClip(Scoped):
+class ZClip(Scoped, ScaleFact):
     r"""ZClip (Kumar et al. 2025, arXiv 2504.02507): z-score spike clipping, as the `zclip` package. By
     default it also caps every step's norm at 1.0, warm-up included (`max_grad_norm=1.0`, the package's
     default); `max_grad_norm=None` leaves only the spike clipping.
@@ -394,11 +395,10 @@ class ZClip(Scoped):
             n, mu, var = torch.stack((n, mu, var)).unbind(0)  # without a copy (`_packed_step`)
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 
-    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)`: its last touch of the updates is `st.scale_` (the statistics and the
-        telemetry after it read no update). Not `positive_scale()`: a steady-phase threshold of 0 (every
-        earlier norm 0) gives a factor of 0."""
-        return (self.scope, self.dim, self.inverse_dims)
+    def scale_fact(self) -> Scale | None:
+        """Its last touch of the updates is `st.scale_` (the statistics and the telemetry after it read no
+        update). Not positive: a steady-phase threshold of 0 (every earlier norm 0) gives a factor of 0."""
+        return Scale(self.scope, self.dim, self.inverse_dims)
 
     def _constants(self, st: TransformState, dt: torch.dtype, device: torch.device) -> torch.Tensor:
         """The constants of `_packed_step`, one column per phase (warm-up, its last step, after it), on

@@ -10,6 +10,7 @@ from pydantic import PositiveFloat, model_validator
 from ..core.kernels import const
 from ..core.reduce import acc_dtype
 from ..core.runner import Step, TransformState
+from ..core.roles import SelectsByName
 from ..core.select import Select
 from ..core.transform import Transform
 
@@ -25,7 +26,7 @@ def unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(range(1, t.dim())) if t.dim() >= 2 else None
 
 
-class AGC(Transform):
+class AGC(SelectsByName):
     r"""Adaptive gradient clipping: clip each unit's update relative to its weight's norm.
 
     For each output unit `i` (the slice along dim 0 of a tensor with 2+ dims,

@@ -18,6 +18,7 @@ import torch
 from ..core.kernels import const
 from ..core.reduce import common_acc_dtype
 from ..core.runner import Step, TransformState
+from ..core.roles import PostOptimizer
 from ..core.reduce import Segments, make_segments
 from ..core.transform import Transform
 from ._util import FiniteNonNegativeFloat
@@ -156,7 +157,7 @@ class Grams(Transform):
         return updates
 
 
-class WeightDecay(Transform):
+class WeightDecay(PostOptimizer):
     r"""Decoupled weight decay after the optimizer: $u \leftarrow u + \text{lr}\cdot\lambda\, x$, or with
     `cautious=True` only where the update and the weight agree in sign.
 
@@ -193,8 +194,6 @@ class WeightDecay(Transform):
 
     positional: ClassVar[str | None] = "weight_decay"
     device_skip = True  # keeps its state on a step the device skips (it has none)
-    #: in front of a torch optimizer it would decay the gradient (an L2 penalty), not the weights
-    attachable: ClassVar[bool] = False
 
     weight_decay: FiniteNonNegativeFloat = 1e-2
     cautious: bool = False

@@ -10,6 +10,7 @@ from pydantic import NonNegativeFloat, PositiveFloat
 from ..core.hostdata import cpu_kernels
 from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
+from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 
@@ -78,7 +79,7 @@ def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor]
     return [updates[i] for i in idx], [u for i, u in enumerate(updates) if i not in big]
 
 
-class ClipNorm(Scoped):
+class ClipNorm(Scoped, ScaleFact):
     r"""Scale the update down so that its `ord` norm over the scope is at most `max_norm`.
 
     $$
@@ -125,12 +126,12 @@ class ClipNorm(Scoped):
         st.record_clip(norm, scale)
         return updates
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)`: it only multiplies each segment by a factor in (0, 1]."""
-        return (self.scope, self.dim, self.inverse_dims)  # max_norm > 0: the scale is in (0, 1]
+    def scale_fact(self) -> Scale | None:
+        """Positive: it only multiplies each segment by a factor in (0, 1]."""
+        return Scale(self.scope, self.dim, self.inverse_dims, positive=True)  # max_norm > 0: the scale is in (0, 1]
 
 
-class ClipNormByRMS(Scoped):
+class ClipNormByRMS(Scoped, ScaleFact):
     r"""Scale the update down so that its root mean square over each segment is at most `threshold`.
 
     $$
@@ -175,6 +176,6 @@ class ClipNormByRMS(Scoped):
         st.record_clip(rms, scale)
         return updates
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)`: it only multiplies each segment by a factor in (0, 1]."""
-        return (self.scope, self.dim, self.inverse_dims)  # threshold > 0: the scale is in (0, 1]
+    def scale_fact(self) -> Scale | None:
+        """Positive: it only multiplies each segment by a factor in (0, 1]."""
+        return Scale(self.scope, self.dim, self.inverse_dims, positive=True)  # threshold > 0: the scale is in (0, 1]

@@ -23,6 +23,7 @@ from ..core.kernels import const
 from ..core.keys import value_key
 from ..core.reduce import Ord
 from ..core.runner import Step, TransformState
+from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped, ScopeName
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
@@ -40,7 +41,7 @@ def _lerp_op(updates: list[torch.Tensor]) -> bool:
     return compiled.keeps_fused() and compiled.LERP is not None and not distributed.any_sharded(updates)
 
 
-class _NormEMA(Scoped, abstract=True):
+class _NormEMA(Scoped, ScaleFact, abstract=True):
     """The fields and step shared by `ClipNormByEMA` and `NormalizeByEMA`: an EMA of the updates whose norm
     each segment is scaled against."""
 
@@ -138,10 +139,10 @@ class _NormEMA(Scoped, abstract=True):
         for i in fl:
             weights[i] = torch.where(flags[i], weights[i], start[m[i].dtype][i])
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)` with `eps > 0` (the factor stays > 0), else None."""
+    def scale_fact(self) -> Scale | None:
+        """Positive with `eps > 0` (the factor stays > 0), else nothing stated."""
         # eps > 0 keeps the EMA's norm, and so the factor, away from 0
-        return (self.scope, self.dim, self.inverse_dims) if self.eps > 0 else None
+        return Scale(self.scope, self.dim, self.inverse_dims, positive=True) if self.eps > 0 else None
 
 
 def _weight(ok: torch.Tensor | None, w: float, like: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 from ..core.kernels import const
 from ..core.reduce import Ord, acc_dtype
 from ..core.runner import Step, TransformState
+from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped
 from ..core.state import Buffer
 from ..core.transform import Transform
@@ -47,7 +48,7 @@ class _Growth(Transform, abstract=True):
         return new
 
 
-class ClipNormGrowth(Scoped, _Growth):
+class ClipNormGrowth(Scoped, ScaleFact, _Growth):
     r"""Limit the growth of the update's norm from one step to the next.
 
     $$
@@ -105,10 +106,10 @@ class ClipNormGrowth(Scoped, _Growth):
         st.record_clip(n, scale, allowed=allowed)
         return updates
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)` with `min_value > 0` (the factor stays > 0), else None."""
+    def scale_fact(self) -> Scale | None:
+        """Positive with `min_value > 0` (the factor stays > 0), else nothing stated."""
         # the remembered norm never falls below min_value > 0, so the allowed norm and the scale stay > 0
-        return (self.scope, self.dim, self.inverse_dims) if self.min_value > 0 else None
+        return Scale(self.scope, self.dim, self.inverse_dims, positive=True) if self.min_value > 0 else None
 
 
 class ClipValueGrowth(_Growth):

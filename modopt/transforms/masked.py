@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from ..core.runner import Step, TransformState
+from ..core.roles import LastWriter, Optimizer, Router, SelectsByName
 from ..core.runner import run
 from ..core.select import Select
 from ..core.transform import Transform, TransformField, variadic_transforms, walk
@@ -17,7 +18,7 @@ from ..core.transform import Transform, TransformField, variadic_transforms, wal
 __all__ = ["Masked"]
 
 
-class Masked(Transform):
+class Masked(Router, SelectsByName):
     r"""Run `transforms` on the parameters that `where` selects; the others pass through untouched.
 
     `mo.Masked(*transforms, where=mo.Select(...))` (a glob string is shorthand
@@ -78,7 +79,7 @@ class Masked(Transform):
     @model_validator(mode="after")
     def _maskable(self) -> "Masked":
         for key, t in walk(self.transforms):
-            if t.must_be_last:
+            if isinstance(t, LastWriter):
                 raise ValueError(
                     f"transforms.{key}: {type(t).__name__} steps every parameter of the optimizer itself and "
                     "cannot run inside Masked; use SGD, Adam, AdamW or LR in a masked branch"
@@ -135,7 +136,7 @@ class Masked(Transform):
 
     def routes(self) -> bool:
         """Whether the branch ends in an optimizer transform (which then writes its parameters itself)."""
-        return bool(self.transforms) and self.transforms[-1].is_optimizer
+        return bool(self.transforms) and isinstance(self.transforms[-1], Optimizer)
 
     def write_branch(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[int] | None:
         """Run the branch on the selection with its optimizer writing the selected parameters (torch's

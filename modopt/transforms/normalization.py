@@ -11,6 +11,7 @@ from ..core.kernels import const
 from ..core.reduce import Ord
 from ..core.plan import pnorm
 from ..core.runner import Step, TransformState
+from ..core.roles import Scale, ScaleFact
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
@@ -29,7 +30,7 @@ def normalize_scale(norm: torch.Tensor, norm_value: float, eps: float, signed: b
     return torch.where(n > const(0.0, n), inv, const(1.0, inv))  # (0-d tensors: no scalar made per call)
 
 
-class Normalize(Scoped):
+class Normalize(Scoped, ScaleFact):
     r"""Set the `ord` norm of the update over the scope to `norm_value`.
 
     $$
@@ -66,21 +67,17 @@ class Normalize(Scoped):
         seg = st.segments(self)
         norm = seg.reduce(updates, self.ord)
         scale = normalize_scale(norm, self.norm_value, self.eps, signed=self.ord == "sum")
-        st.scale_(seg, updates, scale)  # (deferred into a compiled step's fused optimizer op: `ends_with_scale`)
+        st.scale_(seg, updates, scale)  # (deferred into a compiled step's fused optimizer op: `scale_fact`)
         st.record("norm", norm)
         st.record("scale", scale)
         return updates
 
-    def ends_with_scale(self) -> tuple[str, Any, bool] | None:
-        """`(scope, dim, inverse_dims)`: its last touch of the updates is the multiply by its scale."""
-        return (self.scope, self.dim, self.inverse_dims)
-
-    def sets_norm(self) -> tuple[str, Any, bool] | None:
-        """With `eps=0`, `min_size=1` and a p-norm `ord` (p > 0), each segment's norm becomes `norm_value`
-        whatever positive factor multiplied it before (`modopt.core.plan.cancelled_scales`)."""
-        if self.eps == 0 and self.min_size == 1 and pnorm(self.ord) is not None:
-            return (self.scope, self.dim, self.inverse_dims)
-        return None
+    def scale_fact(self) -> Scale | None:
+        """Its last touch of the updates is the multiply by its scale. With `eps=0`, `min_size=1` and a
+        p-norm `ord` (p > 0) it sets the norm: each segment's norm becomes `norm_value` whatever positive
+        factor multiplied it before (`modopt.core.plan.cancelled_scales`)."""
+        sets = self.eps == 0 and self.min_size == 1 and pnorm(self.ord) is not None
+        return Scale(self.scope, self.dim, self.inverse_dims, sets_norm=sets)
 
 
 class Centralize(Scoped):

@@ -21,6 +21,7 @@ from torch.optim.optimizer import _get_capturable_supported_devices as _capturab
 from ..core.keys import value_key
 from ..core.moments import Offer, lr_scale
 from ..core.runner import Step, TransformState
+from ..core.roles import Optimizer, Scale, ScaleFact, Writer
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags
 from ..core.transform import Transform
 from ._util import FiniteFloat, FiniteNonNegativeFloat
@@ -185,7 +186,7 @@ _NO_STATE: dict = {}
 compiled.HOLDS.append(packed_steps_hold)
 
 
-class LR(Transform):
+class LR(Optimizer, ScaleFact):
     r"""Multiply the update by the learning rate: $u \leftarrow \text{lr}\cdot u$.
 
     Exposes `group["lr"]`. `Modular(params, mo.LR(0.1))` is plain SGD.
@@ -196,7 +197,6 @@ class LR(Transform):
 
     lr: NonNegativeFloat
     group_keys: ClassVar[tuple[str, ...]] = ("lr",)
-    is_optimizer: ClassVar[bool] = True
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The updates times their param group's `lr` (left as they are when a normalization right after cancels it)."""
@@ -206,12 +206,12 @@ class LR(Transform):
             torch._foreach_mul_(updates[a:b], _lr_value(g["lr"], updates[a]))
         return updates
 
-    def positive_scale(self) -> tuple[str, Any, bool] | None:
-        """Group scope: it only multiplies each param group's updates by its `lr`."""
-        return ("group", None, False)  # one factor per param group (lr = 0 alone would stop the step)
+    def scale_fact(self) -> Scale | None:
+        """Positive, group scope: it only multiplies each param group's updates by its `lr`."""
+        return Scale("group", positive=True)  # one factor per param group (lr = 0 alone would stop the step)
 
 
-class _FusedOptimizer(Transform, abstract=True):
+class _FusedOptimizer(Optimizer, Writer, abstract=True):
     """An optimizer transform that, as the last one, writes the parameters with torch's fused kernels.
 
     By default it never folds a preceding clip's scale into the kernels' `grad_scale`: the
@@ -222,7 +222,6 @@ class _FusedOptimizer(Transform, abstract=True):
     `AdamW` offer the fold as a setting (`fold_clip=True`).
     """
 
-    is_optimizer: ClassVar[bool] = True
     #: the name of torch's kernel family (`"sgd"`, `"adam"`, `"adamw"`) for `kernels.fused_ok`
     kernel: ClassVar[str] = ""
 
@@ -910,7 +909,7 @@ class AdamW(Adam):
         return v
 
 
-class ADOPT(Transform):
+class ADOPT(Optimizer, Writer):
     r"""ADOPT (Taniguchi et al. 2024, arXiv 2411.02853): Adam with the gradient normalised by the *previous*
     second moment and clipped before the momentum; `pytorch_optimizer.ADOPT` with the same arithmetic.
 
@@ -963,7 +962,6 @@ class ADOPT(Transform):
         "exp_avg_sq": Buffer("param", low=0, finite=False),  # squares: +inf after gradients of 1e20
     }
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "maximize")
-    is_optimizer: ClassVar[bool] = True
 
     _betas = field_validator("betas")(classmethod(lambda cls, v: _check_betas(v)))
 

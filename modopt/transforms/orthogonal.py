@@ -25,6 +25,7 @@ from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, ow
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.runner import Step, TransformState
+from ..core.roles import Optimizer, Segmented, Writer
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 from ..core.state import Buffer, proceed_flag
@@ -549,7 +550,7 @@ class OrthoGrad(Scoped):
         return out
 
 
-class Muon(_OwnerRank):
+class Muon(_OwnerRank, Optimizer, Writer):
     r"""Muon: momentum, Newton-Schulz orthogonalization and a decoupled weight decay; `torch.optim.Muon`, bit for bit.
 
     Per parameter, with $g$ the update entering it (the gradient):
@@ -615,7 +616,6 @@ class Muon(_OwnerRank):
     nesterov: bool = True
     adjust_lr_fn: Optional[Literal["original", "match_rms_adamw"]] = None
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay", "nesterov")
-    is_optimizer: ClassVar[bool] = True
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"momentum_buffer": "param"}
 
     def _directions(self, ctx, st, updates, g, a, b, cache=None):
@@ -711,7 +711,7 @@ class Muon(_OwnerRank):
         return out
 
 
-class NorMuon(Transform):
+class NorMuon(Segmented):
     r"""NorMuon's per-neuron normalization of an orthogonalized update (Li et al. 2025, arXiv 2510.05491).
 
     Placed after `Orthogonalize`, per matrix-shaped update $O$ (a tensor with
@@ -862,7 +862,7 @@ class NorMuon(Transform):
         return out
 
 
-class AdaMuon(_OwnerRank):
+class AdaMuon(_OwnerRank, Optimizer, Writer):
     r"""AdaMuon (Si et al. 2025, arXiv 2507.11005): Muon with an elementwise second moment of the orthogonalized step.
 
     Per parameter, with $g$ the update entering it (the gradient), $t$ its step
@@ -932,7 +932,6 @@ class AdaMuon(_OwnerRank):
     ns_eps: PositiveFloat = 1e-7
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
-    is_optimizer: ClassVar[bool] = True
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
         "step": Buffer("counter", dtype="float32"),  # this parameter's steps taken
         "exp_avg": "param",

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from ..core import distributed, reduce
 from ..core.runner import Step, TransformState
+from ..core.roles import StageLimited
 from ..core.scope import Scoped, ScopeName
 
 __all__ = ["ClipValueByPercentile"]
@@ -29,7 +30,7 @@ def _kth_abs(x: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
     return torch.kthvalue(a, k, dim=dim).values
 
 
-class ClipValueByPercentile(Scoped):
+class ClipValueByPercentile(Scoped, StageLimited):
     r"""Clamp the update to the `pct`-th percentile of its absolute values.
 
     $$

@@ -26,6 +26,7 @@ from ..core.moments import Moments
 from ..core.distributed import any_sharded
 from ..core.reduce import combine_pnorms, common_acc_dtype
 from ..core.runner import Step, TransformState
+from ..core.roles import NeedsMoments
 from ..core.reduce import Segments
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer, proceed_flag
@@ -107,7 +108,7 @@ def _reset_now(ctx: Step, t: torch.Tensor, every: int) -> torch.Tensor:
     return due if go is None else due & go
 
 
-class SPAM(Transform):
+class SPAM(NeedsMoments):
     r"""SPAM (Huang et al. 2025, arXiv 2501.06842): clip gradient spikes against Adam's second moment,
     reset the moments every `reset_every` steps and warm the learning rate up after each reset.
 
@@ -145,7 +146,6 @@ class SPAM(Transform):
 
     positional: ClassVar[str | None] = None
     device_skip: ClassVar[bool] = True  # keeps its state on a step the device skips (the reset waits too)
-    attachable: ClassVar[bool] = False  # it needs the optimizer transform after it (modopt.core.moments)
 
     theta: FiniteNonNegativeFloat = 5000.0
     reset_every: int | None = Field(500, ge=1, lt=2**62)
@@ -222,7 +222,7 @@ class SPAM(Transform):
         return updates
 
 
-class StableSPAM(Scoped):
+class StableSPAM(Scoped, NeedsMoments):
     r"""Stable-SPAM (Huang et al. 2025, arXiv 2502.17055): AdaClip, AdaGN and a periodic reset of the
     optimizer's moments.
 
@@ -264,7 +264,6 @@ class StableSPAM(Scoped):
 
     positional: ClassVar[str | None] = None
     device_skip: ClassVar[bool] = True  # keeps its state on a step the device skips (the reset waits too)
-    attachable: ClassVar[bool] = False  # with resets it needs the optimizer transform after it
 
     gamma1: float = Field(0.7, ge=0.0, lt=1.0)
     gamma2: float = Field(0.9, ge=0.0, lt=1.0)

@@ -29,6 +29,7 @@ from ..core import distributed
 from ..core.distributed import any_sharded
 from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype, foreach_pnorm
 from ..core.runner import check_loss, reads_on_host
+from ..core.roles import SkipDecider
 from ..core.transform import Transform
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -159,7 +160,7 @@ class AdaGC(Scoped):
 
 
 # --- OLMo 2's skip step -----------------------------------------------------------------------------------
-class SkipStep(Transform):
+class SkipStep(SkipDecider):
     r"""Skip the step when the loss or the gradient norm spikes (OLMo 2, arXiv 2501.00656; OLMo-core's
     `SkipStepOptimizer`).
 
@@ -200,10 +201,7 @@ class SkipStep(Transform):
 
     positional: ClassVar[str | None] = None
     device_skip: ClassVar[bool] = True  # keeps its state on a step the device skips (and skips the rest of it)
-    attachable: ClassVar[bool] = False  # a torch optimizer after it could not be held back on the device
     update_access: ClassVar[Literal["write", "read", "none"]] = "read"
-    may_stop: ClassVar[bool] = True  # the host's decision stops the chain
-    decides_skip: ClassVar[bool] = True  # it skips what comes after it (modopt.core.plan._check_skip_first)
 
     window: int = Field(128, ge=2, le=2**20)
     sigma: FiniteNonNegativeFloat = 6.0

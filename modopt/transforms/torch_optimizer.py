@@ -20,6 +20,7 @@ from ..core import compile_marks
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.runner import Step, TransformState
+from ..core.roles import LastWriter, Optimizer
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -86,7 +87,7 @@ _RESOLVED: dict[str, type] = {}
 _DEFAULTS: dict[str, tuple[type, dict[str, Any]]] = {}
 
 
-class TorchOptimizer(Transform):
+class TorchOptimizer(Optimizer, LastWriter):
     """Any `torch.optim.Optimizer` class as the last transform.
 
     `mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2)`; in a config
@@ -125,8 +126,6 @@ class TorchOptimizer(Transform):
     cls: str
     kwargs: dict[str, Any] = {}
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"inner": "torch"}
-    is_optimizer: ClassVar[bool] = True
-    must_be_last: ClassVar[bool] = True
     skip_reads_groups: ClassVar[bool] = True  # torch.optim.SGD's answer reads momentum and dampening
     _cls: type = PrivateAttr()
 

@@ -14,6 +14,7 @@ from ..core.kernels import const
 from ..core.reduce import acc_dtype, common_acc_dtype
 from ..core.reduce import any_pnorms
 from ..core.runner import Step, TransformState
+from ..core.roles import SeesHostSkips, WeightStage
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -27,7 +28,7 @@ def _norm_now(i: int, p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype))
 
 
-class ProjectNorm(Transform):
+class ProjectNorm(WeightStage):
     r"""Hold each weight tensor's Frobenius norm: after the optimizer's write, project it back onto the sphere
     of radius $R$.
 
@@ -61,8 +62,6 @@ class ProjectNorm(Transform):
     min_ndim: NonNegativeInt = 2
     eps: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
-    stage: ClassVar[str] = "weights"
-    attachable: ClassVar[bool] = False
     device_skip: ClassVar[bool] = True  # on a skipped step the factor is exactly 1
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"radius": Buffer("segment", low=0)}  # 0-d per tensor
 
@@ -103,7 +102,7 @@ class ProjectNorm(Transform):
             p.mul_(f.to(p.dtype))
 
 
-class QKClip(Transform):
+class QKClip(WeightStage, SeesHostSkips):
     r"""QK-Clip (Kimi K2's MuonClip, arXiv 2507.20534): after the optimizer's write, shrink the query and
     key rows of each attention head whose largest pre-softmax logit over the step exceeded $\tau$.
 
@@ -163,8 +162,6 @@ class QKClip(Transform):
     eta_min: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1e-3  # (0 would let one logit zero a head)
     logits: Literal["recorded", "rewritten"] = "recorded"
 
-    stage: ClassVar[str] = "weights"
-    attachable: ClassVar[bool] = False
     device_skip: ClassVar[bool] = True  # on a skipped step every factor is exactly 1
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:

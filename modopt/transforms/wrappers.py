@@ -13,13 +13,14 @@ from ..core import distributed
 from ..core.hostdata import on_device
 from ..core.keys import group_key, value_key
 from ..core.runner import Step, TransformState, run
+from ..core.roles import LastWriter, Optimizer, SeesHostSkips, WeightSwap
 from ..core.state import Buffer
 from ..core.transform import Transform, TransformField, variadic_transforms
 
 __all__ = ["Lookahead", "ScheduleFreeAdamW", "ScheduleFreeSGD"]
 
 
-class Lookahead(Transform):
+class Lookahead(LastWriter, SeesHostSkips):
     r"""Lookahead: the inner chain steps the (fast) weights; every `k` calls they are pulled toward slow
     weights, which then take their value.
 
@@ -60,8 +61,6 @@ class Lookahead(Transform):
     k: PositiveInt = 5
     alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
 
-    must_be_last: ClassVar[bool] = True  # it writes the parameters after its inner chain
-    attachable: ClassVar[bool] = False
     device_skip: ClassVar[bool] = True  # a skipped k-th call keeps every bit (a where); the host counts calls
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"slow": "param", "calls": "counter"}
 
@@ -164,14 +163,10 @@ _R = Annotated[float, Field(le=R_MAX, allow_inf_nan=False)]
 _Power = Annotated[float, Field(ge=0.0, le=POWER_MAX, allow_inf_nan=False)]
 
 
-class _ScheduleFree(Transform, abstract=True):
+class _ScheduleFree(Optimizer, LastWriter, WeightSwap, abstract=True):
     """What Schedule-Free SGD and AdamW share: the schedule, the interpolation, the train and eval forms."""
 
-    is_optimizer: ClassVar[bool] = True
-    must_be_last: ClassVar[bool] = True  # it writes the parameters (y) and its own sequence z
-    attachable: ClassVar[bool] = False
     device_skip: ClassVar[bool] = True  # a skipped step keeps every bit (a where), the schedule included
-    swaps_weights: ClassVar[bool] = True
 
     #: the param-group key of the interpolation momentum, and where it sits in it
     _momentum_key: ClassVar[str] = "momentum"
