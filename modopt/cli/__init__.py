@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from ..config import ConfigError
 from ..rewind import RewindError
 from .experiment import INT64_MAX, SEED_MAX, SWEEP_MAX_RUNS
+from .plots import DEFAULT_DPI, DPI_RANGE, FORMATS
 
 #: errors that are the user's input, not a bug: shown as one line, exit status 1. `ConfigError`
 #: covers configs, task options and command-line values; pydantic's `ValidationError` is user data
@@ -113,7 +114,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_int_in(1, INT64_MAX), help="override train.steps")
     p.add_argument("--seed", type=_int_in(0, SEED_MAX, "a seed is one of"), help="override train.seed")
     p.add_argument("--trust-imports", action="store_true", help="allow tasks and optimizer classes named by import path (runs their code)")
-    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument("--no-plots", action="store_true", help="do not write plots")
+    p.add_argument("--format", choices=FORMATS, dest="plot_format", metavar="{" + ",".join(FORMATS) + "}",
+                   help="the plots' file format (default png; svg and pdf are vector graphics for a paper)")
+    p.add_argument("--dpi", type=_int_in(*DPI_RANGE), metavar="N",
+                   help=f"the plots' resolution in dots per inch (default {DEFAULT_DPI}, {DPI_RANGE[0]}..{DPI_RANGE[1]})")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
 
 
@@ -149,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="config files or shipped examples' names (modopt examples)")
     p.add_argument("--out", help="directory for the runs, the tables, the plot and report.html (default runs/compare-<time>)")
     _add_seed_args(p)
+    p.add_argument("--variant", nargs="+", metavar="NAME",
+                   help="run only these variants of the configs (a variant's name, or its run's name as the tables "
+                   "show it); an unknown name is refused before anything runs")
     p.add_argument("--baseline", metavar="NAME", help="also give each run's paired difference to the run NAME over the same seeds (a run's "
                    "name as the tables show it, or the CONFIG argument of a config that makes one run)")
     p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
@@ -161,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", action="append", required=True, metavar="PATH=V1,V2,...",
                    help="a dotted path into the experiment (optimizer.transforms.0.max_norm) and the values to try "
                    "(YAML scalars); repeat for a grid of several fields")
-    p.add_argument("--variant", help="which optimizer variant of a config with 'variants'")
+    p.add_argument("--variant", nargs="+", metavar="NAME",
+                   help="which optimizer variant(s) of a config with 'variants' (several: the grid is run for each)")
     p.add_argument("--out", help="directory of the sweep; run again with the same OUT to resume (default runs/sweep-<time>)")
     p.add_argument("--jobs", type=_int_in(1, 1024), default=1, metavar="N", help=JOBS_HELP)
     p.add_argument("--max-runs", type=_int_in(1, INT64_MAX), metavar="N",
@@ -210,6 +219,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, where an unknown argument is a usage error of the subcommand it was given
+    to: that command's usage line, and the closest of its options to each unknown one (`--varaint`: did
+    you mean --variant?); exit status 2, as argparse gives."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        from ..core.transform import closest
+
+        sub = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in extra:
+            close = closest(word.split("=", 1)[0], options) if word.startswith("-") else None
+            if close:
+                hints.append(f"{word.split('=', 1)[0]}: did you mean {close}?")
+        sub.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """`{command: its parser}` of `parser`'s subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _plot_as(args) -> tuple[str, int]:
+    """The plots' `(format, dpi)` of `--format` and `--dpi`; either with `--no-plots` is refused."""
+    if args.no_plots:
+        given = [f for f, v in (("--format", args.plot_format), ("--dpi", args.dpi)) if v is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)}: no plots are written with --no-plots; drop one or the other")
+    return args.plot_format or FORMATS[0], args.dpi or DEFAULT_DPI
+
+
 def _version() -> str:
     from .. import __version__
 
@@ -229,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(argv[1:])
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as e:  # usage errors (2), --help and --version (0): returned, as documented
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if args.command is None:
@@ -281,6 +326,7 @@ def _cmd_run(args) -> int:
     from .run import RunInterrupted, check_dir, load_run_config, run_experiment
 
     saved = None
+    plot_format, plot_dpi = _plot_as(args)
     if args.resume:
         if args.config or args.out:
             raise ConfigError("--resume DIR continues the run in DIR with its own config; drop CONFIG/--out")
@@ -308,6 +354,7 @@ def _cmd_run(args) -> int:
             exp, out, resume=bool(args.resume), trust_imports=args.trust_imports, stop_after=args.stop_after,
             progress=not args.quiet, plots=False if args.no_plots else None, log=err,
             force=None if args.resume else args.force, saved=saved,
+            plot_format=plot_format, plot_dpi=plot_dpi,
             announce=None if args.resume else f"modopt run: {exp.name} ({exp.task.name}, {exp.train.steps} steps) -> {out}",
         )
     except RunInterrupted as e:
@@ -384,10 +431,12 @@ def _cmd_compare(args) -> int:
 
     if args.seeds and args.seed is not None:
         raise ConfigError("give --seed S (one seed) or --seeds S1 S2 ..., not both")
+    plot_format, plot_dpi = _plot_as(args)
     out = Path(args.out or f"runs/compare-{_stamp()}")
     table = compare(args.configs, out, overrides=args, seeds=args.seeds, baseline=args.baseline, jobs=args.jobs,
                     spike_kw=_spike_kw(args), trust_imports=args.trust_imports, progress=not args.quiet,
-                    plots=not args.no_plots, command=_command_line(args))
+                    plots=not args.no_plots, command=_command_line(args), variants=args.variant,
+                    plot_format=plot_format, plot_dpi=plot_dpi)
     print(table)
     return 0
 
@@ -398,11 +447,12 @@ def _cmd_sweep(args) -> int:
 
     if args.seeds and args.seed is not None:
         raise ConfigError("give --seed S (one seed) or --seeds S1 S2 ..., not both")
+    plot_format, plot_dpi = _plot_as(args)
     out = Path(args.out or f"runs/sweep-{_stamp()}")
     table = sweep(args.config, args.grid, out, variant=args.variant, overrides=args, seeds=args.seeds, jobs=args.jobs,
                   metric=args.metric, spike_kw=_spike_kw(args), trust_imports=args.trust_imports,
                   progress=not args.quiet, plots=not args.no_plots, command=_command_line(args),
-                  max_runs=args.max_runs or SWEEP_MAX_RUNS)
+                  max_runs=args.max_runs or SWEEP_MAX_RUNS, plot_format=plot_format, plot_dpi=plot_dpi)
     print(table)
     return 0
 

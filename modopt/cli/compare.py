@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ..config import ConfigError
 from .experiment import INT64_MAX, Experiment, apply_overrides, experiment_from_data, load_experiment
 from .outfiles import refuse_links, write_text
+from .plots import DEFAULT_DPI, FORMATS, describe_pipeline, legend_labels
 from .provenance import KEY as PROVENANCE
 from .provenance import markdown as provenance_markdown
 from .provenance import provenance
@@ -43,8 +44,10 @@ from .stats import LEVEL, METHOD, MIN_SEEDS, format_interval, interval, paired
 #: (2: equal values have no interval, `half_width` null and `status` "same", where 1 gave a zero width)
 SCHEMA = 2
 
-#: the files `compare` writes into OUT (beside a directory per run)
-COMPARE_FILES = ("compare.md", "compare.json", "compare.png", "report.html")
+#: the comparison's plot in each format it may be written in (`--format`)
+COMPARE_PLOTS = tuple(f"compare.{fmt}" for fmt in FORMATS)
+#: the files `compare` writes into OUT (beside a directory per run): one of the plots, by `--format`
+COMPARE_FILES = ("compare.md", "compare.json", *COMPARE_PLOTS, "report.html")
 
 #: the per-seed metrics summarized over seeds: key -> (column title, format of the mean)
 METRICS = {
@@ -136,8 +139,9 @@ def seeded(exp: Experiment, seed: int) -> Experiment:
 
 
 def pipeline_text(exp: Experiment) -> str:
-    """The experiment's pipeline as `ClipNorm -> Adam` (transform names in order)."""
-    return " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
+    """The experiment's pipeline as `ClipNorm -> Adam` (transform names in order, a container's own in
+    parentheses: `Masked(AdamW) -> Masked(Muon)`, `plots.describe_pipeline`)."""
+    return describe_pipeline(exp.optimizer.to_dict())
 
 
 # --- running -------------------------------------------------------------------------------
@@ -151,34 +155,36 @@ class Job:
     dir: Path
 
 
-def _run_job(data: dict[str, Any], rdir: str, trust_imports: bool, plots: bool) -> None:
+def _run_job(data: dict[str, Any], rdir: str, trust_imports: bool, plots: bool,
+             plot_as: tuple[str, int] = ("png", DEFAULT_DPI)) -> None:
     """A worker process's run (top level, so that it pickles)."""
     exp = experiment_from_data(data, str(Path(rdir) / "config.yaml"), trust_imports)
     run_experiment(exp, Path(rdir), trust_imports=trust_imports, progress=False, plots=plots,
-                   log=lambda *a: None, force=True)
+                   log=lambda *a: None, force=True, plot_format=plot_as[0], plot_dpi=plot_as[1])
 
 
 def run_jobs(jobs: list[Job], *, n_jobs: int = 1, trust_imports: bool = False, progress: bool = True,
-             plots: bool = True, log: Callable[..., None] = _err, tool: str = "compare") -> None:
+             plots: bool = True, log: Callable[..., None] = _err, tool: str = "compare",
+             plot_as: tuple[str, int] = ("png", DEFAULT_DPI)) -> None:
     """Run `jobs`: in this process one after the other (`n_jobs` 1), else in `n_jobs` worker processes.
 
     Each run is `modopt run` of its experiment (single-threaded and deterministic
     by default, `train.threads`), so a worker gives the same metrics as the
     command. Workers are started with "spawn" (a fresh interpreter; forking a
     process that already ran torch can hang). The first failing run stops the
-    rest from starting and raises its error.
+    rest from starting and raises its error. `plot_as`: each run's plots' `(format, dpi)`.
     """
     n = len(jobs)
     if n_jobs <= 1 or n <= 1:
         for k, job in enumerate(jobs, 1):
             log(f"modopt {tool}: [{k}/{n}] {job.label} seed {job.seed} -> {job.dir}")
             run_experiment(job.exp, job.dir, trust_imports=trust_imports, progress=progress, plots=plots,
-                           log=log, force=True)
+                           log=log, force=True, plot_format=plot_as[0], plot_dpi=plot_as[1])
         return
     log(f"modopt {tool}: {n} runs in {min(n_jobs, n)} worker processes")
     pool = ProcessPoolExecutor(max_workers=min(n_jobs, n), mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = {pool.submit(_run_job, j.exp.to_dict(), str(j.dir), trust_imports, plots): j for j in jobs}
+        futures = {pool.submit(_run_job, j.exp.to_dict(), str(j.dir), trust_imports, plots, plot_as): j for j in jobs}
         for k, fut in enumerate(as_completed(futures), 1):
             job = futures[fut]
             fut.result()
@@ -273,17 +279,52 @@ def footnote(spike: dict[str, Any], baseline: str | None = None) -> str:
 
 
 # --- compare -------------------------------------------------------------------------------
+def pick_variants(exps: dict[str, Experiment], names: list[str] | None) -> dict[str, list[str | None]]:
+    """The variants to run of each config (`[None]`: a config with one optimizer): all of them, or those
+    `--variant` names (a variant's name, or its run's name as the tables show it, `<experiment>-<variant>`).
+
+    A name that is no config's variant is refused, naming the variants there are and the closest; so is
+    a name given twice, and a config with variants none of which is named. Nothing is run."""
+    from ..core.transform import did_you_mean
+
+    picked = {path: ([None] if exp.optimizer is not None else list(exp.variants or {})) for path, exp in exps.items()}
+    if names is None:
+        return picked
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--variant: {', '.join(twice)} given twice; name each variant once")
+    known = {path: {v: f"{exp.name}-{v}" for v in exp.variants or {}} for path, exp in exps.items()}
+    every = [v for vs in known.values() for v in vs]
+    if not every:
+        raise ConfigError(f"--variant {' '.join(names)}: {', '.join(exps)} "
+                          f"{'has' if len(exps) == 1 else 'have'} no variants (an optimizer of its own); drop --variant")
+    for n in names:
+        if not any(n in vs or n in vs.values() for vs in known.values()):
+            raise ConfigError(f"--variant {n}: no such variant{did_you_mean(n, every)}; the variants are: "
+                              f"{', '.join(every)}")
+    for path, vs in known.items():
+        if vs:
+            picked[path] = [v for v, full in vs.items() if v in names or full in names]
+            if not picked[path]:
+                raise ConfigError(f"--variant: {path} has none of the variants named ({', '.join(names)}); its "
+                                  f"variants are: {', '.join(vs)}")
+    return picked
+
+
 def plan_compare(configs: list[str], overrides: Any, seeds: list[int] | None, trust_imports: bool,
-                 sources: dict[str, list[str]] | None = None) -> list[tuple[str, Experiment, list[int]]]:
-    """`(label, experiment, seeds)` of every config / variant; every name and seed checked, nothing run.
-    `sources`, when given, receives each config argument's run labels."""
+                 sources: dict[str, list[str]] | None = None, variants: list[str] | None = None
+                 ) -> list[tuple[str, Experiment, list[int]]]:
+    """`(label, experiment, seeds)` of every config / variant (only those `variants` names, when given:
+    `pick_variants`); every name and seed checked, nothing run. `sources`, when given, receives each
+    config argument's run labels."""
     check_seeds(seeds)
     runs = []
     labels: set[str] = set()
+    exps = {path: load_experiment(path, trust_imports) for path in configs}
+    picked = pick_variants(exps, variants)
     for path in configs:
-        exp = load_experiment(path, trust_imports)
-        variants = [None] if exp.optimizer is not None else list(exp.variants or {})
-        for v in variants:
+        exp = exps[path]
+        for v in picked[path]:
             one = exp.select(v)
             if overrides is not None:
                 one = apply_overrides(one, overrides)
@@ -331,10 +372,20 @@ def compare(
     progress: bool = True,
     plots: bool = True,
     command: str | None = None,
+    variants: list[str] | None = None,
+    plot_format: str = "png",
+    plot_dpi: int = DEFAULT_DPI,
 ) -> str:
-    """Run every experiment (every variant of each) over its seeds under `out`; write and return the tables."""
+    """Run every experiment (every variant of each, or those `variants` names) over its seeds under `out`;
+    write and return the tables. The plots are written as `plot_format` at `plot_dpi`."""
+    from .plots import check_format
+
+    try:
+        check_format(plot_format, plot_dpi)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     sources: dict[str, list[str]] = {}
-    planned = plan_compare(configs, overrides, seeds, trust_imports, sources)
+    planned = plan_compare(configs, overrides, seeds, trust_imports, sources, variants)
     if baseline is not None:
         baseline = _check_baseline(baseline, planned, sources)
     check_kind(out, "compare")
@@ -342,7 +393,8 @@ def compare(
     refuse_links(out, [*RUN_FILES, *COMPARE_FILES, *(Path(label) / f"seed-{s}" / f for label, _, ss in planned
                                                      for s in ss for f in RUN_FILES)])
     prepare_dir(out, force=True)
-    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots)
+    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots,
+             plot_as=(plot_format, plot_dpi))
     runs, curves = [], {}
     for label, exp, ss in planned:
         recs = [seed_record(label, s, out / label / f"seed-{s}", exp.task.name, spike_kw) for s in ss]
@@ -359,35 +411,44 @@ def compare(
                 "spike": spike_settings(spike_kw)}
     result = {"schema": SCHEMA, "kind": "compare", "command": command,
               "interval": {"method": METHOD, "level": LEVEL, "min_seeds": MIN_SEEDS}, "spike": resolved["spike"],
-              "baseline": baseline, "runs": runs, PROVENANCE: provenance(resolved)}
+              "baseline": baseline, "plots": {"format": plot_format, "dpi": plot_dpi} if plots else None,
+              "runs": runs, PROVENANCE: provenance(resolved)}
     tables = [summary_table(runs)] + ([baseline_table(runs, baseline)] if baseline is not None else [])
     text = "\n\n".join(markdown(t) for t in tables) + "\n\n" + footnote(result["spike"], baseline)
     write_text(out / "compare.md", text + "\n\n" + provenance_markdown(result[PROVENANCE]) + "\n")
     write_text(out / "compare.json", json.dumps(result, indent=2) + "\n")
-    plot_msg = _compare_plot(out / "compare.png", runs, curves) if plots else None
+    plot = out / f"compare.{plot_format}"
+    for stale in COMPARE_PLOTS:  # an earlier comparison's plot in OUT is not this one's
+        if (out / stale).is_file():
+            (out / stale).unlink()
+    pipes = {label: exp.optimizer.to_dict() for label, exp, _ in planned}
+    plot_msg = _compare_plot(plot, runs, curves, pipes, plot_dpi) if plots else None
     if plot_msg:
         _err(plot_msg)
-    _compare_report(out / "report.html", result, tables, plots)
+    _compare_report(out / "report.html", result, tables, plots, plot)
     written = ", ".join(str(out / f) for f in COMPARE_FILES if (out / f).exists())
     _err(f"modopt compare: wrote {written}")
     return text
 
 
-def _compare_plot(path: Path, runs: list[dict[str, Any]],
-                  curves: dict[str, dict[int, list[dict[str, Any]]]]) -> str | None:
+def _compare_plot(path: Path, runs: list[dict[str, Any]], curves: dict[str, dict[int, list[dict[str, Any]]]],
+                  pipelines: dict[str, dict[str, Any]], dpi: int = DEFAULT_DPI) -> str | None:
+    """The comparison's plot; each legend entry names the run, its pipeline (with the fields that tell
+    it from a run whose pipeline reads the same, `plots.legend_labels`) and its spike count."""
     from .plots import plot_compare_seeds
 
+    described = legend_labels(pipelines)
     names = {}
     for r in runs:
         spikes = r["summary"]["loss_spikes"]
         n = spikes["n"]
         count = (f"{spikes['mean']:g} spike{'' if spikes['mean'] == 1 else 's'}" if n == 1
-                 else f"{spikes['mean']:.3g} spikes, mean of {n} seeds")
-        names[r["name"]] = f"{r['name']}: {r['pipeline']} ({count})"
-    return plot_compare_seeds(path, curves, labels=names)
+                 else f"{spikes['mean']:.3g} spike{'' if spikes['mean'] == 1 else 's'}, mean of {n} seeds")
+        names[r["name"]] = f"{described[r['name']]} ({count})"
+    return plot_compare_seeds(path, curves, dpi, labels=names)
 
 
-def _compare_report(path: Path, result: dict[str, Any], tables: list[Table], plots: bool) -> None:
+def _compare_report(path: Path, result: dict[str, Any], tables: list[Table], plots: bool, plot: Path) -> None:
     from .report import Report
 
     rep = Report("modopt compare", command=result["command"], provenance=result[PROVENANCE])
@@ -400,7 +461,7 @@ def _compare_report(path: Path, result: dict[str, Any], tables: list[Table], plo
     rep.text("Loss spikes: a step whose loss exceeds {factor} × the median of the previous {window} losses and that "
              "median by at least {min_rise}; consecutive spike steps count as one.".format(**result["spike"]))
     rep.heading("Curves")
-    rep.plot(path.parent / "compare.png", "compare.png: the runs' curves", plots=plots)
+    rep.plot(plot, f"{plot.name}: the runs' curves", plots=plots)
     rep.heading("Every seed")
     rep.table(per_seed_table(result["runs"]))
     rep.write(path)

@@ -1,11 +1,17 @@
-"""PNG plots of runs (matplotlib, optional: without it the plots are skipped with a message).
+"""Plots of runs (matplotlib, optional: without it the plots are skipped with a message).
 
 `loss.png` and `grad_norm.png` of one run mark the loss spikes (the count the
 summary reports), the eval loss and the clipped steps; `compare.png` of several
 runs has one panel per metric, each curve smoothed with the raw values faint
-behind it, or over several seeds the mean curve with its interval as a band;
+behind it, or over several seeds the mean curve with its interval as a band
+(from `stats.MIN_SEEDS` seeds on; with fewer, each seed's curve, faint);
 `sweep-<field>.png` is a metric against a swept field's values, with interval
-bars. Legends sit outside the axes, so they never cover the data.
+bars. Legends sit outside the axes, so they never cover the data. On a log
+axis the y limits come from the curves, never from a band: a wide interval is
+clipped at the axes instead of stretching them over decades.
+
+Every plot is written as PNG, SVG or PDF (`FORMATS`, the file's suffix) at a
+print resolution (`DEFAULT_DPI`; the PNG records it in its `pHYs` chunk).
 """
 
 from __future__ import annotations
@@ -17,6 +23,93 @@ from typing import Any, Sequence
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install 'torch-modopt[plot]')"
 
 SERIES_NAMES = {"loss": "train loss", "eval_loss": "eval loss"}
+
+#: the file formats a plot can be written in (`--format`); the first is the default
+FORMATS = ("png", "svg", "pdf")
+#: the resolution of a plot (`--dpi`): print quality (a 9-inch wide figure is 1800 pixels wide)
+DEFAULT_DPI = 200
+#: the resolutions `--dpi` accepts: below 50 the text is unreadable, above 600 a PNG runs to tens of megabytes
+DPI_RANGE = (50, 600)
+#: the fraction of the curves' (log) range left free above and below them
+MARGIN = 0.06
+
+
+def _is_transform(x: Any) -> bool:
+    return isinstance(x, dict) and isinstance(x.get("type"), str)
+
+
+def describe_pipeline(pipeline: dict[str, Any]) -> str:
+    """A pipeline's transforms in order, a container's own in parentheses: `Masked(AdamW) -> Masked(Muon)`.
+
+    `pipeline` is a pipeline config as plain data (`PipelineConfig.to_dict()`). Naming what a `Masked`
+    holds is what tells two Muon variants apart, where the outer names alone read `Masked -> Masked`."""
+
+    def one(t: dict[str, Any]) -> str:
+        inner = [x for v in t.values() if isinstance(v, list) for x in v if _is_transform(x)]
+        inner += [v for v in t.values() if _is_transform(v)]
+        return f"{t['type']}({' -> '.join(map(one, inner))})" if inner else t["type"]
+
+    return " -> ".join(one(t) for t in pipeline.get("transforms", []) if _is_transform(t))
+
+
+def _fields(pipeline: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """`{dotted config path: (Type.field, value)}` of every field of every transform, nested ones too."""
+    out: dict[str, tuple[str, Any]] = {}
+
+    def walk(t: dict[str, Any], path: str) -> None:
+        for k, v in t.items():
+            if k == "type":
+                continue
+            if isinstance(v, list) and v and all(_is_transform(x) for x in v):
+                for j, x in enumerate(v):
+                    walk(x, f"{path}.{k}.{j}")
+            elif _is_transform(v):
+                walk(v, f"{path}.{k}")
+            else:
+                out[f"{path}.{k}"] = (f"{t['type']}.{k}", v)
+
+    for i, t in enumerate(pipeline.get("transforms", [])):
+        if _is_transform(t):
+            walk(t, f"transforms.{i}")
+    for k, v in pipeline.items():
+        if k != "transforms":
+            out[k] = (k, v)
+    return out
+
+
+def _short(value: Any, width: int = 32) -> str:
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def legend_labels(pipelines: dict[str, dict[str, Any]], shown: int = 3) -> dict[str, str]:
+    """A legend entry per run that tells the runs apart: `name: Masked(AdamW) -> Masked(Muon)`.
+
+    `pipelines` maps each run's (unique) name to its pipeline as plain data. Runs whose pipelines read
+    the same (`describe_pipeline`) also get the fields in which they differ, `[QKClip.logits=rewritten]`
+    (at most `shown`, then `+k more`; a field is named by its config path where `Type.field` is
+    ambiguous). The name comes first, so two runs never share an entry.
+    """
+    text = {name: describe_pipeline(p) for name, p in pipelines.items()}
+    fields = {name: _fields(p) for name, p in pipelines.items()}
+    labels = {}
+    for name in pipelines:
+        same = [n for n in pipelines if text[n] == text[name]]
+        extra = ""
+        if len(same) > 1:
+            paths = sorted({path for n in same for path in fields[n]})
+            differ = [path for path in paths
+                      if len({_short(fields[n].get(path, (None, None))[1], 10**6) for n in same}) > 1]
+            short = [fields[name].get(path, (path, None))[0] for path in differ]
+            parts = [f"{s if short.count(s) == 1 else path}={_short(fields[name].get(path, (None, None))[1])}"
+                     for s, path in zip(short, differ)]
+            if parts:
+                more = f", +{len(parts) - shown} more" if len(parts) > shown else ""
+                extra = f" [{', '.join(parts[:shown])}{more}]"
+        labels[name] = f"{name}: {text[name] or 'no transforms'}{extra}"
+    return labels
 
 
 def _pyplot():
@@ -30,15 +123,38 @@ def _pyplot():
     return plt
 
 
+def check_format(fmt: str, dpi: int) -> None:
+    """Refuse a plot format not in `FORMATS` or a dpi outside `DPI_RANGE` (a `ValueError` naming it)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"plot format {fmt!r}: not one of {', '.join(FORMATS)}")
+    if isinstance(dpi, bool) or not isinstance(dpi, int) or not DPI_RANGE[0] <= dpi <= DPI_RANGE[1]:
+        raise ValueError(f"plot dpi {dpi!r}: must be an integer {DPI_RANGE[0]}..{DPI_RANGE[1]}")
+
+
 def _save(plt, fig, path: Path, dpi: int) -> None:
-    """Write `fig` as a PNG to `path` without following a link there (`outfiles.open_out`), and close it."""
+    """Write `fig` to `path` in the format its suffix names (`FORMATS`) without following a link there
+    (`outfiles.open_out`), and close it."""
     from .outfiles import open_out
 
+    fmt = path.suffix.lstrip(".").lower()
     try:
+        check_format(fmt, dpi)
         with open_out(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
+            # (tight: the figure grows to hold a legend below it, whatever its labels' length)
+            fig.savefig(f, format=fmt, dpi=dpi, bbox_inches="tight", pad_inches=0.15)
     finally:
         plt.close(fig)
+
+
+def _log_limits(values: Sequence[float]) -> tuple[float, float] | None:
+    """The y limits of a log axis around the positive `values`, `MARGIN` of their log range free on each
+    side (at least a factor 1.05 when they are all about equal); None without a positive value."""
+    pos = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    if not pos:
+        return None
+    lo, hi = math.log(min(pos)), math.log(max(pos))
+    pad = max(MARGIN * (hi - lo), math.log(1.05))
+    return math.exp(lo - pad), math.exp(hi + pad)
 
 
 def smooth(values: Sequence[float | None], window: int) -> list[float | None]:
@@ -66,6 +182,29 @@ def _xy(steps: Sequence[int], values: Sequence[float | None]) -> tuple[list[int]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _figure_legend(fig, ax, width: int = 100) -> None:
+    """The legend of `ax`'s curves under the whole figure (`_save` grows the figure to hold it): a long
+    entry wrapped at `width` characters, one column when an entry is long, else two."""
+    import textwrap
+
+    fig.tight_layout()
+    handles, names = ax.get_legend_handles_labels()
+    names = [textwrap.fill(n, width, subsequent_indent="    ") for n in names]
+    ncol = 1 if max(map(len, names), default=0) > 45 else min(2, len(names)) or 1
+    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8, frameon=False)
+
+
+def _plain_log_ticks(ax) -> None:
+    """On a log y axis spanning less than a decade, tick labels as plain numbers (2.75, not 2.75 x 10^0)."""
+    from matplotlib.ticker import FuncFormatter
+
+    lo, hi = ax.get_ylim()
+    if lo > 0 and hi / lo < 10:
+        plain = FuncFormatter(lambda v, _: f"{v:.3g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+
+
 def _legend_below(ax, ncol: int) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, fontsize=8, frameon=False)
 
@@ -84,8 +223,10 @@ def plot_run(
     *,
     pipeline: str | None = None,
     summary: dict[str, Any] | None = None,
+    fmt: str = "png",
+    dpi: int = DEFAULT_DPI,
 ) -> str | None:
-    """`loss.png` and `grad_norm.png` in `out`; returns a message when skipped.
+    """`loss.<fmt>` and `grad_norm.<fmt>` in `out` (`fmt` one of `FORMATS`); returns a message when skipped.
 
     `pipeline` (e.g. `"ZClip -> Adam"`) goes in the title; `summary` (from
     `summarize`) gives the loss-spike steps and the series they are counted on.
@@ -98,7 +239,9 @@ def plot_run(
     series = summary.get("spike_series", "loss")
     steps = [m["step"] for m in metrics]
     by_step = {m["step"]: m for m in metrics}
-    heading = f"{title}: {pipeline}" if pipeline else title
+    import textwrap
+
+    heading = textwrap.fill(f"{title}: {pipeline}" if pipeline else title, 95)
     n_spikes = f"{len(spikes)} loss spike{'s' if len(spikes) != 1 else ''} (on the {SERIES_NAMES.get(series, series)})"
     clipped = [m["step"] for m in metrics if m["clipped"]]
 
@@ -126,9 +269,10 @@ def plot_run(
     ax.set_ylabel("loss")
     ax.set_title(f"{heading}\n{n_spikes}, {len(clipped)} of {len(steps)} steps clipped", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
+    _plain_log_ticks(ax)
     _legend_below(ax, 3)
     fig.tight_layout()
-    _save(plt, fig, out / "loss.png", 100)
+    _save(plt, fig, out / f"loss.{fmt}", dpi)
 
     fig, ax = plt.subplots(figsize=(8, 4.4))
     pre = [m["grad_norm"] for m in metrics]
@@ -143,9 +287,10 @@ def plot_run(
     ax.set_ylabel("global L2 norm")
     ax.set_title(f"{heading}\ngradient norm before and after the pipeline's clipping", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
+    _plain_log_ticks(ax)
     _legend_below(ax, 2)
     fig.tight_layout()
-    _save(plt, fig, out / "grad_norm.png", 100)
+    _save(plt, fig, out / f"grad_norm.{fmt}", dpi)
     return None
 
 
@@ -163,11 +308,12 @@ def _compare_panels(plt, has_eval: bool, eval_every_step: bool):
 def plot_compare(
     path: Path,
     runs: dict[str, list[dict[str, Any]]],
-    dpi: int = 100,
+    dpi: int = DEFAULT_DPI,
     *,
     labels: dict[str, str] | None = None,
 ) -> str | None:
-    """Several runs in one PNG: a panel per metric (train loss, eval loss, gradient norm).
+    """Several runs in one figure (`path`'s suffix its format): a panel per metric (train loss, eval loss,
+    gradient norm).
 
     Each curve is smoothed over `max(3, steps // 30)` steps with its raw values
     faint behind it. The eval-loss panel is drawn when the runs evaluate; when
@@ -200,21 +346,22 @@ def plot_compare(
     n = max((len(ms) for ms in runs.values()), default=0)
     axes[0, 0].set_title(f"faint: raw values; solid: smoothed over {_window(n)} steps (log scale)", fontsize=9)
     axes[-1, 0].set_xlabel("step")
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=2 if len(names) > 2 else len(names) or 1,
-               fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.025 * ((len(names) + 1) // 2) + 0.015, 1, 1))
+    for ax in axes[:, 0]:
+        _plain_log_ticks(ax)
+    _figure_legend(fig, axes[0, 0])
     _save(plt, fig, path, dpi)
     return None
 
 
-def _seed_band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float], list[float | None], list[float | None]]:
+def _seed_band(per_seed: list[dict[int, float]], min_seeds: int = 2
+               ) -> tuple[list[int], list[float], list[float | None], list[float | None]]:
     """Steps, geometric mean and its 95% t interval over seeds of `{step: value}` curves.
 
     At each step the statistics are taken over the logarithms of the seeds'
     positive values (`stats.interval`) and brought back with `exp`: the curve
     is the geometric mean, which suits a log axis, and the band never crosses
-    zero. Where fewer than two seeds have a value, the band is None.
+    zero. Where fewer than `min_seeds` seeds (and at least two) have a value,
+    or the values are all equal, the band is None.
     """
     from .stats import interval
 
@@ -227,28 +374,37 @@ def _seed_band(per_seed: list[dict[int, float]]) -> tuple[list[int], list[float]
         iv = interval(logs)
         xs.append(s)
         mid.append(math.exp(iv["mean"]))
-        low.append(None if iv["low"] is None else math.exp(iv["low"]))
-        high.append(None if iv["high"] is None else math.exp(iv["high"]))
+        banded = iv["low"] is not None and len(logs) >= min_seeds
+        low.append(math.exp(iv["low"]) if banded else None)
+        high.append(math.exp(iv["high"]) if banded else None)
     return xs, mid, low, high
 
 
 def plot_compare_seeds(
     path: Path,
     runs: dict[str, dict[int, list[dict[str, Any]]]],
-    dpi: int = 100,
+    dpi: int = DEFAULT_DPI,
     *,
     labels: dict[str, str] | None = None,
 ) -> str | None:
-    """Several runs over seeds in one PNG: the panels of `plot_compare`, a curve and a band per run.
+    """Several runs over seeds in one figure: the panels of `plot_compare`, a curve per run with its
+    band or its seeds.
 
     `runs` maps a run to `{seed: metrics rows}`. Each seed's curve is smoothed
     as in `plot_compare` (over `max(3, steps // 30)` steps when it has more
     than 50 points); the solid curve is the geometric mean of the smoothed
-    curves over the seeds, the band its 95% Student-t interval (`_seed_band`).
+    curves over the seeds. A run with `stats.MIN_SEEDS` seeds or more gets the
+    mean's 95% Student-t interval as a band (`_seed_band`); with fewer (too few
+    for an interval, as in the tables) each seed's curve is drawn faint instead.
+    The y limits come from the seeds' curves and the means (with a margin), and
+    a band is clipped to them: its lower edge never reaches zero or below, and
+    a wide interval from few seeds cannot stretch the log axis over decades.
     When every run has one seed there is no band: this is `plot_compare`.
     """
     if all(len(seeds) == 1 for seeds in runs.values()):
         return plot_compare(path, {k: next(iter(v.values())) for k, v in runs.items()}, dpi, labels=labels)
+    from .stats import MIN_SEEDS
+
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB
@@ -258,9 +414,12 @@ def plot_compare_seeds(
     eval_every_step = has_eval and all(all("eval_loss" in m for m in ms) for seeds in runs.values() for ms in seeds.values())
     panels, fig, axes, colors = _compare_panels(plt, has_eval, eval_every_step)
     n_max = 0
+    drawn: dict[int, list[float]] = {}  # panel -> every value of a curve drawn in it (the y limits)
+    bands: dict[int, list[tuple[Any, list, list, list]]] = {}  # panel -> (colour, xs, low, high)
+    kinds = set()
     for k, (label, seeds) in enumerate(runs.items()):
         c = colors[k % len(colors)]
-        for ax, (key, _) in zip(axes[:, 0], panels):
+        for i, (ax, (key, _)) in enumerate(zip(axes[:, 0], panels)):
             curves = []
             for metrics in seeds.values():
                 pts = [(m["step"], m.get(key)) for m in metrics if key in m]
@@ -272,24 +431,51 @@ def plot_compare_seeds(
                 curves.append(dict(zip(xs, ys)))
             if not curves:
                 continue
-            xs, mid, low, high = _seed_band(curves)
+            xs, mid, low, high = _seed_band(curves, MIN_SEEDS)
             ax.plot(xs, mid, "-" if len(xs) > 50 else "o-", ms=3.5, lw=1.5, color=c, label=labels.get(label, label))
-            band = [(x, lo, hi) for x, lo, hi in zip(xs, low, high) if lo is not None]
-            if band:
-                bx, blo, bhi = zip(*band)
-                ax.fill_between(bx, blo, bhi, color=c, alpha=0.2, lw=0)
-    for ax, (key, name) in zip(axes[:, 0], panels):
+            drawn.setdefault(i, []).extend(mid)
+            if len(curves) >= MIN_SEEDS:
+                kinds.add("band")
+                bands.setdefault(i, []).append((c, xs, low, high))
+            elif len(curves) > 1:
+                kinds.add("seeds")
+                for curve in curves:
+                    sx, sy = _xy(sorted(curve), [curve[x] for x in sorted(curve)])
+                    ax.plot(sx, sy, lw=0.7, alpha=0.35, color=c)
+                    drawn[i].extend(sy)
+            # a band's y limits come from its seeds' curves, not from the interval's edges
+            if len(curves) >= MIN_SEEDS:
+                drawn[i].extend(v for curve in curves for v in curve.values() if v is not None)
+    clipped = False
+    for i, (ax, (key, name)) in enumerate(zip(axes[:, 0], panels)):
         ax.set_yscale("log")
+        limits = _log_limits(drawn.get(i, []))
+        if limits is not None:
+            ax.set_ylim(*limits)
+        for c, xs, low, high in bands.get(i, []):
+            band = [(x, lo, hi) for x, lo, hi in zip(xs, low, high) if lo is not None]
+            if not band:
+                continue
+            bx, blo, bhi = zip(*band)
+            if limits is not None:  # within the axes: a positive floor below, the top above
+                clipped = clipped or min(blo) < limits[0] or max(bhi) > limits[1]
+                blo = [max(v, limits[0]) for v in blo]
+                bhi = [min(v, limits[1]) for v in bhi]
+            ax.fill_between(bx, blo, bhi, color=c, alpha=0.2, lw=0)
         ax.set_ylabel(name)
         ax.grid(True, which="major", alpha=0.3)
     smoothing = f"each seed smoothed over {_window(n_max)} steps; " if n_max > 50 else ""
-    axes[0, 0].set_title(f"solid: geometric mean over seeds ({smoothing}log scale); band: 95% Student-t interval",
+    how = []
+    if "band" in kinds:
+        how.append("band: 95% Student-t interval" + (" (clipped at the axes)" if clipped else ""))
+    if "seeds" in kinds:
+        how.append(f"faint: each seed (fewer than {MIN_SEEDS} seeds: too few for an interval)")
+    axes[0, 0].set_title(f"solid: geometric mean over seeds ({smoothing}log scale); " + "; ".join(how),
                          fontsize=9)
     axes[-1, 0].set_xlabel("step")
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    ncol = 1 if max(map(len, names), default=0) > 60 else min(2, len(names)) or 1
-    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.025 * -(-len(names) // ncol) + 0.015, 1, 1))
+    for ax in axes[:, 0]:
+        _plain_log_ticks(ax)
+    _figure_legend(fig, axes[0, 0])
     _save(plt, fig, path, dpi)
     return None
 
@@ -303,16 +489,19 @@ def plot_sweep(
     field: str,
     metric: str,
     lines: dict[str, list[tuple[Any, dict[str, Any]]]],
-    dpi: int = 100,
+    dpi: int = DEFAULT_DPI,
 ) -> str | None:
     """A metric against the values of one swept field: a line per setting of the other fields.
 
     `lines` maps a legend entry ("" for the only line) to `(value, interval)`
     points, the interval from `stats.interval` over the seeds: the marker is the
-    mean, the bar its 95% Student-t interval (none with one seed). Numeric values
+    mean, the bar its 95% Student-t interval, drawn where the tables print one (`stats.MIN_SEEDS`
+    seeds or more whose values differ). Numeric values
     sit on a numeric axis (logarithmic when they are positive and span a factor
     of 10 or more); other values (names, booleans) are evenly spaced in order.
     """
+    from .stats import MIN_SEEDS, _status
+
     plt = _pyplot()
     if plt is None:
         return NO_MATPLOTLIB
@@ -327,7 +516,7 @@ def plot_sweep(
     if log_x:
         ax.set_xscale("log")
     span = (math.log10(max(values) / min(values)) if log_x else (max(values) - min(values)) or 1.0) if numeric else 1.0
-    one_seed = True
+    bars = few = False
     for k, (label, pts) in enumerate(lines.items()):
         pts = [(v, iv) for v, iv in pts if iv["mean"] is not None]
         if not pts:
@@ -336,15 +525,23 @@ def plot_sweep(
         shift = 0.015 * span * (k - (len(lines) - 1) / 2)
         xs = [(v * 10**shift if log_x else v + shift) if numeric else order.index(v) + shift for v, _ in pts]
         ys = [iv["mean"] for _, iv in pts]
-        err = [iv["half_width"] or 0.0 for _, iv in pts]
-        one_seed = one_seed and all(iv["half_width"] is None for _, iv in pts)
-        ax.errorbar(xs, ys, yerr=err, fmt="o-", ms=5, capsize=4, lw=1.4, label=label or None)
+        # a bar only where the tables print an interval (MIN_SEEDS seeds that differ): the width of a
+        # "too few" interval rests on an sd from 2-4 values and would read as resolved
+        shown = [(iv.get("status") or _status(iv)) == "interval" for _, iv in pts]
+        err = [iv["half_width"] if ok else 0.0 for (_, iv), ok in zip(pts, shown)]
+        bars = bars or any(shown)
+        few = few or any((iv.get("status") or _status(iv)) == "too_few" for _, iv in pts)
+        ax.errorbar(xs, ys, yerr=err if any(shown) else None, fmt="o-", ms=5, capsize=4, lw=1.4, label=label or None)
     ticks = order if numeric else list(range(len(order)))
     ax.set_xticks(ticks, [f"{v:g}" if numeric else str(v) for v in order])
     ax.minorticks_off()
     ax.set_xlabel(field)
     ax.set_ylabel(metric)
-    how = "one seed: no intervals" if one_seed else "bars: 95% Student-t interval of the mean over seeds"
+    how = "bars: 95% Student-t interval of the mean over seeds" if bars else "no intervals"
+    if few:
+        how += f"; no bar where fewer than {MIN_SEEDS} seeds (too few for an interval)"
+    elif not bars:
+        how += " (one seed, or equal values)"
     ax.set_title(f"{metric} against {field}\nmarkers: mean over seeds; {how}", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     if any(lines):

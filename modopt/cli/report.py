@@ -1,7 +1,7 @@
 """`report.html` of `modopt compare` and `modopt sweep`: one self-contained file.
 
-The tables are HTML tables, the plots PNG files embedded as base64 `data:`
-URIs, the style inline: no external asset, no script, nothing fetched, so the
+The tables are HTML tables, the plots PNG (or SVG) files embedded as base64
+`data:` URIs (a PDF plot is linked: browsers do not show one inline), the style inline: no external asset, no script, nothing fetched, so the
 file reads the same offline, attached to a mail or archived. Without
 matplotlib the report holds the tables and says that the plots need it. Its
 head is the command line and the provenance block of the result
@@ -42,8 +42,8 @@ class Report:
 
         self.title = title
         self.blocks: list[str] = []
-        self.provenance = provenance if provenance is not None else build()
-        self.meta = ([f"command: {command}"] if command else []) + describe(self.provenance)
+        self.provenance: dict[str, Any] = provenance if provenance is not None else build()
+        self.meta: list[str] = ([f"command: {command}"] if command else []) + describe(self.provenance)
 
     def heading(self, text: str) -> None:
         """Add a section heading."""
@@ -62,10 +62,17 @@ class Report:
         self.blocks.append('<div class="scroll"><table>\n' + "\n".join(rows) + "\n</table></div>")
 
     def plot(self, png: Path, alt: str, *, plots: bool = True) -> None:
-        """Embed the PNG `png`; when it was not drawn, say why (plots off, or matplotlib missing)."""
-        if png.is_file():
+        """Embed the plot `png` (a PNG or SVG file, as a `data:` URI); a PDF, which a browser does not show
+        inline, is named with a link beside the report. When it was not drawn, say why (plots off, or
+        matplotlib missing)."""
+        kind = {".png": "image/png", ".svg": "image/svg+xml"}.get(png.suffix.lower())
+        if png.is_file() and kind is None:
+            self.blocks.append(f'<p class="note">{html.escape(alt)}: written as PDF beside this report, '
+                               f'<a href="{html.escape(png.name)}">{html.escape(png.name)}</a> (a browser does not '
+                               'show a PDF inline; --format png or svg embeds the plot here).</p>')
+        elif png.is_file():
             data = base64.b64encode(png.read_bytes()).decode("ascii")
-            self.blocks.append(f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></p>')
+            self.blocks.append(f'<p><img alt="{html.escape(alt)}" src="data:{kind};base64,{data}"></p>')
         elif not plots:
             self.text(f"{png.name}: not drawn (plots were turned off with --no-plots).", note=True)
         else:

@@ -9,7 +9,7 @@ A run directory holds:
   config and seed give byte-identical `metrics.jsonl`);
 * `summary.json`: final/best loss, loss spikes, % of steps clipped, time per step,
   and the provenance block;
-* `loss.png`, `grad_norm.png` (with matplotlib);
+* `loss.png`, `grad_norm.png` (with matplotlib; `.svg` or `.pdf` with `--format`);
 * `checkpoint.pt`: model, optimizer, RNG state and step; `--resume` continues from it.
 
 `--resume` checks the directory before it changes anything in it: a torn last
@@ -46,11 +46,14 @@ from ..rewind import Rewind, RewindEvent
 from ..telemetry import History
 from .experiment import Experiment, experiment_from_data
 from .outfiles import open_out, refuse_links, write_text
+from .plots import DEFAULT_DPI, FORMATS
 from .provenance import KEY as PROVENANCE
 from .provenance import provenance, yaml_comment
 from .tasks import machine_memory, make_task
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", "loss.png", "grad_norm.png",
+#: a run's plots, in every format (`--format`): a run with --force clears, and refuses a link at, each of them
+PLOT_FILES = tuple(f"{name}.{fmt}" for name in ("loss", "grad_norm") for fmt in FORMATS)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json", "checkpoint.pt", *PLOT_FILES,
              "tensorboard")
 
 #: loss spikes: a step whose loss exceeds `SPIKE_FACTOR` x the median of the previous
@@ -638,6 +641,8 @@ def run_experiment(
     force: bool | None = None,
     saved: Experiment | None = None,
     announce: str | None = None,
+    plot_format: str = "png",
+    plot_dpi: int = DEFAULT_DPI,
 ) -> dict[str, Any]:
     """Train `exp` (one optimizer) writing the run directory `out`; return the summary.
 
@@ -662,13 +667,21 @@ def run_experiment(
     to `exp` once the checks pass. A run is not shortened below its
     checkpoint's step, nor is the length of a run whose schedule depends on it
     changed. `announce`: a line `log` gets once the task and optimizer are
-    built (a refused start shows its error alone).
+    built (a refused start shows its error alone). `plot_format`, `plot_dpi`:
+    the plots' file format (`plots.FORMATS`) and resolution.
     """
+    from .plots import check_format
+
+    try:
+        check_format(plot_format, plot_dpi)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     out = Path(out)
     refuse_links(out, RUN_FILES)  # before anything is built or written
     wrote = {"dir": False, "files": False}
     try:
-        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved, announce)
+        return _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved, announce,
+                    (plot_format, plot_dpi))
     except RunInterrupted:
         raise
     except Exception:
@@ -723,7 +736,7 @@ def _check_length(exp: Experiment, saved: Experiment | None, out: Path, start: i
 
 
 def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, force, wrote, saved=None,
-         announce=None) -> dict[str, Any]:
+         announce=None, plot_as=("png", DEFAULT_DPI)) -> dict[str, Any]:
     if exp.optimizer is None:
         raise ConfigError("run_experiment needs an experiment with a single optimizer (select a variant)")
     tr = exp.train
@@ -861,10 +874,10 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
     summary[PROVENANCE] = provenance(exp.to_dict(), used=_devices(model))
     write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if plots if plots is not None else exp.output.plots:
-        from .plots import plot_run
+        from .plots import describe_pipeline, plot_run
 
-        pipeline = " -> ".join(type(t).__name__ for t in exp.optimizer.transforms)
-        msg = plot_run(out, metrics, exp.name, pipeline=pipeline, summary=summary)
+        pipeline = describe_pipeline(exp.optimizer.to_dict())
+        msg = plot_run(out, metrics, exp.name, pipeline=pipeline, summary=summary, fmt=plot_as[0], dpi=plot_as[1])
         if msg:
             log(msg)
     return summary

@@ -33,12 +33,13 @@ import yaml
 from ..config import ConfigError
 from ..core.configfile import load_yaml
 from .compare import (
-    METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pipeline_text,
-    run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
+    METRICS, SCHEMA, TABLE, Job, Table, check_seeds, footnote, markdown, over_seeds, per_seed_table, pick_variants,
+    pipeline_text, run_jobs, seed_record, seeded, seeds_of, spike_settings, summary_cells,
 )
 from .experiment import (INT64_MAX, NAME_MAX, SWEEP_MAX_RUNS, Experiment, apply_overrides, experiment_from_data,
                          load_experiment)
 from .outfiles import refuse_links, write_text
+from .plots import DEFAULT_DPI, FORMATS
 from .provenance import KEY as PROVENANCE
 from .provenance import markdown as provenance_markdown
 from .provenance import provenance
@@ -193,15 +194,16 @@ def plan_sweep(exp: Experiment, grid: list[tuple[str, list[Any], list[str]]], tr
     return points
 
 
-def _check_size(grid: list[tuple[str, list[Any], list[str]]], n_seeds: int, max_runs: int) -> None:
+def _check_size(grid: list[tuple[str, list[Any], list[str]]], n_seeds: int, max_runs: int, n_variants: int = 1) -> None:
     """Refuse a sweep of more than `max_runs` runs, saying how many the grid makes."""
     sizes = [len(v) for _, v, _ in grid]
     points = math.prod(sizes)
-    runs = points * n_seeds
+    runs = points * n_seeds * n_variants
     if runs > max_runs:
         shape = " x ".join(map(str, sizes)) + (f" = {points}" if len(sizes) > 1 else "")
+        variants = f" x {n_variants} variants" if n_variants > 1 else ""
         raise ConfigError(
-            f"--grid: {shape} grid points x {n_seeds} seed{'s' if n_seeds != 1 else ''} = {runs} runs, more than "
+            f"--grid: {shape} grid points{variants} x {n_seeds} seed{'s' if n_seeds != 1 else ''} = {runs} runs, more than "
             f"the {max_runs} a sweep runs without --max-runs; nothing was checked, run or written (narrow the "
             f"grid, or pass --max-runs {runs} to run them all)")
 
@@ -227,7 +229,7 @@ def sweep(
     grid_specs: list[str],
     out: Path,
     *,
-    variant: str | None = None,
+    variant: str | list[str] | None = None,
     overrides: Any = None,
     seeds: list[int] | None = None,
     jobs: int = 1,
@@ -238,22 +240,43 @@ def sweep(
     plots: bool = True,
     command: str | None = None,
     max_runs: int = MAX_RUNS,
+    plot_format: str = "png",
+    plot_dpi: int = DEFAULT_DPI,
 ) -> str:
     """Run the grid × seeds of `config` under `out` (reusing finished runs); write and return the table.
 
-    A sweep of more than `max_runs` runs (grid points x seeds) is refused before any point is checked."""
+    `variant`: the variant of a config with variants, or a list of them (`--variant A B`): the grid is
+    then run for each, its points labelled `variant=A,...`. A sweep of more than `max_runs` runs (grid
+    points x variants x seeds) is refused before any point is checked. The plots are written as
+    `plot_format` at `plot_dpi`."""
+    from .plots import check_format
+
     if metric not in METRICS:
         raise ConfigError(f"--metric {metric}: not a metric; one of {', '.join(METRICS)}")
+    try:
+        check_format(plot_format, plot_dpi)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check_seeds(seeds)
     if not grid_specs:
         raise ConfigError("give at least one --grid PATH=V1,V2,...")
     grid = parse_grid(grid_specs)
-    exp = load_experiment(config, trust_imports).select(variant)
+    names = [variant] if isinstance(variant, str) else variant
+    loaded = load_experiment(config, trust_imports)
+    chosen = pick_variants({str(config): loaded}, list(names))[str(config)] if names else [None]
+    exps = {v: loaded.select(v) for v in chosen}
     if overrides is not None:
-        exp = apply_overrides(exp, overrides)
+        exps = {v: apply_overrides(e, overrides) for v, e in exps.items()}
+    exp = next(iter(exps.values()))
+    several = len(exps) > 1
     ss = seeds_of(exp, seeds, getattr(overrides, "seed", None))
-    _check_size(grid, len(ss), max_runs)
-    points = plan_sweep(exp, grid, trust_imports)
+    _check_size(grid, len(ss), max_runs, len(exps))
+    points = []
+    for v, e in exps.items():
+        for pt in plan_sweep(e, grid, trust_imports):
+            if several:  # the variant is the grid's first dimension
+                pt.update(variant=v, label=f"variant={v},{pt['label']}", dir=_dirname(f"variant={v},{pt['label']}"))
+            points.append(pt)
     check_kind(out, "sweep")
     refuse_links(out, [*_sweep_files(grid), *(Path(pt["dir"]) / f"seed-{s}" / f for pt in points for s in ss
                                               for f in RUN_FILES)])
@@ -268,39 +291,51 @@ def sweep(
                 todo.append(job)
     _err(f"modopt sweep: {len(points)} grid points x {len(ss)} seeds = {len(points) * len(ss)} runs: "
          f"{len(todo)} to run, {reused} finished already (reused)")
-    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots, tool="sweep")
+    run_jobs(todo, n_jobs=jobs, trust_imports=trust_imports, progress=progress, plots=plots, tool="sweep",
+             plot_as=(plot_format, plot_dpi))
     for pt in points:
         recs = [seed_record(pt["label"], s, out / pt["dir"] / f"seed-{s}", pt["exp"].task.name, spike_kw)[0] for s in ss]
         pt.update(seeds=ss, per_seed=recs, summary=over_seeds(recs))
     resolved = {"experiment": exp.to_dict(), "grid": [{"path": p, "values": v} for p, v, _ in grid], "seeds": ss,
                 "metric": metric, "spike": spike_settings(spike_kw)}
+    if several:
+        del resolved["experiment"]
+        resolved = {"experiments": {v: e.to_dict() for v, e in exps.items()}, **resolved}
     result = {
-        "schema": SCHEMA, "kind": "sweep", "command": command, "config": str(config), "variant": variant,
-        "pipeline": pipeline_text(exp), "grid": resolved["grid"], "seeds": ss, "metric": metric,
+        "schema": SCHEMA, "kind": "sweep", "command": command, "config": str(config),
+        "variant": None if several else chosen[0], "variants": chosen if names else None,
+        "pipeline": {v: pipeline_text(e) for v, e in exps.items()} if several else pipeline_text(exp),
+        "grid": resolved["grid"], "seeds": ss, "metric": metric,
         "interval": {"method": METHOD, "level": LEVEL, "min_seeds": MIN_SEEDS}, "spike": resolved["spike"],
-        "points": [{"label": p["label"], "dir": str(out / p["dir"]), "values": p["values"], "seeds": p["seeds"],
-                    "summary": p["summary"], "per_seed": p["per_seed"]} for p in points],
+        "plots": {"format": plot_format, "dpi": plot_dpi} if plots else None,
+        "points": [{"label": p["label"], **({"variant": p["variant"]} if several else {}), "dir": str(out / p["dir"]),
+                    "values": p["values"], "seeds": p["seeds"], "summary": p["summary"], "per_seed": p["per_seed"]}
+                   for p in points],
         PROVENANCE: provenance(resolved),
     }
     table = sweep_table(grid, points, metric)
     text = markdown(table) + "\n\n" + footnote(result["spike"])
     write_text(out / "sweep.md", text + "\n\n" + provenance_markdown(result[PROVENANCE]) + "\n")
     write_text(out / "sweep.json", json.dumps(result, indent=2) + "\n")
-    pngs = _sweep_plots(out, grid, points, metric) if plots else {}
-    _sweep_report(out / "report.html", result, table, pngs, grid, plots)
+    for stale in _sweep_files(grid):  # an earlier sweep's plots in another format are not this one's
+        if stale.startswith("sweep-") and (out / stale).is_file():
+            (out / stale).unlink()
+    pngs = _sweep_plots(out, grid, points, metric, plot_format, plot_dpi) if plots else {}
+    _sweep_report(out / "report.html", result, table, pngs, grid, plots, plot_format)
     written = ", ".join(str(out / f) for f in ("sweep.md", "sweep.json", *pngs, "report.html") if (out / f).exists())
     _err(f"modopt sweep: wrote {written}")
     return text
 
 
-def _plot_name(short: str) -> str:
-    return f"sweep-{_dirname(short)}.png"
+def _plot_name(short: str, fmt: str = "png") -> str:
+    return f"sweep-{_dirname(short)}.{fmt}"
 
 
 def _sweep_files(grid: list[tuple[str, list[Any], list[str]]]) -> list[str]:
-    """The files a sweep writes into OUT (beside a directory per grid point)."""
+    """The files a sweep writes into OUT (beside a directory per grid point): its plots in any of the
+    formats (`--format` picks one)."""
     short = _short_names([p for p, _, _ in grid])
-    return ["sweep.md", "sweep.json", *(_plot_name(short[p]) for p, _, _ in grid), "report.html"]
+    return ["sweep.md", "sweep.json", *(_plot_name(short[p], f) for p, _, _ in grid for f in FORMATS), "report.html"]
 
 
 def _columns(metric: str) -> tuple[str, ...]:
@@ -313,14 +348,17 @@ def sweep_table(grid: list[tuple[str, list[Any], list[str]]], points: list[dict[
     over the seeds (`metric` first when it is not one of the usual columns)."""
     short = _short_names([p for p, _, _ in grid])
     cols = _columns(metric)
-    head = [*(short[p] for p, _, _ in grid), "seeds", *(METRICS[k][0] for k in cols)]
-    body = [[*(p["raw"][path] for path, _, _ in grid), str(len(p["seeds"])), *summary_cells(p["summary"], cols)]
-            for p in points]
+    several = any("variant" in p for p in points)  # a sweep of several variants: their names first
+    head = [*(["variant"] if several else []), *(short[p] for p, _, _ in grid), "seeds", *(METRICS[k][0] for k in cols)]
+    body = [[*([p["variant"]] if several else []), *(p["raw"][path] for path, _, _ in grid), str(len(p["seeds"])),
+             *summary_cells(p["summary"], cols)] for p in points]
     return head, body
 
 
-def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list[str]:
-    """`sweep-<field>.png` per swept field; the names of the files written."""
+def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str, fmt: str = "png",
+                 dpi: int = DEFAULT_DPI) -> list[str]:
+    """`sweep-<field>.<fmt>` per swept field (a line per variant and setting of the other fields); the names
+    of the files written."""
     from .plots import plot_sweep
 
     short = _short_names([p for p, _, _ in grid])
@@ -328,10 +366,12 @@ def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list
     for path, _, _ in grid:
         lines: dict[str, list] = {}
         for p in points:
-            others = ",".join(f"{short[q]}={p['raw'][q]}" for q, _, _ in grid if q != path)
-            lines.setdefault(others, []).append((p["values"][path], p["summary"][metric]))
-        name = _plot_name(short[path])
-        msg = plot_sweep(out / name, path, METRICS[metric][0], lines)
+            others = [f"{short[q]}={p['raw'][q]}" for q, _, _ in grid if q != path]
+            if "variant" in p:
+                others.insert(0, p["variant"])
+            lines.setdefault(",".join(others), []).append((p["values"][path], p["summary"][metric]))
+        name = _plot_name(short[path], fmt)
+        msg = plot_sweep(out / name, path, METRICS[metric][0], lines, dpi)
         if msg:
             _err(msg)
             break
@@ -339,19 +379,23 @@ def _sweep_plots(out: Path, grid: list, points: list[dict], metric: str) -> list
     return written
 
 
-def _sweep_report(path: Path, result: dict, table: Table, pngs: list[str], grid: list, plots: bool) -> None:
+def _sweep_report(path: Path, result: dict, table: Table, pngs: list[str], grid: list, plots: bool,
+                  fmt: str = "png") -> None:
     from .report import Report
 
     rep = Report("modopt sweep", command=result["command"], provenance=result[PROVENANCE])
-    rep.text(f"{result['config']}" + (f" (variant {result['variant']})" if result["variant"] else "")
-             + f": {result['pipeline']}; seeds {', '.join(map(str, result['seeds']))}")
+    if isinstance(result["pipeline"], dict):
+        what = " (variants " + "; ".join(f"{v}: {p}" for v, p in result["pipeline"].items()) + ")"
+    else:
+        what = (f" (variant {result['variant']})" if result["variant"] else "") + f": {result['pipeline']}"
+    rep.text(f"{result['config']}{what}; seeds {', '.join(map(str, result['seeds']))}")
     rep.heading("Summary over seeds")
     rep.table(table)
     rep.text(footnote(result["spike"]))
     rep.heading(f"{METRICS[result['metric']][0]} against each swept field")
     short = _short_names([p for p, _, _ in grid])
     for p, _, _ in grid:
-        rep.plot(path.parent / _plot_name(short[p]), f"{result['metric']} against {p}", plots=plots)
+        rep.plot(path.parent / _plot_name(short[p], fmt), f"{result['metric']} against {p}", plots=plots)
     rep.heading("Every seed")
     rows = [{"name": pt["label"], "per_seed": pt["per_seed"]} for pt in result["points"]]
     rep.table(per_seed_table(rows))
