@@ -20,6 +20,7 @@ from modopt.spec import adaptive as spec_adaptive
 from modopt.spec import core as spec_core
 from modopt.spec import ema as spec_ema
 from modopt.spec import guards as spec_guards
+from modopt.spec import matrix_scale as spec_matrix_scale
 from modopt.spec import orthogonal as spec_orthogonal
 from modopt.spec import percentile as spec_percentile
 
@@ -106,7 +107,11 @@ NON_DEFAULT = {
         mo.Orthogonalize(ns_coefficients=list(spec_orthogonal.TORCHZERO_COEFFICIENTS), eps=1e-6,
                          adjust_lr="match_rms_adamw", ns_dtype="float32"),
         mo.Orthogonalize(ns_steps=3, adjust_lr="original", ns_dtype="float64", sharded="dtensor"),
-        mo.Orthogonalize(ns_coefficients="polar_express", ns_safety=1.01, ns_dtype="float32"),  # a named schedule
+        # a named schedule; batch_dims=0: the convolution reading chosen (expert stacks: tests/test_expert_stacks.py)
+        mo.Orthogonalize(ns_coefficients="polar_express", ns_safety=1.01, ns_dtype="float32", batch_dims=0),
+        # issue 56: Emerging-Optimizers' cycling quintic, optax's AOL first step, torch 2.14's shape factor
+        mo.Orthogonalize(ns_coefficients="quintic", ns_steps=7, ns_past_end="cycle", ns_preconditioning="aol",
+                         adjust_lr="spectral_unclamped", ns_dtype="float64"),
     ],
     "OrthoGrad": [
         mo.OrthoGrad(eps=1e-6, renormalize=False, scope="tensor", dim=0, inverse_dims=True, min_size=3),
@@ -116,17 +121,22 @@ NON_DEFAULT = {
     "Muon": [
         mo.Muon(lr=0.02, weight_decay=0.01, momentum=0.9, nesterov=False, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=6,
                 eps=1e-6, adjust_lr_fn="match_rms_adamw", ns_dtype="float32"),
-        mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64", sharded="dtensor"),
+        mo.Muon(lr=0.01, adjust_lr_fn="original", ns_dtype="float64", sharded="dtensor", batch_dims=0),
         # a named schedule (deepseek_v4 is tested in tests/test_muon_recipe.py: its eight steps of a=3.4445 magnify
         # rounding by about 2e4 in near-null directions, more than the 1e-6 of the shared compile check)
-        mo.Muon(lr=0.01, ns_coefficients="quintic", ns_safety=1.05, ns_dtype="float64"),
+        mo.Muon(lr=0.01, ns_coefficients="quintic", ns_safety=1.05, ns_dtype="float64", ns_steps=7, ns_past_end="cycle",
+                ns_preconditioning="schatten"),
     ],
     # Muon's 2026 recipe (issue 40): NorMuon after Orthogonalize, AdaMuon as one optimizer transform
-    "NorMuon": mo.NorMuon(0.9, eps=1e-8, per="larger"),
+    "NorMuon": mo.NorMuon(0.9, eps=1e-8, per="larger", batch_dims=0),
+    # nanochat's MuonEq and Muon+, and the shape factor as its own transform (issue 56)
+    "MuonEq": mo.MuonEq(eps=1e-3, batch_dims=0),
+    "MuonPlus": mo.MuonPlus(eps=1e-3, batch_dims=0),
+    "ShapeScale": mo.ShapeScale(adjust_lr="spectral_unclamped", batch_dims=0),
     "AdaMuon": [
         mo.AdaMuon(lr=0.01, betas=(0.8, 0.99), weight_decay=0.01, eps=1e-8, ns_eps=1e-6, adjust_lr_fn="original",
                    ns_coefficients="quintic", ns_steps=4, ns_safety=1.01, ns_dtype="float32"),
-        mo.AdaMuon(ns_dtype="float64", sharded="dtensor"),
+        mo.AdaMuon(ns_dtype="float64", sharded="dtensor", ns_past_end="cycle", ns_preconditioning="aol", batch_dims=0),
     ],
     # the stability family (issue 20); warm-up 3 and 2, so the 5-step checks cross its end
     "AdaGC": [
@@ -218,6 +228,9 @@ SPECS = {
     "OrthoGrad": "tests/test_orthogonal.py::test_orthograd_matches_spec",  # its spec also reads the parameters
     "Momentum": "tests/test_orthogonal.py::test_momentum_matches_spec",
     "Muon": "tests/test_orthogonal.py::test_muon_matches_spec",  # and torch.optim.Muon, bit for bit
+    "MuonEq": Spec(spec_matrix_scale.muon_eq),
+    "MuonPlus": Spec(spec_matrix_scale.muon_plus),
+    "ShapeScale": Spec(spec_matrix_scale.shape_scale),
     "NorMuon": "tests/test_muon_recipe.py::test_normuon_matches_spec",  # and pytorch_optimizer.NorMuon (a chain)
     "AdaMuon": "tests/test_muon_recipe.py::test_adamuon_matches_spec",  # and pytorch_optimizer.AdaMuon, bit for bit
     "AdaGC": "tests/test_stability.py::test_adagc_matches_spec",  # and pytorch_optimizer.AdaGC, bit for bit

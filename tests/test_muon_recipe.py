@@ -415,7 +415,9 @@ def test_adamuon_fields_and_group_keys():
 
 
 # --- the example config ---------------------------------------------------------------------------------
-def test_the_nanochat_style_config_routes_matrices_to_polar_express_and_normuon():
+def test_the_nanochat_config_routes_matrices_to_polar_express_and_normuon_with_nanochats_values():
+    """nanochat's values (nanochat/optim.py at 92d63d4): the input divided by 1.01 ||X||_F (not the preset's 1.02),
+    NorMuon's beta2 0.9; tests/test_muon_2026.py runs the config against nanochat's own step."""
     from pathlib import Path
 
     from modopt.cli.tasks import make_task
@@ -429,4 +431,8 @@ def test_the_nanochat_style_config_routes_matrices_to_polar_express_and_normuon(
     kinds = [type(c) for c in branch[0].transforms]
     assert kinds.index(mo.Orthogonalize) < kinds.index(mo.NorMuon)
     ortho = branch[0].transforms[kinds.index(mo.Orthogonalize)]
-    assert ortho.ns_coefficients == "polar_express" and ortho.safety() == 1.02
+    assert ortho.ns_coefficients == "polar_express" and ortho.safety() == 1.01
+    normuon = branch[0].transforms[kinds.index(mo.NorMuon)]
+    assert (normuon.beta2, normuon.per) == (0.9, "larger")
+    assert kinds.index(mo.MuonEq) < kinds.index(mo.Orthogonalize) < kinds.index(mo.MuonPlus) < kinds.index(mo.NorMuon)
+    assert kinds[-2:] == [mo.CautiousWeightDecay, mo.ShapeScale]  # the decay on the shape-adjusted lr

@@ -604,6 +604,7 @@ def test_muon_checkpoint_resumes_bit_exactly_with_the_bfloat16_default():
         assert torch.equal(p, q)
 
 
+@pytest.mark.compile
 def test_muon_default_compiles_fullgraph_close_to_eager():
     """`torch.compile(step, fullgraph=True)` with the bfloat16 default: inductor splits an `addmm` into a
     product and a sum, each rounded to bfloat16 (eager rounds once), so each step's orthogonalized
@@ -769,4 +770,5 @@ def test_the_docs_page_examples_run(capsys):
     ns: dict = {}
     for block in re.findall(r"^```python\n(.*?)\n```$", page, flags=re.M | re.S):
         exec(compile(block, "orthogonal.md", "exec"), ns)
-    assert capsys.readouterr().out.strip() == "loss 2.324"
+    # (the recipe's loss, the expert-stack example's first and last loss, its bit-for-bit check)
+    assert capsys.readouterr().out.split("\n")[:3] == ["loss 2.324", "loss 1.5132 -> 0.3089", "True False"]

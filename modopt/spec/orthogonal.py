@@ -45,6 +45,23 @@ def matrix_of(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().to(torch.float64).reshape(t.shape[0], -1)
 
 
+def matrices_of(t: torch.Tensor, batch_dims: Optional[int] = None) -> list[torch.Tensor] | None:
+    """The float64 matrices a tensor is read as, one by one: `[matrix_of(t)]` for `batch_dims` None or 0;
+    for `batch_dims=k` the first `k` dims index the matrices, each slice `t[i]` (row-major order over those
+    dims) read by `matrix_of`. None when a slice is no matrix (fewer than 2 dims) or the tensor is empty."""
+    k = batch_dims or 0
+    if t.dim() - k < 2 or t.numel() == 0:
+        return None
+    if k == 0:
+        return [matrix_of(t)]
+    return [matrix_of(s) for s in t.detach().reshape((-1,) + tuple(t.shape[k:])).unbind(0)]
+
+
+def from_matrices(ms: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """The tensor of `shape` whose matrices (`matrices_of`) are `ms`."""
+    return torch.stack([m.reshape(-1) for m in ms]).reshape(tuple(shape))
+
+
 def polar(x: torch.Tensor) -> torch.Tensor:
     """The polar factor `U V^T` of a matrix, through its SVD in float64. Singular values below
     `max(rows, cols) * eps(float64) * s_max` count as zero (numpy's rank rule): their vectors are left
@@ -99,32 +116,52 @@ def safety_of(coefficients: Union[str, Coefficients], ns_safety: Optional[float]
     return PRESETS[coefficients][1] if isinstance(coefficients, str) else 1.0
 
 
-def steps_of(coefficients: Union[str, Coefficients], steps: int) -> list[tuple[float, float, float]]:
+def steps_of(coefficients: Union[str, Coefficients], steps: int, past_end: str = "repeat") -> list[tuple[float, float, float]]:
     """One `(a, b, c)` per step: one triple for every step, a list of triples as given, or a preset's
-    first `steps` triples, its last one repeated past its end."""
+    first `steps` triples and past its end its last one repeated (`past_end="repeat"`) or the list read
+    again from its start (`"cycle"`, Emerging-Optimizers' rule for its `quintic`)."""
     if isinstance(coefficients, str):
         table = PRESETS[coefficients][0]
+        if past_end == "cycle":
+            return [tuple(table[i % len(table)]) for i in range(steps)]
         return [tuple(table[i]) if i < len(table) else tuple(table[-1]) for i in range(steps)]
     if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
         return [tuple(coefficients)] * steps
     return [tuple(c) for c in coefficients]
 
 
+def precondition(x: torch.Tensor, how: str = "frobenius", eps: float = 1e-7, safety: float = 1.0) -> torch.Tensor:
+    """`x0`, the wide matrix `x` scaled so that every singular value is at most `1 / safety`, in float64:
+    `"frobenius"` `x / max(safety ||x||_F, eps)`; `"aol"` row `i` times `1 / (safety sqrt(max(r_i, eps^2)))`
+    with `r_i = sum_j |(x x^T)_ij|` (a bound on the spectral norm of the scaled matrix: Gershgorin's
+    theorem on its Gram matrix); `"schatten"` `x / (safety sqrt(max(||x x^T||_F, eps^2)))`, the
+    Schatten-4 norm (optax's `preconditioning`; their floor is `1e-8` on the sums)."""
+    x = x.to(torch.float64)
+    if how == "frobenius":
+        return x / max(safety * float(torch.linalg.matrix_norm(x)), eps)
+    gram = x @ x.T
+    if how == "aol":
+        r = gram.abs().sum(dim=1).clamp(min=eps * eps)
+        return x / (safety * r.sqrt())[:, None]
+    return x / (safety * math.sqrt(max(float(torch.linalg.matrix_norm(gram)), eps * eps)))
+
+
 def newton_schulz(x: torch.Tensor, coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, steps: int = 5,
-                  eps: float = 1e-7, safety: float = 1.0) -> torch.Tensor:
+                  eps: float = 1e-7, safety: float = 1.0, past_end: str = "repeat",
+                  preconditioning: str = "frobenius") -> torch.Tensor:
     """`steps` quintic Newton-Schulz steps on the matrix `x`, in float64.
 
     Wide orientation (a tall matrix is transposed, and transposed back at the end);
-    `x0 = x / max(safety ||x||_F, eps)` (every singular value at most 1 / safety); then with `A = x x^T`:
-    `x <- a x + b A x + c A A x`. Each singular value s goes through `a s + b s^3 + c s^5`,
-    the singular vectors stay.
+    `x0 = x / max(safety ||x||_F, eps)` (every singular value at most 1 / safety; other scalings:
+    `precondition`); then with `A = x x^T`: `x <- a x + b A x + c A A x`. Each singular value s goes
+    through `a s + b s^3 + c s^5`, the singular vectors stay.
     """
     x = x.to(torch.float64)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
-    x = x / max(safety * float(torch.linalg.matrix_norm(x)), eps)
-    for a, b, c in steps_of(coefficients, steps):
+    x = precondition(x, preconditioning, eps, safety)
+    for a, b, c in steps_of(coefficients, steps, past_end):
         gram = x @ x.T
         x = a * x + b * (gram @ x) + c * (gram @ (gram @ x))
     return x.T if tall else x
@@ -136,24 +173,32 @@ def adjust_ratio(rows: int, cols: int, rule: Optional[str]) -> float:
         return math.sqrt(max(1.0, rows / cols))
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral_unclamped":  # torch 2.14: Bernstein's sqrt(fan_out / fan_in), below 1 when wide
+        return math.sqrt(rows / cols)
     return 1.0
 
 
 def orthogonalize(updates: Sequence[torch.Tensor], ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS,
                   ns_steps: int = 5, eps: float = 1e-7, adjust_lr: Optional[str] = "none", ns_dtype: str = "bfloat16",
-                  exact: bool = False, ns_safety: Optional[float] = None) -> list[torch.Tensor]:
-    """`Orthogonalize`: each tensor with 2+ dims replaced by the Newton-Schulz iteration of its matrix
-    (`exact=True`: by its polar factor), times the `adjust_lr` factor; others unchanged. `ns_dtype` is
-    the runtime's working precision: the spec is float64 whatever it says."""
+                  exact: bool = False, ns_safety: Optional[float] = None, ns_past_end: str = "repeat",
+                  ns_preconditioning: str = "frobenius", batch_dims: Optional[int] = None) -> list[torch.Tensor]:
+    """`Orthogonalize`: each matrix of each tensor (`matrices_of`: one per tensor of 2+ dims, or one per index
+    of its first `batch_dims` dims) replaced by its Newton-Schulz iteration (`exact=True`: by its polar
+    factor), times the `adjust_lr` factor of its own shape; others unchanged. `ns_dtype` is the runtime's
+    working precision: the spec is float64 whatever it says."""
     safety = safety_of(ns_coefficients, ns_safety)
     out = []
     for u in updates:
-        m = matrix_of(u)
-        if m is None:
+        ms = matrices_of(u, batch_dims)
+        if ms is None:
             out.append(u.detach().to(torch.float64).clone())
             continue
-        o = polar(m) if exact else newton_schulz(m, ns_coefficients, ns_steps, eps, safety)
-        out.append((o * adjust_ratio(m.shape[0], m.shape[1], adjust_lr)).reshape(u.shape))
+        os = []
+        for m in ms:
+            o = polar(m) if exact else newton_schulz(m, ns_coefficients, ns_steps, eps, safety, ns_past_end,
+                                                     ns_preconditioning)
+            os.append(o * adjust_ratio(m.shape[0], m.shape[1], adjust_lr))
+        out.append(from_matrices(os, u.shape))
     return out
 
 
@@ -209,22 +254,24 @@ class Muon:
     def __init__(self, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
                  adjust_lr_fn: Optional[str] = None, exact: bool = False, ns_safety: Optional[float] = None,
+                 ns_past_end: str = "repeat", ns_preconditioning: str = "frobenius", batch_dims: Optional[int] = None,
                  **_runtime_only: Any) -> None:
         self.wd: float = weight_decay
         self.momentum: Momentum = Momentum(momentum, nesterov)
         self.ns: dict[str, Any] = dict(ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, exact=exact,
-                                       ns_safety=ns_safety)
+                                       ns_safety=ns_safety, ns_past_end=ns_past_end,
+                                       ns_preconditioning=ns_preconditioning, adjust_lr=adjust_lr_fn,
+                                       batch_dims=batch_dims)
         self.adjust: Optional[str] = adjust_lr_fn
+        self.batch_dims: Optional[int] = batch_dims
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
         """One step: the new parameters (float64) after the gradients `grads` with learning rate `lr`."""
         out = []
         for p, d in zip(params, self.momentum.step(grads)):
             p = p.detach().to(torch.float64)
-            m = matrix_of(d)
-            r = 1.0 if m is None else adjust_ratio(m.shape[0], m.shape[1], self.adjust)
-            (o,) = orthogonalize([d], **self.ns)
-            out.append(p * (1 - lr * self.wd) - (lr * r) * o)
+            (o,) = orthogonalize([d], **self.ns)  # (times each matrix's own factor r; 1 for no matrix)
+            out.append(p * (1 - lr * self.wd) - lr * o)
         return out
 
 
@@ -234,27 +281,33 @@ class NorMuon:
     row of a tall or square matrix and per column of a wide one), from zeros; `N = O / (sqrt(v) + eps)`;
     the output `N ||O||_F / (||N||_F + eps)`. Other tensors are returned unchanged."""
 
-    def __init__(self, beta2: float = 0.95, eps: float = 1e-10, per: str = "row") -> None:
-        self.beta2, self.eps, self.per = beta2, eps, per
-        self.v: dict[int, torch.Tensor] = {}
+    def __init__(self, beta2: float = 0.95, eps: float = 1e-10, per: str = "row",
+                 batch_dims: Optional[int] = None) -> None:
+        self.beta2: float = beta2
+        self.eps: float = eps
+        self.per: str = per
+        self.batch_dims: Optional[int] = batch_dims
+        self.v: dict[tuple[int, int], torch.Tensor] = {}  # (tensor, matrix) -> its second moments
 
     def step(self, updates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One step: the normalized updates (float64); the second moments move on."""
+        """One step: the normalized updates (float64); the second moments move on (one set per matrix)."""
         out = []
         for i, u in enumerate(updates):
-            o = matrix_of(u)
-            if o is None:
+            os = matrices_of(u, self.batch_dims)
+            if os is None:
                 out.append(u.detach().to(torch.float64).clone())
                 continue
-            rows, cols = o.shape
-            by_row = self.per == "row" or rows >= cols
-            mean_sq = (o * o).mean(dim=1) if by_row else (o * o).mean(dim=0)
-            v = self.v.get(i, torch.zeros_like(mean_sq))
-            v = self.v[i] = self.beta2 * v + (1 - self.beta2) * mean_sq
-            d = v.sqrt() + self.eps
-            n = o / d[:, None] if by_row else o / d[None, :]
-            n = n * (float(torch.linalg.matrix_norm(o)) / (float(torch.linalg.matrix_norm(n)) + self.eps))
-            out.append(n.reshape(u.shape))
+            ns = []
+            for j, o in enumerate(os):
+                rows, cols = o.shape
+                by_row = self.per == "row" or rows >= cols
+                mean_sq = (o * o).mean(dim=1) if by_row else (o * o).mean(dim=0)
+                v = self.v.get((i, j), torch.zeros_like(mean_sq))
+                v = self.v[i, j] = self.beta2 * v + (1 - self.beta2) * mean_sq
+                d = v.sqrt() + self.eps
+                n = o / d[:, None] if by_row else o / d[None, :]
+                ns.append(n * (float(torch.linalg.matrix_norm(o)) / (float(torch.linalg.matrix_norm(n)) + self.eps)))
+            out.append(from_matrices(ns, u.shape))
         return out
 
 
@@ -267,14 +320,20 @@ class AdaMuon:
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, eps: float = 1e-10,
                  ns_coefficients: Union[str, Coefficients] = NS_COEFFICIENTS, ns_steps: int = 5,
-                 ns_eps: float = 1e-7, ns_safety: Optional[float] = None,
-                 adjust_lr_fn: str = "match_rms_adamw", **_runtime_only: Any) -> None:
-        self.betas, self.wd, self.eps, self.adjust = betas, weight_decay, eps, adjust_lr_fn
+                 ns_eps: float = 1e-7, ns_safety: Optional[float] = None, ns_past_end: str = "repeat",
+                 ns_preconditioning: str = "frobenius", adjust_lr_fn: str = "match_rms_adamw",
+                 batch_dims: Optional[int] = None, **_runtime_only: Any) -> None:
+        self.batch_dims: Optional[int] = batch_dims
+        self.betas: tuple[float, float] = betas
+        self.wd: float = weight_decay
+        self.eps: float = eps
+        self.adjust: str = adjust_lr_fn
         self.ns: dict[str, Any] = dict(coefficients=ns_coefficients, steps=ns_steps, eps=ns_eps,
-                                       safety=safety_of(ns_coefficients, ns_safety))
+                                       safety=safety_of(ns_coefficients, ns_safety), past_end=ns_past_end,
+                                       preconditioning=ns_preconditioning)
         self.m: Optional[list[torch.Tensor]] = None
         self.v: Optional[list[torch.Tensor]] = None
-        self.t = 0
+        self.t: int = 0
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> list[torch.Tensor]:
         """One step: the new parameters (float64)."""
@@ -289,16 +348,18 @@ class AdaMuon:
         for i, (p, g) in enumerate(zip(params, gs)):
             p = p.detach().to(torch.float64) * (1 - lr * self.wd)
             self.m[i] = b1 * self.m[i] + (1 - b1) * g
-            x = matrix_of(self.m[i])
-            if x is None:
+            xs = matrices_of(self.m[i], self.batch_dims)
+            if xs is None:
                 out.append(p - lr * self.m[i])
                 continue
-            o = newton_schulz(x, **self.ns)
-            self.v[i] = b2 * self.v[i] + (1 - b2) * (o * o).reshape(g.shape)
-            n = o / ((self.v[i].reshape(o.shape) / (1 - b2**self.t)).sqrt() + self.eps)
-            rows, cols = x.shape
-            n = n * (math.sqrt(min(rows, cols)) / (float(torch.linalg.matrix_norm(n)) + self.eps))
-            out.append(p - lr * adjust_ratio(rows, cols, self.adjust) * n.reshape(g.shape))
+            o = from_matrices([newton_schulz(x, **self.ns) for x in xs], g.shape)
+            self.v[i] = b2 * self.v[i] + (1 - b2) * o * o
+            steps = []
+            for x, n in zip(xs, matrices_of(o / ((self.v[i] / (1 - b2**self.t)).sqrt() + self.eps), self.batch_dims)):
+                rows, cols = x.shape  # each matrix: its own norm and shape factor
+                n = n * (math.sqrt(min(rows, cols)) / (float(torch.linalg.matrix_norm(n)) + self.eps))
+                steps.append(adjust_ratio(rows, cols, self.adjust) * n)
+            out.append(p - lr * from_matrices(steps, g.shape))
         return out
 
 
@@ -310,10 +371,11 @@ BAND_FROM = 1.5e-3
 BAND = (0.680, 1.203)
 
 
-def scalar_map(s: torch.Tensor, coefficients: Coefficients = NS_COEFFICIENTS, steps: int = 5) -> torch.Tensor:
+def scalar_map(s: torch.Tensor, coefficients: Coefficients = NS_COEFFICIENTS, steps: int = 5,
+               past_end: str = "repeat") -> torch.Tensor:
     """What the iteration does to one singular value of `x0` (in [0, 1]): `s <- a s + b s^3 + c s^5`."""
     s = s.to(torch.float64)
-    for a, b, c in steps_of(coefficients, steps):
+    for a, b, c in steps_of(coefficients, steps, past_end):
         s = a * s + b * s**3 + c * s**5
     return s
 

@@ -10,8 +10,8 @@ every name without running the package.
 
 from __future__ import annotations
 
-from . import (accumulate, adaptive, agc, caution, clipping, ema, growth, guards, masked, normalization, optimizers,
-               orthogonal, percentile, spam, stability, torch_optimizer, weights, wrappers)
+from . import (accumulate, adaptive, agc, caution, clipping, ema, growth, guards, masked, matrix_scale, normalization,
+               optimizers, orthogonal, percentile, spam, stability, torch_optimizer, weights, wrappers)
 from .accumulate import *  # noqa: F403
 from .adaptive import *  # noqa: F403
 from .agc import *  # noqa: F403
@@ -21,6 +21,7 @@ from .ema import *  # noqa: F403
 from .growth import *  # noqa: F403
 from .guards import *  # noqa: F403
 from .masked import *  # noqa: F403
+from .matrix_scale import *  # noqa: F403
 from .normalization import *  # noqa: F403
 from .optimizers import *  # noqa: F403
 from .orthogonal import *  # noqa: F403
@@ -41,6 +42,7 @@ __all__ += ema.__all__
 __all__ += growth.__all__
 __all__ += guards.__all__
 __all__ += masked.__all__
+__all__ += matrix_scale.__all__
 __all__ += normalization.__all__
 __all__ += optimizers.__all__
 __all__ += orthogonal.__all__

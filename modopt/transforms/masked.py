@@ -98,6 +98,14 @@ class Masked(Router, SelectsByName):
         inner = [repr(t) for t in self.transforms]
         return f"Masked({', '.join(inner + [f'where={self.where!r}'])})"
 
+    def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
+        """The inner transforms check the parameters `where` selects. A selection by param group cannot be told
+        here (`named` holds no groups): they check every parameter then."""
+        w = self.where
+        if w.groups is None and not (w.by_name and any(n is None for n, _ in named)):
+            named = [(n, p) for n, p in named if w.matches(n, p, 0, {})]
+        super().check_params(named)
+
     def name_selection(self, key: str) -> tuple[Select, str]:
         """`where` and the label its errors use (`modopt.core.select.check_selections`, when the
         `Modular` is built, and the step's own check)."""

@@ -98,36 +98,83 @@ NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float, int]]
 }
 NSPreset = Literal["original", "quintic", "polar_express", "polar_express_paper", "deepseek_v4"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-AdjustLR = Literal["none", "original", "match_rms_adamw"]
+AdjustLR = Literal["none", "original", "match_rms_adamw", "spectral_unclamped"]
+#: what a named schedule does past its last polynomial: repeat it (the paper, pytorch_optimizer, Emerging-Optimizers
+#: for its Polar Express, CANS and DeepSeek-V4 sets) or start the list again (Emerging-Optimizers' other sets)
+PastEnd = Literal["repeat", "cycle"]
+#: how the input is scaled before the first step: by its Frobenius norm, or optax's "aol" (each row by
+#: `rsqrt(sum_j |A_ij|)`, `A = X X^T`, reused by the first step) and "schatten" (by `||A||_F^(-1/2)`)
+Preconditioning = Literal["frobenius", "aol", "schatten"]
 
 
 # --- the math, shared by the transforms -------------------------------------------------------------
-def as_matrix(t: torch.Tensor) -> torch.Tensor | None:
-    """The matrix a tensor is orthogonalized as: itself for 2 dims, `t.reshape(t.shape[0], -1)` for
-    more (a conv weight `(out, in, kh, kw)` becomes `(out, in * kh * kw)`), None for 0 or 1 dims and
-    for empty tensors (left as they are)."""
-    if t.dim() < 2 or t.numel() == 0:
+def as_matrix(t: torch.Tensor, batch_dims: int | None = None) -> torch.Tensor | None:
+    """The matrix (or stack of matrices) a tensor is orthogonalized as.
+
+    `batch_dims` None or 0: the tensor itself for 2 dims, `t.reshape(t.shape[0], -1)` for more (a conv weight
+    `(out, in, kh, kw)` becomes `(out, in * kh * kw)`). `batch_dims=k >= 1`: the first `k` dims index a batch
+    of matrices, each read by that rule, as one `(B, rows, cols)` stack with `B = prod(shape[:k])` (an expert
+    stack `(E, out, in)` with `k=1` is `E` matrices `out x in`). None when a matrix would have fewer than 2
+    dims, and for empty tensors (left as they are)."""
+    k = batch_dims or 0
+    if t.dim() - k < 2 or t.numel() == 0:
         return None
-    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+    if k == 0:
+        return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
+    return t.reshape(math.prod(t.shape[:k]), t.shape[k], -1)
+
+
+def frobenius(x: torch.Tensor) -> torch.Tensor:
+    """The Frobenius norm of each matrix of `x`: a 0-d tensor for a 2-D `x`, `(B, 1, 1)` for a `(B, rows, cols)`
+    stack. Each matrix's norm equals `torch.linalg.vector_norm` of that matrix alone, bit for bit (torch 2.13,
+    CPU: a reduction over the last two dims runs the same kernel per matrix as a full one)."""
+    if x.dim() == 2:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+
+
+def per_matrix_shape(t: torch.Tensor, batch_dims: int | None, m: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts one value per matrix of `m` (`as_matrix(t, batch_dims)`) over `t`:
+    `shape[:k] + (1, ...)`; `()` for a single matrix."""
+    k = batch_dims or 0
+    return tuple(t.shape[:k]) + (1,) * (t.dim() - k) if m.dim() == 3 else ()
+
+
+def per_row_shape(t: torch.Tensor, batch_dims: int | None) -> tuple[int, ...]:
+    """The shape that broadcasts one value per row of each matrix over `t`: `shape[:k + 1] + (1, ...)`."""
+    k = batch_dims or 0
+    return tuple(t.shape[: k + 1]) + (1,) * (t.dim() - k - 1)
+
+
+def per_column_shape(t: torch.Tensor, batch_dims: int | None) -> tuple[int, ...]:
+    """The shape that broadcasts one value per column of each matrix over `t`: `shape[:k] + (1,) + shape[k + 1:]`."""
+    k = batch_dims or 0
+    return tuple(t.shape[:k]) + (1,) + tuple(t.shape[k + 1:])
 
 
 def adjust_ratio(rows: int, cols: int, rule: str | None) -> float:
     """The learning-rate factor of a `rows x cols` matrix, as torch.optim.Muon computes it:
     `"original"` (and None) `sqrt(max(1, rows / cols))`, `"match_rms_adamw"` `0.2 * sqrt(max(rows, cols))`,
+    `"spectral_unclamped"` `sqrt(rows / cols)` (torch 2.14, Bernstein's rule: below 1 for a wide matrix),
     `"none"` 1."""
     if rule is None or rule == "original":
         return math.sqrt(max(1, rows / cols))
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral_unclamped":
+        return math.sqrt(rows / cols)
     return 1.0
 
 
-def coefficient_steps(coefficients: Union[Coefficients, list[Coefficients], str], steps: int) -> list[tuple[float, float, float]]:
+def coefficient_steps(coefficients: Union[Coefficients, list[Coefficients], str], steps: int,
+                      past_end: str = "repeat") -> list[tuple[float, float, float]]:
     """One `(a, b, c)` per iteration: a single triple repeated `steps` times, the list as given, or a
-    preset's (`NS_PRESETS`) first `steps` triples with its last one repeated past its end."""
+    preset's (`NS_PRESETS`) first `steps` triples and past its end its last one repeated
+    (`past_end="repeat"`) or the list started again (`"cycle"`)."""
     if isinstance(coefficients, str):
         table = NS_PRESETS[coefficients][0]
-        return [tuple(table[min(i, len(table) - 1)]) for i in range(steps)]
+        n = len(table)
+        return [tuple(table[i % n if past_end == "cycle" else min(i, n - 1)]) for i in range(steps)]
     if len(coefficients) == 3 and not isinstance(coefficients[0], (tuple, list)):
         return [tuple(coefficients)] * steps
     return [tuple(c) for c in coefficients]
@@ -142,9 +189,28 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * n * n * k + 2 * n**3)
 
 
+def _preconditioned(x: torch.Tensor, eps: float, safety: float,
+                    how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """optax's first-step preconditionings of the wide `x` (or a batch of them), in place of the division by the
+    Frobenius norm: `(x scaled, its Gram matrix A = x x^T scaled alike)`, the Gram matrix reused by the first step.
+    `"aol"`: each row times `s_i = rsqrt(sum_j |A_ij|)` and `A <- s A s` (Turbo-Muon; every singular value then at
+    most 1, as the row sums bound the spectral norm of the scaled `A`); `"schatten"`: `x` times `||A||_F^(-1/2)`, the
+    Schatten-4 norm. The sums are floored at `eps**2` (for one row either is the Frobenius rule with its floor `eps`)
+    and the scale divided by `safety`."""
+    gram = x @ x.mT
+    if how == "aol":
+        s = gram.abs().sum(dim=-1, keepdim=True).clamp(min=eps * eps).rsqrt()
+    else:
+        s = torch.linalg.matrix_norm(gram, keepdim=True).clamp(min=eps * eps).rsqrt()
+    if safety != 1.0:
+        s = s / safety
+    return x * s, (gram * s * s.mT if how == "aol" else gram * (s * s))
+
+
 def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps: float,
-                  dtype: torch.dtype, safety: float = 1.0) -> torch.Tensor:
-    """Newton-Schulz orthogonalization of the 2-D `m`, in `dtype`, op for op as torch.optim.Muon.
+                  dtype: torch.dtype, safety: float = 1.0, precondition: str = "frobenius") -> torch.Tensor:
+    """Newton-Schulz orthogonalization of the 2-D `m`, in `dtype`, op for op as torch.optim.Muon; or of each
+    matrix of a `(B, rows, cols)` stack at once (an expert stack: `as_matrix(t, batch_dims)`).
 
     Work on the wide orientation (transpose a tall matrix), divide by `max(||m||_F * safety, eps)` so
     that every singular value is at most `1 / safety` (the norm rounded to `dtype`, then multiplied by
@@ -152,47 +218,55 @@ def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps:
     multiply, torch's), then per step with `A = x x^T`:
     `x <- a x + (b A + c A A) x` (two `addmm`). The input is never written: torch divides in place, which
     for an input already in `dtype` is the caller's tensor; here only a copy made by the cast is divided in
-    place, and an input already in `dtype` is divided into a new tensor.
+    place, and an input already in `dtype` is divided into a new tensor. `precondition="aol"` or `"schatten"`
+    scales the input by `_preconditioned` instead, and the first step reuses its Gram matrix (optax's rule).
+
+    A stack runs the same ops batched (`baddbmm` for `addmm`, each matrix transposed when tall, divided by
+    its own norm): one launch per op for the whole stack, not one per matrix. A stack of one matrix runs the
+    2-D ops. Each matrix's result equals the 2-D call on it alone bit for bit where the batched matrix product
+    is the single one's kernel: on a CPU in bfloat16 always, in float32/float64 from about 8 x 16 up (torch
+    2.13; the smallest ones, 5 x 6 or 4 x 8, take another kernel and differ in the last bits); on a GPU cuBLAS
+    may choose other kernels too.
     """
+    if m.dim() == 3 and m.shape[0] == 1:
+        return newton_schulz(m[0], steps, eps, dtype, safety, precondition).unsqueeze(0)
+    batched = m.dim() == 3
     x = m.to(dtype)
     fresh = x is not m  # a copy made here: divide it in place, as torch does (no second matrix allocated)
-    tall = m.size(0) > m.size(1)
+    tall = m.size(-2) > m.size(-1)
     if tall:
-        x = x.T
-    norm = x.norm()
-    if safety != 1.0:
-        norm = norm * safety
-    x = x.div_(norm.clamp(min=eps)) if fresh else x / norm.clamp(min=eps)
+        x = x.mT
+    first = None
+    if precondition != "frobenius":
+        x, first = _preconditioned(x, eps, safety, precondition)
+    else:
+        norm = frobenius(x)
+        if safety != 1.0:
+            norm = norm * safety
+        x = x.div_(norm.clamp(min=eps)) if fresh else x / norm.clamp(min=eps)
+    mm = torch.baddbmm if batched else torch.addmm
     for a, b, c in steps:
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
-
+        gram = x @ x.mT if first is None else first
+        first = None
+        poly = mm(gram, gram, gram, beta=b, alpha=c)
+        x = mm(x, poly, x, beta=a)
+    return x.mT if tall else x
 
 
 def newton_schulz_batched(ms: list[torch.Tensor], steps: list[tuple[float, float, float]], eps: float,
-                          dtype: torch.dtype, safety: float = 1.0) -> list[torch.Tensor]:
-    """`newton_schulz` of each of the same-shape 2-D matrices `ms`, as one batch: the same ops with `bmm`
-    (`baddbmm`) in place of `mm` (`addmm`), each matrix divided by its own norm (computed one by one, as
-    `newton_schulz` does). A single matrix goes through `newton_schulz` itself. On a CPU the batched products
-    equal the single ones bit for bit except for the smallest float32 matrices (a 5 x 6 differed by 2e-6 in
-    torch 2.13: another kernel); on a GPU cuBLAS may pick other kernels too: equal within rounding."""
+                          dtype: torch.dtype, safety: float = 1.0, precondition: str = "frobenius") -> list[torch.Tensor]:
+    """`newton_schulz` of each of the same-shape matrices (or same-shape stacks) `ms`, as one batch: the same ops
+    with `bmm` (`baddbmm`) in place of `mm` (`addmm`), each matrix divided by its own norm. A single 2-D matrix
+    goes through the 2-D ops. On a CPU the batched products equal the single ones bit for bit except for the
+    smallest float32/float64 matrices (a 5 x 6 differed by 2e-6 in torch 2.13: another kernel); on a GPU cuBLAS
+    may pick other kernels too: equal within rounding."""
     if len(ms) == 1:
-        return [newton_schulz(ms[0], steps, eps, dtype, safety)]
-    x = torch.stack(ms).to(dtype)  # (a new tensor: divided in place)
-    tall = ms[0].size(0) > ms[0].size(1)
-    if tall:
-        x = x.mT
-    norm = torch.stack([xi.norm() for xi in x.unbind(0)])
-    if safety != 1.0:
-        norm = norm * safety
-    x = x.div_(norm.clamp(min=eps).view(-1, 1, 1))
-    for a, b, c in steps:
-        gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return list((x.mT if tall else x).unbind(0))
+        return [newton_schulz(ms[0], steps, eps, dtype, safety, precondition)]
+    rows, cols = ms[0].shape[-2:]
+    x = torch.cat([m.reshape(-1, rows, cols) for m in ms])
+    out = newton_schulz(x, steps, eps, dtype, safety, precondition)
+    return [o.reshape(m.shape) for o, m in zip(out.split([m.numel() // (rows * cols) for m in ms]), ms)]
+
 
 def momentum_(ctx: Step, bufs: list[torch.Tensor], updates: list[torch.Tensor], beta: float, nesterov: bool,
               copy: bool = True, cache: dict | None = None) -> list[torch.Tensor]:
@@ -286,7 +360,74 @@ def _zeros_like_update(updates):
     return lambda i, p: torch.zeros_like(updates[i], memory_format=torch.preserve_format)
 
 
-class _NewtonSchulz(Transform, abstract=True):
+class _Matrices(Transform, abstract=True):
+    """The `batch_dims` field of every transform that reads a parameter as a matrix, and its build-time check.
+
+    `batch_dims` is the number of leading dims that index a batch of matrices (`as_matrix`): an expert
+    stack `(E, out, in)` takes 1 (`E` matrices `out x in`), a stack `(L, E, out, in)` takes 2. Every
+    per-matrix rule (the orthogonalization, a norm, per-row statistics, the shape factor) then acts on each
+    matrix alone. None (default) is the convolution reading, `reshape(shape[0], -1)`, with a `mo.LintWarning`
+    at build for each parameter of 3 or more dims it reads so; 0 is that reading chosen (no warning)."""
+
+    batch_dims: Optional[int] = Field(None, ge=0, le=8)
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor | None:
+        """`as_matrix(t, batch_dims)`: the 2-D matrix, the `(B, rows, cols)` stack, or None (left as it is)."""
+        return as_matrix(t, self.batch_dims)
+
+    def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
+        """Warn (`mo.LintWarning`, once per transform) about the parameters this transform reads in a way that
+        was not chosen: 3 or more dims with `batch_dims=None` (one flattened matrix, the convolution reading),
+        or 2 or more dims that `batch_dims` leaves without a matrix (left unchanged). Each is named with its
+        shape and the reading used."""
+        import warnings
+
+        from ..core.plan import LintWarning
+        from ..core.torch_checkpoint import caller_stacklevel
+
+        def label(i: int, name: str | None) -> str:
+            return repr(name) if name is not None else f"#{i} (unnamed)"
+
+        name = type(self).__name__
+        if self.batch_dims is None:
+            flat = [f"{label(i, n)} {tuple(p.shape)} as {p.shape[0]} x {p.numel() // max(p.shape[0], 1)}"
+                    for i, (n, p) in enumerate(named) if p.dim() >= 3 and p.numel() > 0]
+            if flat:
+                shown = "; ".join(flat[:8]) + (f"; ... ({len(flat) - 8} more)" if len(flat) > 8 else "")
+                warnings.warn(
+                    f"{name} reads {len(flat)} parameter(s) of 3 or more dims as one matrix each, "
+                    f"(shape[0], prod(shape[1:])), the convolution reading: {shown}. For a stack of matrices (an "
+                    f"expert stack (E, out, in)) set batch_dims=1, per parameter with "
+                    f"mo.Masked(mo.{name}(batch_dims=1), where='*.experts.*'); batch_dims=0 keeps this reading "
+                    "without this warning (modopt.LintWarning)", LintWarning, stacklevel=caller_stacklevel())
+            return
+        k = self.batch_dims
+        idle = [f"{label(i, n)} {tuple(p.shape)}" for i, (n, p) in enumerate(named)
+                if p.dim() >= 2 and p.dim() - k < 2 and p.numel() > 0]
+        if idle:
+            shown = "; ".join(idle[:8]) + (f"; ... ({len(idle) - 8} more)" if len(idle) > 8 else "")
+            warnings.warn(
+                f"{name}(batch_dims={k}) reads {len(idle)} parameter(s) of fewer than {k + 2} dims as no matrix "
+                f"(their first {k} dim(s) index the batch, and what is left has fewer than 2), so treats them as it "
+                f"treats a bias: {shown}. Select only the stacks for batch_dims={k} (mo.Masked), and give the "
+                "others a transform with batch_dims=None (modopt.LintWarning)", LintWarning,
+                stacklevel=caller_stacklevel())
+
+
+def _refuse_sharded_stacks(t: _Matrices, updates: list[torch.Tensor]) -> None:
+    """Raise when a DTensor (FSDP2, tensor or expert parallel) update is read as a stack of matrices by a path
+    that would take its statistics over the whole tensor: only `Orthogonalize` and `Muon` with `sharded="owner"`
+    orthogonalize sharded stacks (each on its owner rank)."""
+    k = t.batch_dims or 0
+    bad = [tuple(u.shape) for u in updates if k and is_sharded(u) and u.dim() - k >= 2]
+    if bad:
+        raise NotImplementedError(
+            f"{type(t).__name__}(batch_dims={k}) got DTensor (sharded) update(s) of shape {bad[0]}: its per-matrix "
+            "statistics of sharded stacks are not implemented; Orthogonalize and Muon with sharded='owner' "
+            "orthogonalize them, or keep the stacks unsharded (replicated) for this transform")
+
+
+class _NewtonSchulz(_Matrices, abstract=True):
     """The Newton-Schulz fields shared by `Orthogonalize`, `Muon` and `AdaMuon`."""
 
     ns_coefficients: Union[NSPreset, Coefficients, list[Coefficients]] = NS_COEFFICIENTS
@@ -294,6 +435,8 @@ class _NewtonSchulz(Transform, abstract=True):
     ns_safety: Optional[float] = Field(None, ge=1.0, allow_inf_nan=False)
     eps: PositiveFloat = 1e-7
     ns_dtype: NSDtype = "bfloat16"
+    ns_past_end: PastEnd = "repeat"
+    ns_preconditioning: Preconditioning = "frobenius"
 
     @model_validator(mode="after")
     def _one_triple_per_step(self):
@@ -318,15 +461,20 @@ class _NewtonSchulz(Transform, abstract=True):
         """The floor of the (safety-scaled) norm the input is divided by: `eps` (`AdaMuon`: `ns_eps`)."""
         return self.eps
 
+    def coefficient_steps(self) -> list[tuple[float, float, float]]:
+        """One `(a, b, c)` per step: `ns_coefficients` over `ns_steps`, a preset continued by `ns_past_end`."""
+        return coefficient_steps(self.ns_coefficients, self.ns_steps, self.ns_past_end)
+
     def orthogonalized(self, m: torch.Tensor) -> torch.Tensor:
         """Newton-Schulz of the matrix `m`, in `ns_dtype` (torch.optim.Muon's op order)."""
-        return newton_schulz(m, coefficient_steps(self.ns_coefficients, self.ns_steps), self.norm_floor(),
-                             _DTYPES[self.ns_dtype], self.safety())
+        return newton_schulz(m, self.coefficient_steps(), self.norm_floor(), _DTYPES[self.ns_dtype], self.safety(),
+                             self.ns_preconditioning)
 
     def keeps_positive_zero(self) -> bool:
-        """Whether `orthogonalized` maps a matrix of `+0.0` to `+0.0` exactly: `x / max(0, eps)` is `+0.0`, and
-        each step's `a x + (b A + c A A) x` is `(+0) + (±0)`, which is `+0.0`, when `a > 0`."""
-        return all(a > 0 for a, _, _ in coefficient_steps(self.ns_coefficients, self.ns_steps))
+        """Whether `orthogonalized` maps a matrix of `+0.0` to `+0.0` exactly: `x / max(0, eps)` is `+0.0` (with a
+        preconditioning, `+0.0` times a finite scale), and each step's `a x + (b A + c A A) x` is `(+0) + (±0)`,
+        which is `+0.0`, when `a > 0`."""
+        return all(a > 0 for a, _, _ in self.coefficient_steps())
 
 
 class _OwnerRank(_NewtonSchulz, abstract=True):
@@ -342,11 +490,12 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
         if self.sharded != "owner" or torch.compiler.is_compiling() or not any_sharded(directions):
             return {}
         idx = [i for i, d in enumerate(directions)
-               if d is not None and d.dim() >= 2 and d.numel() > 0 and owner_split(d) is not None]
+               if d is not None and d.dim() - (self.batch_dims or 0) >= 2 and d.numel() > 0
+               and owner_split(d) is not None]
         if not idx:
             return {}
         nsd = _DTYPES[self.ns_dtype]
-        steps, eps, safety = coefficient_steps(self.ns_coefficients, self.ns_steps), self.norm_floor(), self.safety()
+        steps, eps, safety = self.coefficient_steps(), self.norm_floor(), self.safety()
 
         def narrow(dt: torch.dtype) -> torch.dtype:  # a cast to the narrower dtype on the sender is the same op
             return nsd if nsd.itemsize <= dt.itemsize else dt
@@ -357,7 +506,8 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
             for j, f in enumerate(fulls):
                 by_shape.setdefault(tuple(f.shape), []).append(j)
             for js in by_shape.values():
-                outs = newton_schulz_batched([as_matrix(fulls[j]) for j in js], steps, eps, nsd, safety)
+                outs = newton_schulz_batched([self.matrix(fulls[j]) for j in js], steps, eps, nsd, safety,
+                                             self.ns_preconditioning)
                 for j, o in zip(js, outs):
                     res[j] = o.reshape(fulls[j].shape)
             return res  # type: ignore[return-value]
@@ -401,7 +551,11 @@ class Orthogonalize(_OwnerRank):
     Shapes: a tensor with more than 2 dims is orthogonalized as
     `reshape(shape[0], -1)` (a conv weight `(out, in, kh, kw)` as
     `(out, in*kh*kw)`, Keller Jordan's rule; torchzero batches over the trailing
-    dims instead). Tensors with 0 or 1 dims (biases, gains, scalars) and empty
+    dims instead). `batch_dims=k` reads the first `k` dims as a batch of matrices
+    (an expert stack `(E, out, in)` with `batch_dims=1`: `E` matrices, each
+    orthogonalized alone and scaled by its own `r`, in one batched Newton-Schulz);
+    None (default) warns at build about each parameter of 3 or more dims it
+    flattens, 0 flattens without the warning. Tensors with 0 or 1 dims (biases, gains, scalars) and empty
     tensors pass through unchanged: route them to another optimizer with
     `mo.Masked`. The rule is scale-invariant (up to `eps`): a positive scale of
     the whole update before it (a norm clip) has no effect. Reproduces the
@@ -430,13 +584,14 @@ class Orthogonalize(_OwnerRank):
         owned = self._owner_orthogonalized(updates, [nsd if nsd.itemsize <= u.dtype.itemsize else u.dtype
                                                      for u in updates])
         for i, u in enumerate(updates):
-            m = as_matrix(u)
+            m = self.matrix(u)
             if m is None:
                 continue
-            r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr)
+            r = adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr)  # (each matrix's own shape)
             if i in owned:  # this rank's shard of the owner's result: the same cast and product, on the shard
                 out[i] = like_dtensor(laid_out_like(local(u), owned[i], r), u)
                 continue
+            _refuse_sharded_stacks(self, [u])
             out[i] = laid_out_like(u, self.orthogonalized(m), r)  # cast to u's dtype, then times r
         return out
 
@@ -591,7 +746,9 @@ class Muon(_OwnerRank, Optimizer, Writer):
     `lr r O + lr λ p`.
 
     Muon is meant for the hidden 2-D weights: torch refuses other shapes. Here a
-    tensor with more than 2 dims is orthogonalized as `reshape(shape[0], -1)`, and
+    tensor with more than 2 dims is orthogonalized as `reshape(shape[0], -1)`, or with
+    `batch_dims=k` as a stack of matrices over its first `k` dims (an expert stack
+    `(E, out, in)`: `batch_dims=1`, each expert with its own `r`), and
     a tensor with 0 or 1 dims gets the momentum step without orthogonalization
     ($r = 1$). Route embeddings, the head, norms and biases to `AdamW` with
     `mo.Masked` (docs/modules/orthogonal.md has the recipe).
@@ -614,7 +771,7 @@ class Muon(_OwnerRank, Optimizer, Writer):
     weight_decay: NonNegativeFloat = 0.1
     momentum: float = Field(0.95, ge=0.0, lt=1.0)
     nesterov: bool = True
-    adjust_lr_fn: Optional[Literal["original", "match_rms_adamw"]] = None
+    adjust_lr_fn: Optional[Literal["original", "match_rms_adamw", "spectral_unclamped"]] = None
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay", "nesterov")
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"momentum_buffer": "param"}
 
@@ -654,12 +811,14 @@ class Muon(_OwnerRank, Optimizer, Writer):
                 # one tensor at a time, as torch does: one direction alive at once, not the group's
                 (d,) = (dirs[i],) if dirs else momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False,
                                                          cache=factors)
-                m = as_matrix(d)
+                m = self.matrix(d)
                 if m is None:
                     o, step = d, lr * 1.0
                 else:
+                    if i not in owned:
+                        _refuse_sharded_stacks(self, [d])
                     o = like_dtensor(owned[i], p) if i in owned else self.orthogonalized(m)
-                    step = lr * adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
+                    step = lr * adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr_fn)
                     if o.shape != p.shape:
                         o = o.reshape(p.shape)
                     o = placed_like(o, p)  # (FSDP2: written into p's own shard)
@@ -698,11 +857,13 @@ class Muon(_OwnerRank, Optimizer, Writer):
             lr = _lr_value(g["lr"], updates[a]) if b > a else g["lr"]
             wd = g["weight_decay"]
             for i, p, d in zip(range(a, b), ctx.params[a:b], dirs[a:b] if dirs else self._directions(ctx, st, updates, g, a, b)):
-                m = as_matrix(d)
+                m = self.matrix(d)
                 if m is None:
                     u = d * lr
                 else:
-                    r = adjust_ratio(m.shape[0], m.shape[1], self.adjust_lr_fn)
+                    r = adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr_fn)
+                    if i not in owned:
+                        _refuse_sharded_stacks(self, [d])
                     u = (like_dtensor(laid_out_like(local(d), owned[i], lr * r), d) if i in owned
                          else laid_out_like(d, self.orthogonalized(m), lr * r))
                 if wd != 0:
@@ -711,12 +872,13 @@ class Muon(_OwnerRank, Optimizer, Writer):
         return out
 
 
-class NorMuon(Segmented):
+class NorMuon(_Matrices, Segmented):
     r"""NorMuon's per-neuron normalization of an orthogonalized update (Li et al. 2025, arXiv 2510.05491).
 
     Placed after `Orthogonalize`, per matrix-shaped update $O$ (a tensor with
-    more than 2 dims as `reshape(shape[0], -1)`), with a second moment $v$ per
-    row (per output neuron of a `Linear` weight):
+    more than 2 dims as `reshape(shape[0], -1)`; with `batch_dims=k` each matrix of
+    a stack over the first `k` dims, its own $v$: shape `(E, rows, 1)` for an expert
+    stack), with a second moment $v$ per row (per output neuron of a `Linear` weight):
 
     $$
     v \leftarrow \beta_2 v + (1-\beta_2)\,\operatorname{mean}_{\text{row}}(O \odot O), \qquad
@@ -766,12 +928,14 @@ class NorMuon(Segmented):
         return self.per == "row" or rows >= cols
 
     def segment_shape(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The shape of a parameter's second moment: `(rows, 1, ...)` per row, `(1, *shape[1:])` per column."""
-        if p.dim() < 2:
+        """The shape of a parameter's second moment: `(rows, 1, ...)` per row, `(1, *shape[1:])` per column;
+        with `batch_dims=k` one such per matrix: `shape[:k] + (rows, 1, ...)`, `shape[:k] + (1, *shape[k+1:])`."""
+        k = self.batch_dims or 0
+        if p.dim() - k < 2:
             return ()
-        if self.per_row(p.shape[0], math.prod(p.shape[1:])):
-            return (p.shape[0],) + (1,) * (p.dim() - 1)
-        return (1,) + tuple(p.shape[1:])
+        if self.per_row(p.shape[k], math.prod(p.shape[k + 1:])):
+            return per_row_shape(p, k)
+        return per_column_shape(p, k)
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Normalize each matrix-shaped update per row (or column) by its second moment, keeping its norm."""
@@ -781,25 +945,25 @@ class NorMuon(Segmented):
         key = value_key(st.key, "second_moment")
         states = ctx.param_states()
         for i, u in enumerate(updates):
-            m = as_matrix(u)
+            m = self.matrix(u)
             if m is None:
                 continue
             acc = acc_dtype(u.dtype)
-            rows, cols = m.shape
+            rows, cols = m.shape[-2:]
             row = self.per_row(rows, cols)
             v = states[i].get(key)
             if v is None:
                 v = states[i][key] = torch.zeros(self.segment_shape(u), dtype=acc, device=u.device)
-            vm = v.view(rows, 1) if row else v.view(1, cols)
+            vm = v.view(m.shape[:-2] + ((rows, 1) if row else (1, cols)))
             x = m.to(acc)
-            norm = torch.linalg.vector_norm(x)
-            mean_sq = x.square().mean(dim=1 if row else 0, keepdim=True)
+            norm = frobenius(x)  # (each matrix's own: a stack's norms are (B, 1, 1))
+            mean_sq = x.square().mean(dim=-1 if row else -2, keepdim=True)
             if ctx.skip is None:
                 vm.lerp_(mean_sq, 1 - self.beta2)
             else:  # the same lerp on a new tensor (bit for bit the in-place one), the old values where skipped
                 torch.where(ctx.skip, vm, torch.lerp(vm, mean_sq, 1 - self.beta2), out=vm)
             y = x / (vm.sqrt() + self.eps)
-            y = y * (norm / (torch.linalg.vector_norm(y) + self.eps))
+            y = y * (norm / (frobenius(y) + self.eps))
             out[i] = laid_out_like(u, y)
         return out
 
@@ -817,6 +981,7 @@ class NorMuon(Segmented):
         idx = [i for i, u in enumerate(updates) if as_matrix(u) is not None]
         if not idx:
             return out
+        _refuse_sharded_stacks(self, [updates[i] for i in idx])
         acc = torch.float64 if any(acc_dtype(updates[i].dtype) == torch.float64 for i in idx) else torch.float32
         norms = tensor_pnorms([updates[i] for i in idx], 2.0, acc)
         ys: list[torch.Tensor] = []
@@ -902,7 +1067,8 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
 
     Tensors with 0 or 1 dims get the momentum step `lr m` (the reference refuses
     them: route them to `AdamW` with `mo.Masked`); a tensor with more than 2
-    dims is orthogonalized as `reshape(shape[0], -1)`. A step the device skips
+    dims is orthogonalized as `reshape(shape[0], -1)`, or with `batch_dims=k` as a
+    stack of matrices, each with its own norm and $r$. A step the device skips
     leaves the parameters, $m$, $v$ and the step counts bit for bit as they were
     (no host sync; the new values are made aside and a `where` keeps the old ones).
 
@@ -930,7 +1096,7 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
     weight_decay: NonNegativeFloat = 0.0
     eps: PositiveFloat = 1e-10
     ns_eps: PositiveFloat = 1e-7
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] = "match_rms_adamw"
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "weight_decay")
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
         "step": Buffer("counter", dtype="float32"),  # this parameter's steps taken
@@ -978,12 +1144,13 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
         # FSDP2 / tensor parallel with sharded="owner" (eager): each sharded momentum orthogonalized once, on its
         # owner rank, the shards of the result back in ns_dtype; the rest of the rule is elementwise on the shards
         # but for the norm of the full O (all-reduced)
+        _refuse_sharded_stacks(self, list(ms_all))  # (the owner path's norm below is the whole tensor's)
         owned = self._owner_orthogonalized(list(ms_all), [None] * len(ms_all))
         for g, a, b, steps in per_group:
             lr, wd = g["lr"], g["weight_decay"]
             beta2 = g["betas"][1]
             for i, p, m, v, t in zip(range(a, b), ctx.params[a:b], ms_all[a:b], vs_all[a:b], steps):
-                mat = as_matrix(m)
+                mat = self.matrix(m)
                 if mat is None:
                     out.append((p, m, lr, 1.0, wd))
                     continue
@@ -1003,14 +1170,18 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
                 else:  # the reference divides by a Python float: computed in float32, rounded to v's dtype
                     scaled = (v.float() / correction.float()).to(v.dtype)
                 o.div_(scaled.sqrt_().add_(self.eps))
-                rows = mat.shape[0]
-                scale = math.sqrt(min(rows, mat.numel() // rows))
+                rows, cols = mat.shape[-2:]  # (each matrix's own shape)
+                scale = math.sqrt(min(rows, cols))
+                r = adjust_ratio(rows, cols, self.adjust_lr_fn)
                 if i in owned:  # the norm of the full O, rounded to its dtype as `o.norm()` is
                     o.mul_(scale / tensor_pnorms([like_dtensor(o, p)], 2.0, torch.float32)[0].to(o.dtype).add_(self.eps))
-                    out.append((p, like_dtensor(o, p), lr, adjust_ratio(mat.shape[0], mat.shape[1], self.adjust_lr_fn), wd))
+                    out.append((p, like_dtensor(o, p), lr, r, wd))
                     continue
-                o.mul_(scale / (o.norm() + self.eps))  # (not in place: a DTensor's norm is a pending reduction)
-                r = adjust_ratio(mat.shape[0], mat.shape[1], self.adjust_lr_fn)
+                if mat.dim() == 3:  # each matrix by its own norm
+                    norm = frobenius(o.view(mat.shape)).view(per_matrix_shape(o, self.batch_dims, mat))
+                else:
+                    norm = o.norm()
+                o.mul_(scale / (norm + self.eps))  # (not in place: a DTensor's norm is a pending reduction)
                 out.append((p, placed_like(o, p), lr, r, wd))
         return out
 
