@@ -147,6 +147,7 @@ NON_DEFAULT = {
     # tests from step 2 or 3, with a sigma no gradient of the checks reaches (they count the skipped steps: a
     # spike is tested in tests/test_stability_more.py); watch="norm": the checks give no loss
     "SkipStep": [mo.SkipStep(window=3, sigma=1e3, min_steps=2, watch="norm"), mo.SkipStep(window=4, sigma=1e3)],
+    "SkipNorm": mo.SkipNorm(1e6),  # (issue 56) above every finite gradient of the checks: none skipped
     "Clippy": [
         mo.Clippy(lambda_w=0.01, lambda_abs=1e-3, scope="tensor", dim=0, inverse_dims=True, min_size=2),
         mo.Clippy(scope="group"),
@@ -235,6 +236,7 @@ SPECS = {
     "AdaMuon": "tests/test_muon_recipe.py::test_adamuon_matches_spec",  # and pytorch_optimizer.AdaMuon, bit for bit
     "AdaGC": "tests/test_stability.py::test_adagc_matches_spec",  # and pytorch_optimizer.AdaGC, bit for bit
     "SkipStep": "tests/test_stability_more.py::test_skip_step_matches_spec",  # and OLMo-core's rule (golden values)
+    "SkipNorm": "tests/test_step_guards.py::test_skip_norm_matches_spec",  # and Megatron-LM's rule, at the boundary
     "Clippy": "tests/test_stability_more.py::test_clippy_matches_spec",  # and golden values by hand
     "ADOPT": "tests/test_stability_more.py::test_adopt_matches_spec",  # and pytorch_optimizer.ADOPT, bit for bit
     "SPAM": "tests/test_spam.py::test_spam_matches_spec",  # and pytorch_optimizer.SPAM (moments bit for bit)
@@ -270,7 +272,7 @@ NO_SPEC = {
 MASK = mo.Select(exclude=["0.*"])
 MASK_REST = mo.Select(names=["0.*"])
 #: transforms that cannot run inside Masked (they step every parameter of the optimizer themselves)
-UNMASKABLE = {"TorchOptimizer", "SkipStep", "Lookahead", "ProjectNorm", "QKClip", "ScheduleFreeSGD", "ScheduleFreeAdamW"}
+UNMASKABLE = {"TorchOptimizer", "SkipStep", "SkipNorm", "Lookahead", "ProjectNorm", "QKClip", "ScheduleFreeSGD", "ScheduleFreeAdamW"}
 # (SkipStep skips the whole step: it sits at the top level; Lookahead pulls every parameter of the optimizer; a
 # weight-stage transform sits at the top level; Schedule-Free's eval form swaps every parameter)
 

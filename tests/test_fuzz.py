@@ -90,9 +90,12 @@ def pipelines(draw):
     # the weight stage, after the write (not after Schedule-Free: its y/z relation refuses one)
     if draw(st.booleans()) and not any(isinstance(t, mo.roles.WeightSwap) for t in mods):
         mods.append(draw(perturbed(draw(st.sampled_from(WEIGHTS)))))
-    skips = [t for t in mods if isinstance(t, mo.SkipStep)]
-    if skips:  # SkipStep goes first, before every transform that keeps state (Modular refuses it elsewhere)
-        mods = [skips[0]] + [t for t in mods if not isinstance(t, mo.SkipStep)]
+    skips = [t for t in mods if isinstance(t, mo.roles.SkipDecider)]
+    if skips:  # skip transforms go first, before every transform that keeps state (Modular refuses them elsewhere):
+        # SkipNorm keeps none, so it may come before one SkipStep, which does
+        steps = [t for t in skips if isinstance(t, mo.SkipStep)][:1]
+        mods = [t for t in skips if not isinstance(t, mo.SkipStep)] + steps \
+            + [t for t in mods if not isinstance(t, mo.roles.SkipDecider)]
     return mods
 
 

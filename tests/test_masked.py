@@ -573,6 +573,7 @@ def test_masked_step_has_no_host_sync(name):
 
 
 @pytest.mark.parametrize("name", sorted(_masked_pipelines()))
+@pytest.mark.compile
 def test_masked_compiled_step_fullgraph_matches_eager(name):
     from test_compile import _groups, _params, _set_grads
 
@@ -601,11 +602,12 @@ _SELECTS = {
 }
 # Accumulate stops the whole step between cycles (tested above), so it has no "selection alone" counterpart
 # SPAM and Stable-SPAM need the optimizer after them in their selection: tests/test_spam.py checks them masked
-# SkipStep skips the whole step and is refused inside Masked (tests/test_stability_more.py)
+# SkipStep and SkipNorm skip the whole step and are refused inside Masked (tests/test_stability_more.py,
+# tests/test_step_guards.py)
 _INNER = [(eid, t) for eid, t in base_examples()
           if not isinstance(t, mo.roles.Optimizer) and eid not in ("Masked", "TorchOptimizer", "Accumulate", "Lookahead") and not needs_moments(t)
           and not isinstance(t, mo.roles.WeightStage)
-          and not isinstance(t, mo.SkipStep)]
+          and not isinstance(t, mo.roles.SkipDecider)]
 
 
 def _conformance_model():

@@ -404,6 +404,7 @@ def test_default_pipeline_has_no_host_sync():
     assert opt._skip_on_device and syncs.n == 0
 
 
+@pytest.mark.compile
 def test_compiled_step_fullgraph_matches_eager():
     torch._dynamo.reset()
     ma, oa = model_and_opt(mo.Adam(lr=1e-2), nonfinite="ignore")

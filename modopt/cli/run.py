@@ -857,6 +857,8 @@ def _run(exp, out, resume, trust_imports, stop_after, progress, plots, log, forc
                 bar.update(step, shown[0][1], shown[0][0])
                 if stop:
                     raise RunInterrupted(f"stopped after step {step} (--stop-after)")
+            if opt.skip_limit is not None:  # (max_consecutive_skips: a GPU's count of the last step, read now)
+                opt.skip_limit.check()
         finally:
             mf.close()
             tf.close()

@@ -21,6 +21,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOO
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_history, history_keys, missing_message,
                          missing_state, param_inventory, structure_difference, upgrade, value_differences)
 from .runner import CPU_FALSE, drive
+from .skip_limit import SkipLimit
 from . import hostdata
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
@@ -92,7 +93,8 @@ def _stepping(func: Callable[..., Any]) -> Callable[..., Any]:
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
-    `Modular(params, *transforms, nonfinite=None, config=None, lint=True, stage_group=None, **group_defaults)`
+    `Modular(params, *transforms, nonfinite=None, config=None, lint=True, stage_group=None,
+    max_consecutive_skips=None, **group_defaults)`
 
     * `params`: tensors, param-group dicts, or `named_parameters()` pairs.
     * `transforms`: run in order on the gradient; the update after the last one
@@ -111,6 +113,8 @@ class Modular(torch.optim.Optimizer):
       global `ClipNorm`'s norm, a global mean) and the non-finite decision then span
       every stage's parameters, the same on every stage (docs/howto/distributed.md).
       Every stage must call `step()` each time (each all-gathers its totals).
+    * `max_consecutive_skips`: stop with `SkipLimitError` after this many skipped steps in a row
+      (None: the config's, else no limit; `modopt.core.skip_limit`, read a step late on a GPU).
     * `group_defaults`: defaults for the exposed group keys (`lr=0.1`).
 
     For frameworks that build the optimizer from keywords (HF Trainer's
@@ -129,11 +133,14 @@ class Modular(torch.optim.Optimizer):
         config: Any = None,
         lint: bool = True,
         stage_group: Any = None,
+        max_consecutive_skips: int | None = None,
         **group_defaults: Any,
     ):
         transforms, nonfinite, group_defaults = _pipeline_arguments(
             transforms, nonfinite, config, plain_input(group_defaults), load_config
         )
+        if config is not None and max_consecutive_skips is None:  # (the config's, as its nonfinite)
+            max_consecutive_skips = load_config(config).max_consecutive_skips
         for i, t in enumerate(transforms):
             if not isinstance(t, Transform):
                 raise TypeError(f"Modular: transform #{i} is {type(t).__name__}, not a modopt Transform")
@@ -143,12 +150,15 @@ class Modular(torch.optim.Optimizer):
             if not (dist.is_available() and isinstance(stage_group, dist.ProcessGroup)):
                 raise TypeError("Modular: stage_group must be the torch.distributed process group of the pipeline "
                                 f"stages (a ProcessGroup) or None, got {type(stage_group).__name__}")
-        self._pipeline = PipelineConfig(transforms=list(transforms), nonfinite=nonfinite, defaults=group_defaults)
+        self._pipeline = PipelineConfig(transforms=list(transforms), nonfinite=nonfinite, defaults=group_defaults,
+                                        max_consecutive_skips=max_consecutive_skips)
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
         # anything is built); the step reads it
         self.plan: Plan = make_plan(self.transforms, self._pipeline.nonfinite, stage_group=stage_group)
         self._keys = list(self.plan.keys)
+        #: the consecutive-skip limit (`max_consecutive_skips`), or None
+        self.skip_limit: SkipLimit | None = SkipLimit.of(self._pipeline.max_consecutive_skips, self.plan)
         hyper: dict[str, Any] = {}
         owner: dict[str, str] = {}
         self._routes = self.plan.routes  # optimizer transforms in Masked branches (None: no routing)
@@ -239,6 +249,8 @@ class Modular(torch.optim.Optimizer):
             raise TypeError("opt.step: give the loss by the closure or by loss=, not both")
         if loss is not None:
             check_loss(loss, "opt.step(loss=...)")
+        if self.skip_limit is not None:  # (a GPU's count of the last step, read now: before anything changes)
+            self.skip_limit.before_step()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -262,7 +274,7 @@ class Modular(torch.optim.Optimizer):
                                    "(after opt.eval()); call opt.train() before stepping")
         stats: dict[str, torch.Tensor] = {}
         plan = self.plan
-        ctx, go, _ = drive(
+        ctx, go, out = drive(
             self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
             on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
             host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
@@ -276,11 +288,15 @@ class Modular(torch.optim.Optimizer):
             if ctx.skip is not None:  # decided on the device: count it there
                 stats["skipped_steps"] = self._count_skipped(ctx.skip)
                 stats["skipped"] = ctx.skip
+            elif out is None and "skipped" in stats:  # a SkipDecider stopped the step on the host
+                stats["skipped_steps"] = self._count_skipped(1)
             else:
                 stats["skipped"] = CPU_FALSE
         if "skipped_steps" not in stats:
             stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep
+        if self.skip_limit is not None:  # (counted on the device; on the CPU it may raise now)
+            self.skip_limit.after_step(stats)
         return loss
 
     # --- train and eval forms of the parameters (Schedule-Free) -----------------------------------------
@@ -412,7 +428,8 @@ class Modular(torch.optim.Optimizer):
     def from_config(cls, params: Iterable[Any], config: Any, trust_imports: bool = False) -> "Modular":
         """Build from a `PipelineConfig`, its dict or OmegaConf `DictConfig`, or a config file path."""
         cfg = load_config(config, trust_imports=trust_imports)
-        return cls(params, *cfg.transforms, nonfinite=cfg.nonfinite, **cfg.defaults)
+        return cls(params, *cfg.transforms, nonfinite=cfg.nonfinite, max_consecutive_skips=cfg.max_consecutive_skips,
+                   **cfg.defaults)
 
     # --- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -642,6 +659,7 @@ class Modular(torch.optim.Optimizer):
         super().__setstate__(state)
         if "_gate" not in self.__dict__:  # pickled before the group-key gate existed
             self._gate = GroupGate(self.transforms)
+        self.__dict__.setdefault("skip_limit", None)  # (pickled before max_consecutive_skips)
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, format_validation_error, read_file
 from .plan import Finding, lint_findings
@@ -45,6 +45,17 @@ class PipelineConfig(BaseModel):
     transforms: list[TransformField] = Field(default_factory=list)
     nonfinite: NonFinite = "skip"
     defaults: dict[str, Any] = Field(default_factory=dict)
+    #: stop the run (`SkipLimitError`) after this many skipped steps in a row; None: no limit
+    #: (`modopt.core.skip_limit`)
+    max_consecutive_skips: int | None = Field(None, ge=1, lt=2**62)
+
+    @field_validator("max_consecutive_skips", mode="before")
+    @classmethod
+    def _a_count(cls, v: Any) -> Any:
+        """A whole number: `true` or a quoted `"5"` is a mistake pydantic would read as a count."""
+        if isinstance(v, (bool, str)):
+            raise ValueError(f"a whole number of steps >= 1 (or null) is needed, got {v!r}")
+        return v
 
     def __repr__(self) -> str:
         """`PipelineConfig(ClipNorm(max_norm=1.0), Adam())`: the transforms, then non-default options."""
@@ -53,6 +64,8 @@ class PipelineConfig(BaseModel):
             parts.append(f"nonfinite={self.nonfinite!r}")
         if self.defaults:
             parts.append(f"defaults={self.defaults!r}")
+        if self.max_consecutive_skips is not None:
+            parts.append(f"max_consecutive_skips={self.max_consecutive_skips}")
         return f"PipelineConfig({', '.join(parts)})"
 
     def __str__(self) -> str:
@@ -60,12 +73,16 @@ class PipelineConfig(BaseModel):
 
     # --- serialisation ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """`{"transforms": [...], "nonfinite": ..., "defaults": {...}}` as plain data."""
-        return {
+        """`{"transforms": [...], "nonfinite": ..., "defaults": {...}}` as plain data (and
+        `max_consecutive_skips` when set)."""
+        out = {
             "transforms": [t.to_dict() for t in self.transforms],
             "nonfinite": self.nonfinite,
             "defaults": to_plain(self.defaults),
         }
+        if self.max_consecutive_skips is not None:
+            out["max_consecutive_skips"] = self.max_consecutive_skips
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         """The config as JSON text (`to_dict()`)."""

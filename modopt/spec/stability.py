@@ -2,8 +2,9 @@
 
 `AdaGC` is built with the fields of its transform and `group_of` (the param
 group of each tensor); `step(updates)` returns the new updates. `SkipStep`'s
-`step` says whether a step is skipped; `clippy` is one stateless step; `ADOPT`
-(the optimizer transform `mo.ADOPT`) steps parameters.
+`step` says whether a step is skipped, as `skip_norm` does for `SkipNorm`;
+`clippy` is one stateless step; `ADOPT` (the optimizer transform `mo.ADOPT`)
+steps parameters.
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ class SkipStep:
                 self.values[name] = (self.values[name] + [x])[-self.window:]
                 self.counts[name] += 1
         return spike and not nonfinite
+
+
+def skip_norm(updates: Sequence[torch.Tensor], max_norm: float) -> bool:
+    """Megatron-LM's `grad_norm_skip_threshold`: whether the step is skipped, that is `G > max_norm` or
+    `G` is NaN, with `G` the 2-norm of every element of `updates` (in float64; an inf element makes it inf)."""
+    total = math.fsum(float(u.detach().to(torch.float64).square().sum()) for u in updates)
+    return not (math.sqrt(total) <= max_norm)
 
 
 def clippy(updates: Sequence[torch.Tensor], params: Sequence[torch.Tensor], group_of: Sequence[int],

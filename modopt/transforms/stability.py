@@ -1,7 +1,8 @@
 """Stability methods of 2023-2026: clipping and skipping rules that follow the run's own history.
 
 `SkipStep` (OLMo 2, arXiv 2501.00656) skips the whole step when the loss or the
-gradient norm is far above its recent mean; `Clippy` (Tang et al. 2023, arXiv
+gradient norm is far above its recent mean; `SkipNorm` (Megatron-LM's
+`grad_norm_skip_threshold`) when the gradient norm is above a fixed threshold; `Clippy` (Tang et al. 2023, arXiv
 2302.09178), placed after the optimizer, shrinks each tensor's step so that no
 element moves by more than a bound relative to its weight. (ADOPT's clip needs
 the optimizer's own second moment: it is the optimizer transform `mo.ADOPT`.)
@@ -34,9 +35,10 @@ from ..core.transform import Transform
 from ..core.runner import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer, proceed_flag
+from ..core.values import F32_MAX
 from ._util import FiniteNonNegativeFloat, FinitePositiveFloat, below_one
 
-__all__ = ["AdaGC", "SkipStep", "Clippy"]
+__all__ = ["AdaGC", "SkipStep", "SkipNorm", "Clippy"]
 
 
 def _global_norm(parts: torch.Tensor) -> torch.Tensor:
@@ -253,7 +255,7 @@ class SkipStep(SkipDecider):
         if ctx.skip is not None:
             ctx.skip_also(spike)
         elif bool(spike):  # the host decides this step (its policy, or a transform that needs it): one sync
-            return None
+            return _stopped_on_host(ctx)
         return updates
 
     def _test(self, st: TransformState, name: str, x: torch.Tensor, go: torch.Tensor | None) -> torch.Tensor:
@@ -278,6 +280,83 @@ class SkipStep(SkipDecider):
         store[f"{name}_window"] = torch.where((slots == count % w) & take, x, win)
         store[f"{name}_count"] = count + take.to(torch.int64)
         return hit
+
+
+def _stopped_on_host(ctx: Step) -> None:
+    """Stop the step the host decided to skip: `skipped` tells `Modular` to count it in `skipped_steps`
+    (as a step the device skips), which a chain stopped for another reason (`Accumulate`) is not."""
+    ctx.stats["skipped"] = torch.ones((), dtype=torch.bool)
+    return None
+
+
+# --- Megatron-LM's absolute threshold ------------------------------------------------------------------
+def _at_most(x: float, dtype: torch.dtype) -> float:
+    """The largest value of `dtype` (float32 or float64) that is <= `x` (> 0): a norm `n` of that dtype is
+    `> x` exactly when it is `> _at_most(x)`, so the test is the real-number one whatever the dtype the
+    norm is accumulated in (Megatron-LM compares a float32 norm with the threshold in float64). Plain
+    `math` on a constant: a traced step folds it."""
+    if dtype != torch.float32:
+        return x
+    if x >= F32_MAX:
+        return F32_MAX
+    _, e = math.frexp(x)  # x = m * 2**e with 0.5 <= m < 1
+    ulp = math.ldexp(1.0, max(e - 24, -149))  # float32's spacing there: 24 bits of significand, subnormals
+    return math.floor(x / ulp) * ulp  # (exact: a power of two divides, and the floor fits 24 bits)
+
+
+class SkipNorm(SkipDecider):
+    r"""Skip the step whose gradient 2-norm exceeds a fixed threshold (Megatron-LM's
+    `grad_norm_skip_threshold`).
+
+    With $G$ the 2-norm of every update of the step together, measured where `SkipNorm` stands (first
+    in the pipeline: the raw gradient, before any clip, as Megatron-LM measures it), the step is skipped
+    when
+
+    $$ G > 	au \quad (	ext{or } G 	ext{ is NaN}) $$
+
+    with $	au$ = `max_norm`, compared exactly (not after rounding $	au$ to the norm's float32). A
+    skipped step leaves the parameters and every state bit for bit as they were and is counted in
+    `opt.stats["skipped_steps"]`, as a step skipped for non-finite gradients; it keeps no state of its
+    own. Under `torch.distributed` the norm is of the full gradients (all-reduced under FSDP2; the same
+    averaged gradients on every DDP rank), so every rank skips alike. Under the default
+    `nonfinite="skip"`, with transforms that skip on the device, the decision stays on the device (no
+    host sync); otherwise the host decides (one sync). It comes first in the pipeline (after stateless
+    transforms only), before `SkipStep` when both are used, at its top level.
+
+    No default for `max_norm` (Megatron-LM's is $+\infty$: off). Telemetry: `norm` ($G$) and `skip`
+    (this step is skipped for its norm; a step skipped for non-finite gradients is not).
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = mo.Modular([p], mo.SkipNorm(10.0), mo.SGD(lr=1.0))
+    >>> for g in ([3.0, 4.0], [30.0, 40.0], [6.0, 8.0]):   # norms 5, 50 (skipped), 10 (not above 10)
+    ...     p.grad = torch.tensor(g); opt.step()
+    >>> p.data, bool(opt.stats["0:SkipNorm.skip"]), int(opt.stats["skipped_steps"])
+    (tensor([ -9., -12.]), False, 1)
+
+    ```
+    """
+
+    positional: ClassVar[str | None] = "max_norm"
+    device_skip: ClassVar[bool] = True  # keeps no state; skips the rest of the step on the device
+    update_access: ClassVar[Literal["write", "read", "none"]] = "read"
+
+    max_norm: FinitePositiveFloat
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Skip the step when the 2-norm of the updates exceeds `max_norm` (on the device, or None when the
+        host decides), else the updates unchanged."""
+        norm = ctx.memo.total(updates, 2.0, common_acc_dtype(updates))  # (the non-finite check's, when it ran)
+        over = ~(norm <= _at_most(self.max_norm, norm.dtype))  # (NaN compares false: skipped)
+        go = proceed_flag(ctx)  # before this decision: a step skipped for non-finite gradients is not ours
+        st.record("norm", norm)
+        st.record("skip", over if go is None else over & go)
+        if ctx.skip is not None:
+            ctx.skip_also(over)
+        elif bool(over):  # the host decides this step: one sync
+            return _stopped_on_host(ctx)
+        return updates
 
 
 # --- Clippy -------------------------------------------------------------------------------------------------
