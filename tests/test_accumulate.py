@@ -348,6 +348,7 @@ def test_an_old_checkpoint_without_the_device_counter_loads_and_continues():
     assert int(acc_state(ob)["count"]) == int(acc_state(oa)["count"])
 
 
+@pytest.mark.compile
 def test_fullgraph_compile_equals_eager_over_two_cycles_with_a_nan_call():
     torch._dynamo.reset()
     pa, pb = params(), params()

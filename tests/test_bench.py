@@ -16,6 +16,8 @@ import torch
 
 import modopt as mo
 
+pytestmark = pytest.mark.slow  # benchmark runs in subprocesses (the slow lane)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 

@@ -274,6 +274,7 @@ def test_after_the_optimizer_no_sync_and_a_skipped_step_changes_nothing(name):
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.compile
 def test_after_the_optimizer_compiles_to_one_graph_equal_to_eager(name):
     torch._dynamo.reset()
     a, b = _model(torch.float32), _model(torch.float32)

@@ -19,6 +19,8 @@ import modopt
 from modopt.cli import main
 from test_compare_seeds import tiny_config
 
+pytestmark = pytest.mark.slow  # end-to-end runs of every command (the slow lane)
+
 FIELDS = ["modopt", "commit", "dirty", "torch", "python", "os", "devices", "date", "argv", "config_sha256"]
 DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,6 +17,8 @@ from modopt.cli import main
 from modopt.cli.compare import worst_excursion
 from modopt.cli.stats import format_interval, interval, paired, t_quantile
 
+pytestmark = pytest.mark.slow  # end-to-end runs over seeds (the slow lane)
+
 TINY_TS = {"name": "teacher_student", "options": {"dim": 4, "hidden": 8, "teacher_hidden": 8, "eval_size": 64}}
 
 

@@ -91,6 +91,7 @@ def test_host_syncs_per_step_by_policy(policy, make, syncs, device_path):
 
 
 @pytest.mark.parametrize("name", ["ClipNorm+Adam", "ClipValue+SGD"])
+@pytest.mark.compile
 def test_compiled_step_fullgraph_matches_eager(name):
     torch._dynamo.reset()
     make = _pipelines()[name]
@@ -235,6 +236,7 @@ def _cyclic(step: int) -> float:
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("name", list(_VS_TORCH))
+@pytest.mark.compile
 def test_compiled_optimizer_with_scheduler_matches_torch_over_20_steps(name):
     """Every optimizer transform, compiled with fullgraph, follows torch's optimizer under the same
     LR scheduler, and a changing lr does not recompile (it is read as a tensor, not a constant).
@@ -285,6 +287,7 @@ def _assert_same_stats(got, want, step):
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=lambda m: f"step {step}, {k}: {m}")
 
 
+@pytest.mark.compile
 def test_compiled_step_keeps_its_stats():
     """`opt.stats` under ``torch.compile(opt.step, fullgraph=True)`` holds what eager holds.
 
@@ -312,6 +315,7 @@ def test_compiled_step_keeps_its_stats():
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.compile
 def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
     torch._dynamo.reset()
     params = _params()
@@ -326,6 +330,7 @@ def test_fullgraph_with_a_host_policy_says_why_and_what_to_do(policy):
         assert words in text, text
 
 
+@pytest.mark.compile
 def test_plain_compile_with_a_host_decision_skips_like_eager():
     """``torch.compile(opt.step)`` with ``nonfinite="skip"`` and a pipeline that needs the host's
     decision (a transform that does not declare `skips_on_device()`): one graph break per step, at that decision; a non-finite step, the
@@ -360,6 +365,7 @@ def test_plain_compile_with_a_host_decision_skips_like_eager():
     assert "decides on the host" in explained.break_reasons[0].reason
 
 
+@pytest.mark.compile
 def test_plain_compile_with_raise_names_the_parameter():
     torch._dynamo.reset()
     params = _params()
@@ -375,6 +381,7 @@ def test_plain_compile_with_raise_names_the_parameter():
     assert all(torch.equal(p, q) for p, q in zip(params, before))
 
 
+@pytest.mark.compile
 def test_slice_scopes_compile_with_fullgraph():
     """A slice-wise scope (`dim`) builds its layout inside the compiled step: no generator may reach
     dynamo there (`math.prod` of one failed to trace before issue 17), and the result equals eager."""

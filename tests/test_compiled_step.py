@@ -12,6 +12,8 @@ import torch
 
 import modopt as mo
 
+pytestmark = pytest.mark.compile  # the whole file compiles (the compile lane)
+
 BAD_STEPS = (3,)  # a NaN gradient element: the step must be skipped
 
 

@@ -254,6 +254,7 @@ def test_muon_equals_torch_muon_bit_for_bit_on_cuda(dtype, kw):
 
 
 @pytest.mark.parametrize("name", ["ClipNorm+Adam", "mission"])
+@pytest.mark.compile
 def test_fullgraph_compiled_default_step_on_cuda_matches_eager(name):
     torch._dynamo.reset()
     eager_model, compiled_model = net(CUDA), net(CUDA)

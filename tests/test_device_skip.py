@@ -224,6 +224,7 @@ def test_the_others_decide_on_the_host_once_a_step(name, t):
     lambda: [mo.ClipNormByEMA(), mo.Normalize(), mo.Adam(lr=1e-2)],
     lambda: [mo.ZClip(warmup_steps=3), mo.AdamW(lr=1e-2)],
 ], ids=["ClipNorm+Adam", "mission", "ZClip+AdamW"])
+@pytest.mark.compile
 def test_fullgraph_with_the_defaults_equals_eager_with_nan_steps_and_a_scheduler(make):
     torch._dynamo.reset()
     a, b = model(), model()

@@ -325,6 +325,7 @@ def test_the_host_path_drops_the_flags_it_finds():
 
 # --- torch.compile(fullgraph=True) ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["SGD-dampening", "ClipNormByEMA-update"])
+@pytest.mark.compile
 def test_fullgraph_equals_eager_with_nan_steps(name):
     make = {"SGD-dampening": lambda: [mo.SGD(lr=0.05, momentum=0.9, dampening=0.1)],
             "ClipNormByEMA-update": lambda: [mo.ClipNormByEMA(ema_init="update"), mo.Adam(lr=1e-2)]}[name]

@@ -687,6 +687,7 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@pytest.mark.slow
 def test_page(page, page_runs):
     """The page's blocks run in order in one fresh process, and print what the page shows."""
     plan = plan_of(page)

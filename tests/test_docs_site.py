@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the docs site (the slow lane)
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "docs" / "hooks"
 

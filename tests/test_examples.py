@@ -12,6 +12,8 @@ import pytest
 
 from modopt.cli import main
 
+pytestmark = pytest.mark.slow  # runs every example (the slow lane)
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("*.py"))
 CONFIGS = sorted((EXAMPLES / "configs").glob("*.yaml"))

@@ -21,6 +21,8 @@ from modopt.cli import main
 from modopt.cli.hydra_app import experiment_for_job
 from modopt.config import ConfigError
 
+pytestmark = pytest.mark.slow  # a Hydra multirun of processes (the slow lane)
+
 CONFIG = """\
 name: tiny
 task: {name: teacher_student, options: {dim: 4, hidden: 8, teacher_hidden: 4}}

@@ -174,6 +174,7 @@ def test_a_numpy_scalar_in_range_is_taken_and_steps_as_the_float_does():
 
 
 @pytest.mark.parametrize("v", [NAN, -1.0, "0.1", torch.tensor(NAN)])
+@pytest.mark.compile
 def test_compile_step_checks_the_group_values_before_its_graph(v):
     model, opt = warm("Adam")
     step = mo.compile_step(opt, warmup=1)
@@ -185,6 +186,7 @@ def test_compile_step_checks_the_group_values_before_its_graph(v):
     refused(model, opt, step, "param group 0.*'lr'")
 
 
+@pytest.mark.compile
 def test_compile_step_skips_a_device_tensor_value_filled_in_place_inside_its_graph():
     from modopt.core import hostdata
 
@@ -274,12 +276,14 @@ def test_tensor_hyperparams_checks_its_arguments_before_changing_any_group(kwarg
 
 
 @pytest.mark.parametrize("kwargs", [{"warmup": -1}, {"warmup": "3"}, {"warmup": 1.5}, {"warmup": True}])
+@pytest.mark.compile
 def test_compile_step_refuses_a_warmup_that_is_not_a_count(kwargs):
     model, opt = warm("Adam")
     with pytest.raises(ValueError, match="warmup"):
         mo.compile_step(opt, **kwargs)
 
 
+@pytest.mark.compile
 def test_compile_step_refuses_a_torch_optimizer():
     with pytest.raises(TypeError, match="modopt.Modular"):
         mo.compile_step(torch.optim.Adam(torch.nn.Linear(2, 2).parameters()))

@@ -16,6 +16,8 @@ import torch
 
 from modopt.core import compile_marks
 
+pytestmark = pytest.mark.slow  # fresh interpreters, one compiling (the slow lane)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

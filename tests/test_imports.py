@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "modopt"
 
 
@@ -193,6 +195,7 @@ def test_no_type_checking_imports():
     assert type_checking_blocks() == {}
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     names = [n for n in _modules() if not n.endswith("__main__")]
     code = (

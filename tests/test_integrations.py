@@ -18,6 +18,8 @@ import torch
 
 import modopt as mo
 
+pytestmark = pytest.mark.slow  # trains through HF Trainer, accelerate, Lightning (the slow lane)
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "howto"
 
 

@@ -11,6 +11,8 @@ import torch
 import modopt as mo
 from modopt.core.transform import walk
 
+pytestmark = pytest.mark.compile  # the whole file compiles (the compile lane)
+
 
 def test_onecycle_changing_lr_and_beta1_does_not_recompile_the_default_step():
     torch._dynamo.reset()

@@ -23,6 +23,8 @@ from modopt.cli import main
 from modopt.cli import tasks
 from modopt.config import ConfigError
 
+pytestmark = pytest.mark.slow  # trains on real data (the slow lane)
+
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

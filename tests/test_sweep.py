@@ -14,6 +14,8 @@ from modopt.config import ConfigError
 from modopt.cli.sweep import parse_grid, parse_value, set_path
 from test_compare_seeds import TINY_TS, _has_matplotlib, assert_self_contained
 
+pytestmark = pytest.mark.slow  # end-to-end sweeps of the command (the slow lane)
+
 MAX_NORM = "optimizer.transforms.0.max_norm"
 
 

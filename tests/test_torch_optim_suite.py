@@ -92,6 +92,8 @@ if _inductor_dir is None:
 
 import modopt as mo  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch's own optimizer suite, 760 cases (the slow lane)
+
 DEVICE = "cpu"
 TRANSFORMS = {"Adam": mo.Adam, "AdamW": mo.AdamW, "SGD": mo.SGD, "Muon": mo.Muon}
 INFOS = {o.name: o for o in optim_db if o.name in TRANSFORMS}

@@ -564,6 +564,7 @@ def test_accumulate_clips_once_per_cycle_by_the_max_of_its_micro_batches():
 
 
 @pytest.mark.parametrize("logits", ["recorded", "rewritten"])
+@pytest.mark.compile
 def test_the_step_compiles_to_one_graph_equal_to_eager(logits, device_path):
     """`torch.compile(opt.step, fullgraph=True)` with QKClip (the forward hook runs outside the step), against
     the eager device path (a compiled step decides every skip on the device), a skipped step included.
@@ -663,6 +664,7 @@ def test_qk_clip_config_round_trip_and_position():
         assert [k for k, _ in mo.Modular([p], mo.SGD(lr=0.1), mo.QKClip()).plan.weights] == ["1:QKClip"]
 
 
+@pytest.mark.compile
 def test_the_hook_records_the_same_maxima_inside_a_compiled_model():
     """`torch.compile(model, fullgraph=True)` traces the forward hook: the maxima are the eager ones."""
     torch._dynamo.reset()

@@ -426,6 +426,7 @@ def test_the_default_step_makes_no_host_sync():
 
 
 @pytest.mark.parametrize("cls", [mo.ScheduleFreeAdamW, mo.ScheduleFreeSGD])
+@pytest.mark.compile
 def test_fullgraph_compile_equals_eager(cls):
     """`torch.compile(opt.step, fullgraph=True)` with a NaN step among them (compiled arithmetic may round
     otherwise than eager: to 1e-6)."""

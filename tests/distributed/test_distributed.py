@@ -22,9 +22,12 @@ import modopt as mo
 
 TIMEOUT_S = 150
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [
+    pytest.mark.distributed,  # worker processes over gloo (the distributed lane)
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 
 def run_mode(mode: str, tmp: Path) -> dict:

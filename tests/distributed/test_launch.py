@@ -8,9 +8,12 @@ import torch.distributed as dist
 
 from launch import run_job
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [
+    pytest.mark.distributed,  # worker processes over gloo (the distributed lane)
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 
 def _runs(out) -> int:

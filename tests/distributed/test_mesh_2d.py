@@ -29,9 +29,12 @@ from launch import run_job
 TIMEOUT_S = 240
 ATOL = 2e-6
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [
+    pytest.mark.distributed,  # worker processes over gloo (the distributed lane)
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,12 @@ REDUCED = ("Orthogonalize-bf16-ClipNorm-SGD", "Orthogonalize-NorMuon-SGD", "Orth
 #: cases without a DTensor path to compare
 OWNER_ONLY: tuple[str, ...] = ()
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [
+    pytest.mark.distributed,  # worker processes over gloo (the distributed lane)
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 
 def _run(mode: str, tmp: Path) -> dict:

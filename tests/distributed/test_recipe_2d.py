@@ -23,9 +23,12 @@ import recipe_worker as w
 ATOL = 1e-5
 TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [
+    pytest.mark.distributed,  # worker processes over gloo (the distributed lane)
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

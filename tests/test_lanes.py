@@ -1,0 +1,84 @@
+"""The test lanes (docs/testing.md): the bare `python -m pytest` runs exactly the tests
+with no lane marker, every other test is in exactly one lane, and a test that calls the compiler is in the
+compile lane. One collection in a subprocess (no test runs), read back through a small plugin."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import LANES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Loaded into the collecting pytest with -p: it records every collected test with its lane markers (before the
+# mark plugin deselects), which the bare command then keeps, and the tests whose own body calls the compiler.
+PROBE = textwrap.dedent('''
+    import ast, inspect, json, os, textwrap
+    import pytest
+
+    LANES = set(json.loads(os.environ["LANES_PROBE_LANES"]))
+    seen = {}
+    _calls = {}
+
+    def _calls_compiler(fn):
+        """`torch.compile(...)` or `<anything>.compile_step(...)` / `compile_step(...)` in the test's own body."""
+        if fn not in _calls:
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError):
+                tree = ast.parse("")
+            found = False
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                    torch_compile = name == "compile" and isinstance(f, ast.Attribute) and \\
+                        isinstance(f.value, ast.Name) and f.value.id == "torch"
+                    found = found or torch_compile or name == "compile_step"
+            _calls[fn] = found
+        return _calls[fn]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(items):
+        for item in items:
+            fn = getattr(item, "function", None)
+            seen[item.nodeid] = {
+                "lanes": sorted({m.name for m in item.iter_markers()} & LANES),
+                "compiles": bool(fn is not None and _calls_compiler(fn)),
+            }
+
+    def pytest_collection_finish(session):
+        with open(os.environ["LANES_PROBE_OUT"], "w") as f:
+            json.dump({"all": seen, "selected": [i.nodeid for i in session.items]}, f)
+''')
+
+
+def test_each_test_is_in_one_lane_and_the_bare_command_runs_the_fast_one(tmp_path):
+    (tmp_path / "lanes_probe.py").write_text(PROBE)
+    out = tmp_path / "lanes.json"
+    env = dict(os.environ, LANES_PROBE_OUT=str(out), LANES_PROBE_LANES=json.dumps(LANES),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    # the README's command as a contributor types it (no path, no -m), only collecting
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        "-p", "lanes_probe"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    every, selected = got["all"], set(got["selected"])
+
+    twice = sorted(n for n, t in every.items() if len(t["lanes"]) > 1)
+    assert not twice, f"tests in more than one lane (CI would run them twice): {twice[:10]}"
+    fast = {n for n, t in every.items() if not t["lanes"]}
+    assert selected == fast, (
+        f"the bare command runs tests of other lanes: {sorted(selected - fast)[:10]}; "
+        f"or leaves out fast ones: {sorted(fast - selected)[:10]}")
+    for lane in LANES:  # a lane that lost its marker everywhere would pass silently
+        assert any(lane in t["lanes"] for t in every.values()), f"no test is marked {lane}"
+    assert any("test_lanes.py::" in n for n in fast), "this check itself is in the fast lane"
+
+    compiling = sorted({n.split("[")[0] for n, t in every.items() if t["compiles"] and "compile" not in t["lanes"]})
+    assert not compiling, (
+        "these tests call torch.compile or compile_step but are not in the compile lane; "
+        f"add @pytest.mark.compile: {compiling}")
