@@ -137,7 +137,7 @@ def _kernel_callers(monkeypatch) -> list[str]:
 def test_the_compiled_graph_calls_the_fused_kernel_through_its_op(monkeypatch):
     """After the eager warm-up, Adam's update comes from the custom op inside the graph (its body is
     the only caller of `kernels.fused_adam_` then), once per param group and call, never from the
-    eager path (`_run_fused_adam`) nor replaced by inductor's own loops."""
+    eager path (`kernels.AdamPlan.run`) nor replaced by inductor's own loops."""
     callers = _kernel_callers(monkeypatch)
     ps = _params()
     opt = mo.Modular([{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3}], mo.ClipNorm(1.0), mo.Adam())

@@ -46,7 +46,7 @@ def _keeping_fused(on: bool) -> Iterator[None]:
 
 
 #: functions `f(opt) -> int` that count what a traced step may have assumed about the state and still holds
-#: (`optimizers.packed_steps_hold`: the packed step counts); a call that finds less than after the last
+#: (`kernels.packed_steps_hold`: the packed step counts); a call that finds less than after the last
 #: eager call runs eagerly, which makes it hold again
 HOLDS: list[Callable[[Any], int]] = []
 
@@ -60,7 +60,7 @@ def fused_adam_op() -> Callable[..., None]:
     """`torch._fused_adam_` / `torch._fused_adamw_` as an op of its own (`modopt::fused_adam_`) that inductor keeps as one call
     (declared to mutate the parameters and moments, so it is written in place). The step counts come
     either as `steps`, already advanced by the graph and only read, or as `packed`, the one 1-D tensor
-    the eager step keeps them in (`_bump_steps`), which the op advances by `step_by` (1 when None) and
+    the eager step keeps them in (`kernels._packed`), which the op advances by `step_by` (1 when None) and
     unbinds: the graph then takes one step input where it took one view per parameter (views of one
     storage, which AOTAutograd regenerates on every call). With `grad_mul` (a 0-d tensor, or one value
     per gradient) it first multiplies the gradients by it in place, the eager step's `_foreach_mul_` of
@@ -81,7 +81,7 @@ def fused_adam_op() -> Callable[..., None]:
 
     def _op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, packed, step_by, lr, beta1, beta2,
             weight_decay, eps, amsgrad, maximize, decoupled, found_inf, grad_mul):
-        if packed is not None:  # advanced here, before the kernel reads them, as the eager `_bump_steps`
+        if packed is not None:  # advanced here, before the kernel reads them, as the eager `kernels._packed`
             packed.add_(1 if step_by is None else step_by)
             steps = _views_of(packed)
         if grad_mul is not None:  # the scale before, multiplied in place as the eager step's transform does

@@ -178,7 +178,7 @@ def settle_flags(st: TransformState, tag: Any, states: list[dict[str, Any]], fla
     ahead) the flags are dropped, since every buffer has started.
 
     The device path packs the flags of one call site (`tag`) into one tensor the first time it sees them
-    (the state holds views of it, as `_bump_steps` does with step counts): one op per step, not one per
+    (the state holds views of it, as `kernels._packed` does with step counts): one op per step, not one per
     parameter. Compiled, one op per flag (which inductor fuses). With `fresh` (every flag was created
     by this step) the packed flags are known to be equal, and stay so while every step updates all of
     them together (`same_flags`)."""

@@ -1,0 +1,142 @@
+"""`modopt/transforms/optimizers.py`: one kernel plan per optimizer and layout (`modopt.core.kernels`).
+
+Every eager step runs the layout's plan, the first step included, and the plan is built again only when
+the state no longer holds its tensors; each param group's values are read once per step; a param group
+whose parameters take different kernels (a dtype torch's fused kernel is wrong for) steps as each part
+would alone. The kernels' bits against torch are tests/test_torch_equivalence.py and
+tests/test_optimizer_dtypes.py; the skip on the device tests/test_device_skip_optimizers.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import modopt as mo
+from modopt.core import kernels
+
+
+def _params(dtypes=(torch.float32, torch.float64)):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3 + i, dtype=dt)) for i, dt in enumerate(dtypes * 2)]
+
+
+def _grads(ps, step):
+    g = torch.Generator().manual_seed(step)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+OPTIMIZERS = {
+    "Adam": lambda: mo.Adam(1e-2),
+    "AdamW-amsgrad": lambda: mo.AdamW(1e-2, amsgrad=True),
+    "Adam-torch-kernel": lambda: mo.Adam(1e-2, fused=False),
+    "SGD-momentum": lambda: mo.SGD(0.1, momentum=0.9),
+    "SGD-foreach": lambda: mo.SGD(0.1, momentum=0.9, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_eager_step_runs_the_plan_built_once(name, monkeypatch):
+    """The first step runs the plan it builds, as every later one does; it is built again after a load
+    (new state tensors), and not otherwise."""
+    plan_cls = kernels.SGDPlan if name.startswith("SGD") else kernels.AdamPlan
+    built, runs = [], []
+    init, run = plan_cls.__init__, plan_cls.run
+
+    def counting_init(self, *a, **k):
+        built.append(self)
+        init(self, *a, **k)
+
+    def counting_run(self, *a, **k):
+        runs.append(self)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(plan_cls, "__init__", counting_init)
+    monkeypatch.setattr(plan_cls, "run", counting_run)
+    ps = _params()
+    opt = mo.Modular(ps, OPTIMIZERS[name]())
+    for step in range(4):
+        _grads(ps, step)
+        opt.step()
+    # SGD's first step starts its momentum buffers (torch's first step), so its plan is built once more
+    first = 2 if name.startswith("SGD") else 1
+    assert len(built) == first
+    assert runs[0] is built[0] and all(r is built[-1] for r in runs[first:])
+    assert len(runs) == 4 + (first - 1)
+    opt.load_state_dict(opt.state_dict())
+    _grads(ps, 9)
+    opt.step()
+    assert len(built) == first + 1 and runs[-1] is built[-1]
+
+
+class _Counting(dict):
+    """A param group that counts the reads of each key."""
+
+    reads: collections.Counter = collections.Counter()
+
+    def __getitem__(self, k):
+        _Counting.reads[k] += 1
+        return super().__getitem__(k)
+
+
+@pytest.mark.parametrize("make, keys", [
+    (lambda: mo.Adam(1e-2), ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
+    (lambda: mo.SGD(0.1, momentum=0.9), ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")),
+])
+def test_group_values_are_read_once_per_step(make, keys):
+    """One param group whose parameters take two kernel calls (float32 and float64): each of its values is
+    read once per step, not once per call (a scheduler's value is then the same for every call)."""
+    ps = _params()
+    opt = mo.Modular(ps, make())
+    opt.param_groups[0] = _Counting(opt.param_groups[0])
+    for step in range(3):
+        _grads(ps, step)
+        _Counting.reads.clear()
+        opt.step()
+    assert {k: _Counting.reads[k] for k in keys} == dict.fromkeys(keys, 1)
+
+
+@pytest.mark.parametrize("make", [lambda: mo.SGD(0.1), lambda: mo.SGD(0.1, momentum=0.5, nesterov=True),
+                                  lambda: mo.Adam(1e-2)])
+def test_a_group_of_two_kernels_steps_as_each_part_alone(make):
+    """float32 takes torch's fused kernel and float16 SGD its foreach kernel on a CPU (`kernels.KNOWN_BAD`,
+    before torch 2.14): in one param group each part moves exactly as it would alone. (SGD without
+    momentum raised an IndexError here before the plan.)"""
+    ps = _params((torch.float32, torch.float16))
+    alone = [[torch.nn.Parameter(p.detach().clone()) for p in ps[i::2]] for i in (0, 1)]
+    opt = mo.Modular(ps, make())
+    opts = [mo.Modular(a, make()) for a in alone]
+    for step in range(3):
+        _grads(ps, step)
+        for i, a in enumerate(alone):
+            for p, q in zip(a, ps[i::2]):
+                p.grad = q.grad.clone()
+        opt.step()
+        for o in opts:
+            o.step()
+    for i, a in enumerate(alone):
+        for p, q in zip(a, ps[i::2]):
+            assert torch.equal(p, q)
+
+
+def test_a_replaced_state_tensor_rebuilds_the_plan():
+    """A moment replaced by hand is the one the next step reads and writes (the plan holds tensors by
+    identity and is built again), as torch.optim reads `state[p]` afresh."""
+    ps = _params((torch.float32,))
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, topt = mo.Modular(ps, mo.Adam(1e-2)), torch.optim.Adam(ref, lr=1e-2, fused=True)
+    for step in range(4):
+        _grads(ps, step)
+        for p, q in zip(ref, ps):
+            p.grad = q.grad.clone()
+        opt.step()
+        topt.step()
+        if step == 1:
+            for p, q in zip(ps, ref):
+                opt.state[p]["0:Adam.exp_avg"] = torch.zeros_like(p)
+                topt.state[q]["exp_avg"] = torch.zeros_like(q)
+    for p, q in zip(ps, ref):
+        assert torch.equal(p, q)
