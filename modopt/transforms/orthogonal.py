@@ -240,7 +240,7 @@ def newton_schulz(m: torch.Tensor, steps: list[tuple[float, float, float]], eps:
     if precondition != "frobenius":
         x, first = _preconditioned(x, eps, safety, precondition)
     else:
-        norm = frobenius(x)
+        norm = torch.linalg.vector_norm(x) if not batched else frobenius(x)
         if safety != 1.0:
             norm = norm * safety
         x = x.div_(norm.clamp(min=eps)) if fresh else x / norm.clamp(min=eps)
@@ -427,6 +427,10 @@ def _refuse_sharded_stacks(t: _Matrices, updates: list[torch.Tensor]) -> None:
             "orthogonalize them, or keep the stacks unsharded (replicated) for this transform")
 
 
+#: the schedules by (coefficients, steps, past_end): read on every matrix of every step
+_STEPS: dict[tuple[Any, int, str], list[tuple[float, float, float]]] = {}
+
+
 class _NewtonSchulz(_Matrices, abstract=True):
     """The Newton-Schulz fields shared by `Orthogonalize`, `Muon` and `AdaMuon`."""
 
@@ -462,8 +466,17 @@ class _NewtonSchulz(_Matrices, abstract=True):
         return self.eps
 
     def coefficient_steps(self) -> list[tuple[float, float, float]]:
-        """One `(a, b, c)` per step: `ns_coefficients` over `ns_steps`, a preset continued by `ns_past_end`."""
-        return coefficient_steps(self.ns_coefficients, self.ns_steps, self.ns_past_end)
+        """One `(a, b, c)` per step: `ns_coefficients` over `ns_steps`, a preset continued by `ns_past_end`.
+        Made once per (coefficients, steps, past_end) and shared (callers only read it); a list of triples
+        (unhashable) is made on each call."""
+        key = (self.ns_coefficients, self.ns_steps, self.ns_past_end)
+        try:
+            steps = _STEPS.get(key)
+        except TypeError:
+            return coefficient_steps(*key)
+        if steps is None:
+            steps = _STEPS[key] = coefficient_steps(*key)
+        return steps
 
     def orthogonalized(self, m: torch.Tensor) -> torch.Tensor:
         """Newton-Schulz of the matrix `m`, in `ns_dtype` (torch.optim.Muon's op order)."""
@@ -584,14 +597,15 @@ class Orthogonalize(_OwnerRank):
         owned = self._owner_orthogonalized(updates, [nsd if nsd.itemsize <= u.dtype.itemsize else u.dtype
                                                      for u in updates])
         for i, u in enumerate(updates):
-            m = self.matrix(u)
+            m = as_matrix(u, self.batch_dims)
             if m is None:
                 continue
             r = adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr)  # (each matrix's own shape)
             if i in owned:  # this rank's shard of the owner's result: the same cast and product, on the shard
                 out[i] = like_dtensor(laid_out_like(local(u), owned[i], r), u)
                 continue
-            _refuse_sharded_stacks(self, [u])
+            if self.batch_dims:
+                _refuse_sharded_stacks(self, [u])
             out[i] = laid_out_like(u, self.orthogonalized(m), r)  # cast to u's dtype, then times r
         return out
 
@@ -811,11 +825,11 @@ class Muon(_OwnerRank, Optimizer, Writer):
                 # one tensor at a time, as torch does: one direction alive at once, not the group's
                 (d,) = (dirs[i],) if dirs else momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False,
                                                          cache=factors)
-                m = self.matrix(d)
+                m = as_matrix(d, self.batch_dims)
                 if m is None:
                     o, step = d, lr * 1.0
                 else:
-                    if i not in owned:
+                    if self.batch_dims and i not in owned:
                         _refuse_sharded_stacks(self, [d])
                     o = like_dtensor(owned[i], p) if i in owned else self.orthogonalized(m)
                     step = lr * adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr_fn)
@@ -857,12 +871,12 @@ class Muon(_OwnerRank, Optimizer, Writer):
             lr = _lr_value(g["lr"], updates[a]) if b > a else g["lr"]
             wd = g["weight_decay"]
             for i, p, d in zip(range(a, b), ctx.params[a:b], dirs[a:b] if dirs else self._directions(ctx, st, updates, g, a, b)):
-                m = self.matrix(d)
+                m = as_matrix(d, self.batch_dims)
                 if m is None:
                     u = d * lr
                 else:
                     r = adjust_ratio(m.shape[-2], m.shape[-1], self.adjust_lr_fn)
-                    if i not in owned:
+                    if self.batch_dims and i not in owned:
                         _refuse_sharded_stacks(self, [d])
                     u = (like_dtensor(laid_out_like(local(d), owned[i], lr * r), d) if i in owned
                          else laid_out_like(d, self.orthogonalized(m), lr * r))
