@@ -140,3 +140,19 @@ def test_a_replaced_state_tensor_rebuilds_the_plan():
                 topt.state[q]["exp_avg"] = torch.zeros_like(q)
     for p, q in zip(ps, ref):
         assert torch.equal(p, q)
+
+
+def test_sgd_without_momentum_leaves_the_state_empty_as_torch_does():
+    """torch's SGD with momentum 0 keeps no per-parameter state; the plan reads `opt.state` only for a group with
+    buffers (a read of `state[p]` would leave an empty entry per parameter). With momentum it holds buffers."""
+    for kw, has in (({}, False), ({"momentum": 0.9}, True)):
+        model = torch.nn.Linear(3, 2)
+        opt = mo.Modular(model.parameters(), mo.SGD(0.1, **kw))
+        ref = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, **kw)
+        for o, m in ((opt, model), (ref, None)):
+            for p in (m.parameters() if m is not None else o.param_groups[0]["params"]):
+                p.grad = torch.ones_like(p)
+            o.step()
+            o.step()
+        assert (len(opt.state) > 0) is has and (len(ref.state) > 0) is has
+        assert all(len(s) > 0 for s in opt.state.values())

@@ -707,11 +707,12 @@ class SGDPlan:
     modopt's formulas (`sgd_updates`) per group.
     """
 
-    __slots__ = ("write", "torch", "foreach", "states", "watch", "groups", "stale", "renew", "start", "same",
+    __slots__ = ("write", "torch", "foreach", "reads", "states", "watch", "groups", "stale", "renew", "start", "same",
                  "settle")
     write: bool  # the last transform: it writes the parameters (else `run` returns the updates)
     torch: bool  # torch's own kernel choice (`fused=False`, `foreach`): `torch_sgd_` per group
     foreach: bool | None
+    reads: bool  # a group keeps momentum buffers: the state is read (else `states` are placeholders)
     states: list[dict[str, Any]]  # the per-parameter state dicts the plan read (checked by identity)
     watch: list[tuple[Any, list[dict[str, Any]], Tensors]]  # (getter, states, the tensors they must still hold)
     #: per param group: (a, b, momentum on, calls, the `started` flags or None, whether all were made now)
@@ -726,7 +727,10 @@ class SGDPlan:
                  foreach: bool | None, start: Start, same: Callable[..., bool], settle: Callable[..., None]) -> None:
         self.write, self.foreach, self.start, self.same, self.settle = write, foreach, start, same, settle
         self.torch = write and (fused is False or (fused is None and foreach is not None))
-        self.states = now = list(ctx.param_states())
+        # the state is read only where a group keeps buffers: without momentum SGD leaves `opt.state` empty, as
+        # torch's does (reading `state[p]` would make an empty entry per parameter)
+        self.reads = any(g["momentum"] != 0 for g in ctx.groups)
+        self.states = now = list(ctx.param_states()) if self.reads else [{} for _ in ctx.params]
         self.watch, self.groups, self.stale, self.renew = [], [], False, False
         k = value_key(st.key, "momentum_buffer")
         for g, a, b in ctx.per_group():
@@ -780,7 +784,8 @@ class SGDPlan:
         """This step's kernel calls: True (the parameters are written), the updates (not `write`), or None
         (nothing done: the state no longer holds the plan's tensors, or a first step started buffers;
         build it again)."""
-        now, states = ctx.param_states(), self.states
+        states = self.states
+        now = ctx.param_states() if self.reads else states
         if self.stale or len(now) != len(states) or not all(map(_is, now, states)):
             return None
         try:
