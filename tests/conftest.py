@@ -27,6 +27,10 @@ import pytest  # noqa: E402
 # asked for (`-m compile`) or when its file is named; the bare command runs the rest, the fast lane. CI runs
 # every lane (.ci/run). tests/test_lanes.py checks that each test is in exactly one lane.
 LANES = ("compile", "distributed", "slow")
+#: the pytest-xdist workers CI gives each lane (`-n`): the compile and slow lanes spend most of their time in one
+#: Python thread (dynamo's tracing, subprocess CLI runs), so two workers use a 2-core machine's second core; the
+#: distributed lane starts its own worker processes and binds ports, and runs alone (0: no xdist)
+LANE_WORKERS = {"compile": 2, "distributed": 0, "slow": 2}
 FAST_LANE = " and ".join(f"not {lane}" for lane in LANES)
 _fast_lane = pytest.StashKey[bool]()
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import LANES
+from conftest import LANE_WORKERS, LANES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +74,7 @@ def test_each_test_is_in_one_lane_and_the_bare_command_runs_the_fast_one(tmp_pat
     assert selected == fast, (
         f"the bare command runs tests of other lanes: {sorted(selected - fast)[:10]}; "
         f"or leaves out fast ones: {sorted(fast - selected)[:10]}")
+    assert set(LANE_WORKERS) == set(LANES), "each lane names its CI workers (.ci/run reads LANE_WORKERS)"
     for lane in LANES:  # a lane that lost its marker everywhere would pass silently
         assert any(lane in t["lanes"] for t in every.values()), f"no test is marked {lane}"
     assert any("test_lanes.py::" in n for n in fast), "this check itself is in the fast lane"
