@@ -120,3 +120,19 @@ def test_torch_optimizer_uses_the_disabled_step_once_dynamo_is_loaded():
     opt.step()
     assert torch.equal(p.detach(), torch.full((3,), 0.5))
     assert "torch_optimizer_step" in vars(compile_marks)
+
+
+def test_import_modopt_builds_no_transform_validator_until_one_is_used():
+    """Each transform class makes its pydantic validator on first use (`defer_build`, where pydantic calls
+    `__pydantic_on_complete__`), so `import modopt` does not pay for 54 of them; a used class keeps its readable
+    signature after it is built."""
+    import pydantic
+
+    if not hasattr(pydantic.BaseModel, "__pydantic_on_complete__"):
+        pytest.skip(f"pydantic {pydantic.VERSION} has no __pydantic_on_complete__: validators are built at import")
+    code = ("import inspect, modopt as mo\nfrom modopt.core import registry\n"
+            "built = lambda: sorted(n for n, c in registry._TRANSFORMS.items() if c.__pydantic_complete__)\n"
+            "before = built()\nmo.ClipNorm(1.0)\n"
+            "print(before, built(), str(inspect.signature(mo.ClipNorm).parameters['scope']))")
+    out = _fresh(code).splitlines()[-1]
+    assert out == "[] ['ClipNorm'] scope: \"'global' | 'group' | 'tensor'\" = 'global'", out

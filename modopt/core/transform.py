@@ -289,6 +289,10 @@ def _check_roles(cls: type) -> None:
                             f"...)); see docs/contributing.md, \"Roles\"")
 
 
+#: whether the transform classes defer their validators to first use (pydantic 2.12 on: see `Transform`)
+_DEFER_BUILD = hasattr(BaseModel, "__pydantic_on_complete__")
+
+
 class Transform(BaseModel):
     """Base class of every modopt module.
 
@@ -301,8 +305,10 @@ class Transform(BaseModel):
 
     # (inf and NaN are not numbers a field takes: `Normalize(norm_value=inf)` made every loss NaN; a
     # field where inf means something (`ord`) says so itself)
+    # (defer_build: each class's validator is made when it is first used, not at `import modopt`; only where
+    # pydantic calls `__pydantic_on_complete__` (2.12 on), which sets the readable signature again after that)
     model_config: ClassVar[ConfigDict] = ConfigDict(frozen=True, extra="forbid", validate_default=True,
-                                                    allow_inf_nan=False)
+                                                    allow_inf_nan=False, defer_build=_DEFER_BUILD)
 
     #: the one field that may be given positionally (`mo.ClipNorm(1.0)`), or None for none.
     #: Every concrete transform states it (in its own body or a base class's other than
@@ -353,6 +359,14 @@ class Transform(BaseModel):
             _check_positional(cls)
             registry.register_transform(cls)
             setattr(cls, "__signature__", readable_signature(cls))  # (what help() shows; set, not declared)
+
+    @classmethod
+    def __pydantic_on_complete__(cls) -> None:
+        """When pydantic completes the class (its first use, under `defer_build`), it sets its own signature:
+        the readable one again."""
+        super().__pydantic_on_complete__()
+        if not cls._abstract:
+            setattr(cls, "__signature__", readable_signature(cls))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "omegaconf" in sys.modules:  # built by hydra.utils.instantiate: fields may be DictConfig/ListConfig
