@@ -329,3 +329,22 @@ def test_bounds_read_as_a_user_writes_them():
     # and the errors say it the same way
     with pytest.raises(pydantic.ValidationError, match=r"^SPAM.warmup_steps: Input should be less than 2\*\*20 \(got 1048576\)$"):
         mo.SPAM(warmup_steps=2**20)
+
+
+def test_help_of_every_transform_is_no_longer_than_torchs_adamw_and_opens_with_its_fields():
+    """`help(mo.X)` lists what modopt's classes define, not the members every pydantic model inherits: each
+    registered transform's page is at most `help(torch.optim.AdamW)`'s length, and its first lines give the
+    signature (fields with defaults) and then the docstring. pydantic's methods stay callable."""
+    import pydoc
+
+    def page(obj) -> list[str]:
+        return pydoc.render_doc(obj, renderer=pydoc.plaintext).splitlines()
+
+    limit = len(page(torch.optim.AdamW))
+    too_long = {n: len(page(c)) for n, c in registry._TRANSFORMS.items() if len(page(c)) > limit}
+    assert not too_long, f"help() longer than torch.optim.AdamW's {limit} lines: {too_long}"
+    head = page(mo.ZClip)[:6]
+    assert head[3].startswith(" |  ZClip(*, ") and "alpha: 'float, 0.0 <= x < 1.0' = 0.97" in head[3], head
+    assert mo.ZClip.__doc__.splitlines()[0] in head[5]
+    assert "model_validate_json" not in dir(mo.ZClip) and "alpha" in dir(mo.ZClip) and "to_dict" in dir(mo.ZClip)
+    assert mo.ZClip.model_validate_json('{"alpha": 0.9}') == mo.ZClip(alpha=0.9)

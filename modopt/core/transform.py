@@ -293,7 +293,19 @@ def _check_roles(cls: type) -> None:
 _DEFER_BUILD = hasattr(BaseModel, "__pydantic_on_complete__")
 
 
-class Transform(BaseModel):
+class _TransformMeta(type(BaseModel)):  # type: ignore[misc]
+    """The transforms' metaclass: `dir(cls)`, which `help()` and completion read, lists the public names modopt's
+    classes define (the fields, the role and step methods, `to_dict`, `from_dict`...), not the sixty members
+    every pydantic model inherits (`model_validate_json`, `parse_raw`, ...) nor pydantic's class attributes,
+    which all stay there to use."""
+
+    def __dir__(cls) -> list[str]:
+        own = {n for c in cls.__mro__ if c.__module__.startswith("modopt") for n in c.__dict__
+               if not n.startswith("_") or n == "__init__"}
+        return sorted(own | set(cls.model_fields) | {"model_fields"})
+
+
+class Transform(BaseModel, metaclass=_TransformMeta):
     """Base class of every modopt module.
 
     Subclasses declare their hyperparameters as pydantic fields and implement `apply()`; every concrete
