@@ -305,6 +305,20 @@ def test_a_stack_given_no_choice_is_warned_about_at_build():
         assert len(msgs) == 1 and type(t).__name__ in msgs[0] and "experts.w1" in msgs[0], (t, msgs)
 
 
+def test_lint_false_silences_it_and_errors_still_raise():
+    """`Modular(..., lint=False)` builds silently, this warning included; a parameter check that refuses still
+    refuses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mo.Modular(_moe().named_parameters(), mo.Muon(0.02), lint=False)
+    with pytest.raises(mo.LintWarning):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mo.Modular(_moe().named_parameters(), mo.Muon(0.02))
+    with pytest.raises(ValueError, match="capturable=True"):
+        mo.Modular(torch.nn.Linear(2, 2).parameters(), mo.Adam(capturable=True, fused=False), lint=False)
+
+
 def test_masked_batch_dims_on_the_experts_silences_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -192,8 +192,11 @@ class Modular(torch.optim.Optimizer):
         self._selections_checked = True
         named = [(n, p) for g in self.param_groups
                  for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
-        for t in self.transforms:  # what a transform can refuse about the parameters (a device, a dtype)
-            t.check_params(named)
+        with warnings.catch_warnings():  # what a transform can refuse about the parameters (a device, a dtype)
+            if not lint:  # (and what it warns of, a reading it was not told: lint=False builds silently)
+                warnings.simplefilter("ignore", LintWarning)
+            for t in self.transforms:
+                t.check_params(named)
         if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
             self._warn_lint()
         # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
