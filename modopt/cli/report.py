@@ -19,7 +19,12 @@ STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 72em;
        padding: 0 1em; color: #1b1b1b; line-height: 1.45; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-.scroll { overflow-x: auto; }
+.scroll { overflow-x: auto;
+  /* a shadow at an edge with more columns past it (it scrolls away with the table's end) */
+  background: linear-gradient(to right, #fff 30%, #fff0) left / 2em 100% no-repeat local,
+              linear-gradient(to left, #fff 30%, #fff0) right / 2em 100% no-repeat local,
+              radial-gradient(farthest-side at 0 50%, #0004, #0000) left / 0.8em 100% no-repeat scroll,
+              radial-gradient(farthest-side at 100% 50%, #0004, #0000) right / 0.8em 100% no-repeat scroll; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; white-space: nowrap; }
 th { background: #f2f2f2; } td { text-align: right; font-variant-numeric: tabular-nums; }
@@ -28,6 +33,10 @@ code, .meta { font-family: ui-monospace, monospace; font-size: 0.9em; }
 .meta { color: #555; } .note { color: #8a4b00; }
 img { max-width: 100%; height: auto; }
 """
+
+
+#: the characters of table text (cells plus padding) that fit the page's width; a wider table gets a note
+WIDE_TABLE_CHARS = 130
 
 
 class Report:
@@ -60,6 +69,10 @@ class Report:
         rows = ["<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
         rows += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body]
         self.blocks.append('<div class="scroll"><table>\n' + "\n".join(rows) + "\n</table></div>")
+        # about the characters a line of the page holds (72em of text): a wider table says it scrolls
+        widths = [max(len(str(r[i])) for r in [head, *body] if i < len(r)) + 3 for i in range(len(head))]
+        if sum(widths) > WIDE_TABLE_CHARS:
+            self.blocks.append(f'<p class="meta">(the table scrolls sideways: {len(head)} columns)</p>')
 
     def plot(self, png: Path, alt: str, *, plots: bool = True) -> None:
         """Embed the plot `png` (a PNG or SVG file, as a `data:` URI); a PDF, which a browser does not show
