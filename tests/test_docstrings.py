@@ -113,3 +113,28 @@ def test_the_docstring_check_sees_a_missing_docstring(monkeypatch):
     monkeypatch.setattr(modopt.functional, "__all__", [*getattr(modopt.functional, "__all__", []), "bare_for_the_test"],
                         raising=False)
     assert "modopt.functional.bare_for_the_test" in undocumented()
+
+
+# --- no control characters in the package's text: a `\tau` or `\text` written into a file through a string that was not
+# raw arrives as a tab plus "au" and renders as broken math in help() and on the docs site ---------------------------
+def control_characters(root) -> list[str]:
+    """`path:line` of every character below U+0020 other than a newline in the package's sources and the docs."""
+    found = []
+    for path in sorted([*root.joinpath("modopt").rglob("*.py"), *root.joinpath("docs").rglob("*.md")]):
+        for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+            if any(ord(c) < 0x20 for c in line):
+                found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_no_control_characters_in_the_sources_and_docs():
+    from pathlib import Path
+    found = control_characters(Path(__file__).resolve().parents[1])
+    assert not found, "a tab or other control character (a math escape from a string that was not raw?): " + ", ".join(found)
+
+
+def test_the_control_character_check_sees_a_tab(tmp_path):
+    (tmp_path / "modopt").mkdir(); (tmp_path / "docs").mkdir()
+    (tmp_path / "modopt" / "m.py").write_text('"""ok"""\n', encoding="utf-8")
+    (tmp_path / "docs" / "page.md").write_text("fine\n$$ G > \tau $$\n", encoding="utf-8")
+    assert control_characters(tmp_path) == ["docs/page.md:2"]

@@ -312,9 +312,9 @@ class SkipNorm(SkipDecider):
     in the pipeline: the raw gradient, before any clip, as Megatron-LM measures it), the step is skipped
     when
 
-    $$ G > 	au \quad (	ext{or } G 	ext{ is NaN}) $$
+    $$ G > \tau \quad (\text{or } G \text{ is NaN}) $$
 
-    with $	au$ = `max_norm`, compared exactly (not after rounding $	au$ to the norm's float32). A
+    with $\tau$ = `max_norm`, compared exactly (not after rounding $\tau$ to the norm's float32). A
     skipped step leaves the parameters and every state bit for bit as they were and is counted in
     `opt.stats["skipped_steps"]`, as a step skipped for non-finite gradients; it keeps no state of its
     own. Under `torch.distributed` the norm is of the full gradients (all-reduced under FSDP2; the same
