@@ -752,3 +752,14 @@ def test_a_config_asking_for_more_memory_than_the_machine_has_is_a_user_error(tm
     err = capsys.readouterr().err
     assert "out of memory" in err and "train.batch_size" in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()  # a failed start leaves no run directory
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly():
+    # `modopt modules | head`: the pipe's read end is closed before the command writes, so its first write
+    # fails (EPIPE); it ends as a program killed by SIGPIPE would, with no traceback and no "internal error"
+    proc = subprocess.Popen([sys.executable, "-m", "modopt.cli", "modules"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""

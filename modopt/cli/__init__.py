@@ -300,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmodopt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`modopt modules | head`): stop quietly, as a program killed
+        # by SIGPIPE does; stdout goes to /dev/null so the interpreter's flush at exit cannot raise it again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # (SIGPIPE's number on every POSIX system; the status a shell reports for `cmd | head`)
     except Exception as e:
         if os.environ.get("MODOPT_DEBUG"):
             raise
