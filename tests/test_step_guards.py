@@ -257,6 +257,41 @@ def test_the_limit_survives_pickle_and_deepcopy():
                 assert at == (1 if path else 0) and e.skipped == 3, path
 
 
+def test_a_checkpoint_carries_the_run_of_skips_and_the_resumed_run_stops_where_the_original_does(tmp_path):
+    """Two skips in a row, saved (torch.save, weights_only=True) and loaded into a fresh optimizer: the next
+    skip is the third in a row there too, on the CPU and on the device path. A checkpoint saved after a step
+    that went ahead carries a run of 0, and a count that cannot be one is refused naming the field, with the
+    optimizer left as it was."""
+    for path in (False, True):
+        ps, opt = limited(3)
+        with hostdata.device_path() if path else _nothing():
+            feed(ps, opt, ["ok", "big", "nan"])
+            torch.save(opt.state_dict(), tmp_path / "sd.pt")
+            sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+            assert sd["modopt"]["consecutive_skips"].tolist() == [2, 1, 1]
+            ps2, opt2 = limited(3)
+            with torch.no_grad():
+                for a, b in zip(ps2, ps):
+                    a.copy_(b)
+            opt2.load_state_dict(sd)
+            at, e = feed(ps2, opt2, ["big", "ok"])
+            assert at == (1 if path else 0) and (e.skipped, e.nonfinite, e.by_rule) == (3, 1, 2), path
+    ps, opt = limited(3)
+    feed(ps, opt, ["big", "ok"])
+    run = opt.state_dict()["modopt"].get("consecutive_skips")  # (after a step that went ahead: no run)
+    assert run is None or run.tolist() == [0, 0, 0]
+    ps, opt = limited(3)
+    feed(ps, opt, ["big", "nan"])
+    sd = opt.state_dict()
+    for bad in (torch.tensor([2, 1, 2]), torch.tensor([2.0, 1.0, 1.0]), torch.tensor([-1, 0, -1]), torch.tensor(2)):
+        sd["modopt"]["consecutive_skips"] = bad
+        ps2, opt2 = limited(3)
+        feed(ps2, opt2, ["big"])
+        with pytest.raises(ValueError, match="consecutive_skips"):
+            opt2.load_state_dict(sd)
+        assert int(opt2.stats["consecutive_skips"]) == 1 and opt2.skip_limit.counts.tolist() == [1, 0, 1]
+
+
 def _nothing():
     import contextlib
 

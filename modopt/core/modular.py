@@ -21,7 +21,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOO
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_history, history_keys, missing_message,
                          missing_state, param_inventory, structure_difference, upgrade, value_differences)
 from .runner import CPU_FALSE, drive
-from .skip_limit import SkipLimit
+from .skip_limit import SkipLimit, consecutive_skips_ok
 from . import hostdata
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
@@ -466,6 +466,10 @@ class Modular(torch.optim.Optimizer):
             "transforms": store,
             "skipped_steps": skipped,
         }
+        limit = self.skip_limit
+        run = limit.counts.clone() if limit is not None and limit.counts is not None else None
+        if run is not None:  # the run of skipped steps a resume continues (max_consecutive_skips)
+            sd["modopt"]["consecutive_skips"] = run
         if sd["param_groups"]:
             sd["param_groups"][0][GROUP_ENTRY] = {
                 "format_version": FORMAT_VERSION,
@@ -475,6 +479,7 @@ class Modular(torch.optim.Optimizer):
                     for k, v in store.items()
                 },
                 "skipped_steps": skipped,
+                **({"consecutive_skips": run} if run is not None else {}),
                 # what the state holds, so a load through torch.distributed.checkpoint (which fills only the
                 # slots its target state dict has) can tell when values were left behind
                 # (torch lets `opt.state` hold entries that are not a parameter's: their values are kept as they are)
@@ -515,7 +520,7 @@ class Modular(torch.optim.Optimizer):
         if from_torch:  # a plain torch.optim checkpoint: continue a torch run
             state_dict, fresh = as_modular_state_dict(state_dict, self, FORMAT_VERSION)
         # (a torch.optim checkpoint has no inventory; its own warning names the transforms that start fresh)
-        new_state, new_groups, new_store, skipped, notes, lost = self._prepare_load(
+        new_state, new_groups, new_store, skipped, run, notes, lost = self._prepare_load(
             state_dict, strict=strict, check_lost=not from_torch)
         if fresh:  # (only once everything was checked: a refused load warns about nothing)
             warnings.warn(fresh, UserWarning, stacklevel=caller_stacklevel())
@@ -536,6 +541,8 @@ class Modular(torch.optim.Optimizer):
         self.param_groups[:] = new_groups
         self._store = new_store
         self._skipped_steps = skipped.to(self._skipped_steps.device)
+        if self.skip_limit is not None:
+            self.skip_limit.restore(run, self._skipped_steps.device)
         self._runtime.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -623,6 +630,10 @@ class Modular(torch.optim.Optimizer):
         if (not isinstance(skipped, torch.Tensor) or skipped.dim() != 0 or skipped.is_floating_point()
                 or skipped.is_complex() or skipped.dtype == torch.bool or skipped.is_meta or int(skipped) < 0):
             raise ValueError(f"load_state_dict: skipped_steps must be a 0-d integer tensor >= 0, got {skipped!r}")
+        run = meta.get("consecutive_skips")  # (absent: no skip since the last step that went ahead, or no limit)
+        if run is not None and not consecutive_skips_ok(run):
+            raise ValueError("load_state_dict: consecutive_skips must be 3 integers >= 0 (skipped steps in a row, "
+                             f"of them non-finite, of them by a rule: the first the sum of the others), got {run!r:.200}")
         lost = self._lost_state(state, saved_groups, meta, carried) if check_lost else []
         if lost and strict:
             if dcp:
@@ -634,7 +645,8 @@ class Modular(torch.optim.Optimizer):
                     "get_state_dict / get_optimizer_state_dict. Nothing was changed")
             raise ValueError(missing_message(lost))
         loader.finish()
-        return new_state, new_groups, new_store, skipped.detach().to("cpu", torch.int64, copy=True), notes, lost
+        run = None if run is None else run.detach().to("cpu", torch.int64, copy=True)
+        return new_state, new_groups, new_store, skipped.detach().to("cpu", torch.int64, copy=True), run, notes, lost
 
     def _lost_state(self, state: Any, saved_groups: list[dict], meta: dict, carried: Any) -> list[str]:
         """`missing_state` of a checkpoint against this optimizer (its parameters in group order)."""

@@ -50,6 +50,17 @@ class SkipLimitError(FloatingPointError):
 _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
+def consecutive_skips_ok(t: Any) -> bool:
+    """Whether a checkpoint's `consecutive_skips` is a count this class keeps: a 1-D integer tensor of 3
+    values >= 0, the first (skips in a row) the sum of the others (of them non-finite, by a rule). Read on
+    the host: a load is not a step."""
+    if (not isinstance(t, torch.Tensor) or t.shape != (3,) or t.is_floating_point() or t.is_complex()
+            or t.dtype == torch.bool or t.is_meta):
+        return False
+    run, nonfinite, by_rule = t.tolist()
+    return min(run, nonfinite, by_rule) >= 0 and run == nonfinite + by_rule
+
+
 class SkipLimit:
     """The consecutive-skip count of one optimizer and its host check (see the module's docs).
 
@@ -118,6 +129,11 @@ class SkipLimit:
         if self.counts is not None:
             self._pending = False
             self._raise_if_over(self.counts.tolist(), "read by check() after the steps")
+
+    def restore(self, counts: torch.Tensor | None, device: torch.device) -> None:
+        """Continue the run of skipped steps a checkpoint recorded (`consecutive_skips_ok`), or none."""
+        self.counts = None if counts is None else counts.to(device)
+        self._last, self._pending = None, False
 
     # --- the host's side ------------------------------------------------------------------------------
     def _host_side(self) -> bool:
