@@ -247,6 +247,41 @@ def test_a_bad_attach_entry_leaves_optimizer_and_handle_as_they_were():
     assert str(before_opt) == str(opt.state_dict()) and before_h == str(h.state_dict())
 
 
+def test_a_handle_checkpoint_that_lacks_state_is_refused_naming_it_and_strict_false_restarts_it():
+    """The handle's entry carries its inventory: a value taken out of a parameter's entry, or a transform's
+    statistic taken out of `transforms`, is refused through the optimizer's own load_state_dict (nothing
+    changes, optimizer or handle) and through the handle's, naming each; `strict=False` loads the rest
+    with one warning; an entry saved before the first step (nothing held yet) loads."""
+    m, opt, h = _attached()
+    train(m, opt, batches(3))
+    sd = copy.deepcopy(opt.state_dict())
+    entry = sd["modopt_attach"]
+    assert "1:ClipNormByEMA.ema" in entry["inventory"] and entry["param_keys"]
+    key = next(iter(entry["state"][0]))
+    del entry["state"][0][key]
+    stat = next(iter(entry["transforms"]["0:ZClip"]))
+    del entry["transforms"]["0:ZClip"][stat]
+    sd["param_groups"][0]["modopt_attach"] = entry
+    m2, opt2, h2 = _attached()
+    train(m2, opt2, batches(2, seed=5))
+    before_opt2, before_h2 = str(opt2.state_dict()), str(h2.state_dict())
+    with pytest.raises(ValueError, match=rf"(?s)lacks state.*parameter 0 \(shape .*{key!r}.*transform 0:ZClip: {stat!r}.*"
+                       r"handle.load_state_dict\(sd\['modopt_attach'\], strict=False\)"):
+        opt2.load_state_dict(sd)
+    assert str(opt2.state_dict()) == before_opt2 and str(h2.state_dict()) == before_h2
+    with pytest.raises(ValueError, match=r"AttachHandle.load_state_dict: the checkpoint lacks state"):
+        h2.load_state_dict(entry)
+    with pytest.warns(UserWarning, match=rf"(?s)strict=False.*{key!r}"):
+        h2.load_state_dict(entry, strict=False)
+    assert key not in h2.state[next(iter(m2.parameters()))]  # (restarts: made again at the next step)
+    train(m2, opt2, batches(1, seed=6))  # the restarted parts are made again and the step runs
+    # never held is not missing: a checkpoint taken before the first step loads into a trained handle
+    m3, opt3, h3 = _attached()
+    h2.load_state_dict(h3.state_dict())
+    with pytest.raises(ValueError, match="inventory"):
+        h2.load_state_dict({**entry, "inventory": "all"})
+
+
 def test_two_handles_and_remove():
     m = make_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -15,6 +15,8 @@ from .plan import Plan, make_plan
 from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
+from .checkpoint import param_inventory
+from .keys import inventory_key
 from .roles import NOT_ATTACHABLE
 from .transform import Transform, walk
 
@@ -258,26 +260,37 @@ class AttachHandle:
     def state_dict(self) -> dict[str, Any]:
         """The attached transforms' state: `{"state": {param index: ...}, "transforms": ..., "config": ...}`."""
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index}
+        store = {k: dict(v) for k, v in self._store.items()}
         return {
-            "state": {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index},
-            "transforms": {k: dict(v) for k, v in self._store.items()},
+            "state": state,
+            "transforms": store,
             "config": [t.to_dict() for t in self.transforms],
+            # what the handle holds, so a load can tell a lost value from one never kept (as Modular's checkpoints)
+            "inventory": sorted({k for e in state.values() for k in e} | {inventory_key(k, n) for k, v in store.items()
+                                                                        for n in v}),
+            "param_keys": param_inventory(state, [{"params": list(range(len(index)))}]),
         }
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], *, strict: bool = True) -> None:
         """Load a handle checkpoint, checked as `Modular.load_state_dict` checks its own.
 
         The transforms must have the same structure (types, order, nesting,
         scopes); changed hyperparameters are reported in one `UserWarning`
         and the live ones kept; every saved value must fit its transform's
-        declaration and parameter, and lands on the parameter's device. On any
-        error the handle is left as it was.
+        declaration and parameter, and lands on the parameter's device. A
+        checkpoint that lacks state its writer held (the inventory it carries;
+        without one, the state this handle holds) is refused naming each
+        missing part; `strict=False` loads it, those parts restarting, with one
+        `UserWarning` that names them. On any error the handle is left as it was.
         """
         import warnings
 
-        from .checkpoint import StateLoader, structure_difference, value_differences
+        from .checkpoint import StateLoader, missing_message, missing_state, structure_difference, value_differences
 
         who = "AttachHandle.load_state_dict"
+        if not isinstance(strict, bool):
+            raise TypeError(f"{who}: strict must be True or False, got {strict!r}")
         if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("transforms"), dict):
             raise ValueError(f"{who}: expected a dict with 'state' and 'transforms' (a handle's state_dict)")
         live = [t.to_dict() for t in self.transforms]
@@ -297,7 +310,17 @@ class AttachHandle:
         first = params[0].device if params else torch.device("cpu")
         devices = [g["params"][0].device if g["params"] else first for g in self.optimizer.param_groups]
         new_store = loader.store(sd["transforms"], devices)
+        ids = list(range(len(params)))
+        lost = missing_state(sd["state"], ids, [f"shape {tuple(p.shape)}" for p in params],
+                             {"transforms": sd["transforms"], "skipped_steps": None}, sd,
+                             [set(self.state.get(p) or ()) for p in params],
+                             {inventory_key(k, n) for k, v in self._store.items() for n in v}, who, "the handle's entry")
+        if lost and strict:
+            raise ValueError(missing_message(lost, who, f"handle.load_state_dict(sd[{self._key!r}], strict=False)"))
         loader.finish()
+        if lost:
+            warnings.warn(f"{who}(strict=False): the checkpoint lacks these parts of the state, which restart from "
+                          "their initial values:\n  " + "\n  ".join(lost), UserWarning, stacklevel=2)
         if notes:
             warnings.warn(f"{who}: the checkpoint's hyperparameters differ from this handle's:\n  " + "\n  ".join(notes),
                           UserWarning, stacklevel=2)

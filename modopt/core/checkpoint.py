@@ -103,14 +103,15 @@ def _is_store_key(k: str) -> bool:
     return "/" in k.rsplit(":", 1)[-1]
 
 
-def _saved_inventory(carried: Any, n_params: int, who: str) -> tuple[list[str], list[tuple[set[str], list[int]]] | None] | None:
+def _saved_inventory(carried: Any, n_params: int, who: str,
+                     where: str = "param_groups[0]['modopt']") -> tuple[list[str], list[tuple[set[str], list[int]]] | None] | None:
     """The inventory a checkpoint carries (`param_groups[0]["modopt"]`): `(keys, per-parameter pairs or
     None)`, or None when it carries none. A malformed one is refused."""
     if not isinstance(carried, dict) or "inventory" not in carried:
         return None
     keys = carried["inventory"]
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ValueError(f"{who}: param_groups[0]['modopt']['inventory'] must be a list of state keys, got {keys!r:.200}")
+        raise ValueError(f"{who}: {where}['inventory'] must be a list of state keys, got {keys!r:.200}")
     pairs = carried.get("param_keys")
     if pairs is None:
         return keys, None
@@ -119,7 +120,7 @@ def _saved_inventory(carried: Any, n_params: int, who: str) -> tuple[list[str], 
         and all(isinstance(k, str) for k in e[0])
         and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_params for i in e[1]) for e in pairs)
     if not ok:
-        raise ValueError(f"{who}: param_groups[0]['modopt']['param_keys'] must be [[state keys], [parameter positions "
+        raise ValueError(f"{who}: {where}['param_keys'] must be [[state keys], [parameter positions "
                          f"0..{n_params - 1}]] pairs, got {pairs!r:.200}")
     return keys, [(set(k), list(i)) for k, i in pairs]
 
@@ -131,7 +132,8 @@ class Missing(list[str]):
 
 
 def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict[str, Any], carried: Any,
-                  live_keys: list[set[str]], live_store: set[str], who: str = "load_state_dict") -> Missing:
+                  live_keys: list[set[str]], live_store: set[str], who: str = "load_state_dict",
+                  where: str = "param_groups[0]['modopt']") -> Missing:
     """What a checkpoint lacks of the state its pipeline keeps, one line per part that would restart
     (`[]`: nothing). The reference is the inventory the checkpoint carries (what the optimizer that
     saved it held: a parameter that never had a gradient, or a checkpoint taken before the first
@@ -149,7 +151,7 @@ def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict[str, 
     store = meta.get("transforms")
     have_store = {inventory_key(k, n) for k, v in store.items() if isinstance(v, dict) for n in v} \
         if isinstance(store, dict) else set()
-    saved = _saved_inventory(carried, len(ids), who)
+    saved = _saved_inventory(carried, len(ids), who, where)  # (`where`: how the error names `carried`)
     if saved is None:  # no inventory: what the live optimizer holds
         need = live_keys
         need_store = live_store
@@ -188,12 +190,13 @@ def missing_state(state: Any, ids: list[Any], names: list[str], meta: dict[str, 
     return out
 
 
-def missing_message(missing: list[str], who: str = "load_state_dict") -> str:
-    """The refusal of a checkpoint that lacks state (`missing_state`'s lines)."""
+def missing_message(missing: list[str], who: str = "load_state_dict",
+                    anyway: str = "load_state_dict(sd, strict=False)") -> str:
+    """The refusal of a checkpoint that lacks state (`missing_state`'s lines); `anyway`: the call that loads it."""
     shown = missing[:8] + ([f"... and {len(missing) - 8} more"] if len(missing) > 8 else [])
     return (f"{who}: the checkpoint lacks state this optimizer keeps, so these parts would restart:\n  "
-            + "\n  ".join(shown) + "\nNothing was changed. load_state_dict(sd, strict=False) loads it and "
-            "restarts them (one warning names them)")
+            + "\n  ".join(shown) + f"\nNothing was changed. {anyway} loads it and restarts them (one warning "
+            "names them)")
 
 
 # --- configs ---------------------------------------------------------------------------
