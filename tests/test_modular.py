@@ -255,3 +255,22 @@ def test_a_profiler_sees_the_step_as_torchs_optimizers_name_it():
 
     sub = Sub([torch.nn.Parameter(torch.ones(1))], mo.SGD(lr=1.0))
     assert type(sub).step is mo.Modular.step and type(opt).step is mo.Modular.step  # not wrapped a second time
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(nonfinite="skp"), "Modular.nonfinite: Input should be 'skip', 'raise', 'zero' or 'ignore' (got 'skp')"),
+    (dict(max_consecutive_skips=0), "Modular.max_consecutive_skips: Input should be greater than or equal to 1 (got 0)"),
+    (dict(max_consecutive_skips="3"), "Modular.max_consecutive_skips: a whole number of steps >= 1 (or null) is needed"),
+    (dict(max_consecutive_skips=2**70), "Modular.max_consecutive_skips: Input should be less than 2**62"),
+])
+def test_a_refused_pipeline_keyword_is_named_once_as_a_transform_field_is(kwargs, says):
+    """Modular's own keywords get the transforms' form of error (one line naming the keyword), not pydantic's
+    text of the whole PipelineConfig model with its links; still a pydantic ValidationError."""
+    import pydantic
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(pydantic.ValidationError) as e:
+        mo.Modular([p], mo.Adam(), **kwargs)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value) and "pydantic.dev" not in str(e.value)
+    with pytest.raises(pydantic.ValidationError, match=r"^attach\.nonfinite: "):
+        mo.attach(torch.optim.SGD([p], lr=0.1), mo.ClipNorm(1.0), nonfinite="skp")

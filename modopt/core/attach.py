@@ -357,7 +357,7 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     them to start fresh, with a warning that names them.
     """
 
-    PipelineConfig(transforms=list(transforms), nonfinite=nonfinite)  # validate
+    PipelineConfig.of("attach", transforms=list(transforms), nonfinite=nonfinite)  # validate
     # the names a selection asks for, against the optimizer's `param_names`, before any hook exists
     check_selections(list(transforms), list(enumerate(optimizer.param_groups)))
     if isinstance(optimizer, torch.optim.LBFGS):

@@ -150,8 +150,8 @@ class Modular(torch.optim.Optimizer):
             if not (dist.is_available() and isinstance(stage_group, dist.ProcessGroup)):
                 raise TypeError("Modular: stage_group must be the torch.distributed process group of the pipeline "
                                 f"stages (a ProcessGroup) or None, got {type(stage_group).__name__}")
-        self._pipeline = PipelineConfig(transforms=list(transforms), nonfinite=nonfinite, defaults=group_defaults,
-                                        max_consecutive_skips=max_consecutive_skips)
+        self._pipeline = PipelineConfig.of("Modular", transforms=list(transforms), nonfinite=nonfinite,
+                                           defaults=group_defaults, max_consecutive_skips=max_consecutive_skips)
         self.transforms: tuple[Transform, ...] = tuple(transforms)
         # everything about the whole pipeline, decided once (a pipeline that cannot run fails here, before
         # anything is built); the step reads it

@@ -32,7 +32,7 @@ from .configfile import ConfigError, _format_of, _toml_dumps, check_limits, form
 from .plan import Finding, lint_findings
 from .runner import NonFinite
 from .registry import trust_imports as _trust
-from .transform import TransformField, plain_input, to_plain
+from .transform import TransformField, _named_error, plain_input, to_plain
 
 __all__ = ["PipelineConfig", "load_config"]
 
@@ -56,6 +56,16 @@ class PipelineConfig(BaseModel):
         if isinstance(v, (bool, str)):
             raise ValueError(f"a whole number of steps >= 1 (or null) is needed, got {v!r}")
         return v
+
+    @classmethod
+    def of(cls, door: str, **fields: Any) -> "PipelineConfig":
+        """The pipeline of keyword arguments given at `door` (`Modular`, `mo.attach`); a refused value is a
+        `TransformValidationError` naming the door and the keyword once (`Modular.max_consecutive_skips: ...`),
+        as a transform's field is named, not pydantic's text of the whole model."""
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            raise _named_error(door, e, list(cls.model_fields)) from None
 
     def __repr__(self) -> str:
         """`PipelineConfig(ClipNorm(max_norm=1.0), Adam())`: the transforms, then non-default options."""
