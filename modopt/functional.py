@@ -14,7 +14,7 @@ import torch
 
 from .core.reduce import ORD_NAMES, Ord, parse_ord
 from .core.keys import split_value_key
-from .core.runner import Step, run_step
+from .core.step import Step, run_step
 from .core.reduce import make_segments
 from .core.scope import ScopeName
 from .core.transform import Transform

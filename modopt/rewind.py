@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .core import distributed
 from .core.checkpoint import TORCH_SQUARES
 from .core.modular import Modular
-from .core.runner import check_loss
+from .core.step import check_loss
 
 __all__ = ["Rewind", "RewindConfig", "RewindError", "RewindEvent"]
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from modopt.core.runner import Step, run_step
+from modopt.core.step import Step, run_step
 
 
 class Harness:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import modopt as mo
 from checks import Syncs, assert_same
-from modopt.core.runner import Step, run_step
+from modopt.core.step import Step, run_step
 from modopt.spec import caution as spec
 
 SCALES = ["timm", "c_optim", "heavyball", "none"]

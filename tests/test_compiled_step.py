@@ -483,7 +483,7 @@ def test_own_key_changes_with_what_the_graph_reads():
 @pytest.mark.parametrize("guards", ["full", "own"])
 def test_the_graph_takes_each_state_by_its_position(guards):
     """The traced step reaches a parameter's state through the rows `CompiledStep` fills before each call
-    (`runner.STATE_ROWS`): one index each, where `opt.state[p]` made dynamo walk the state dict's keys to
+    (`step.STATE_ROWS`): one index each, where `opt.state[p]` made dynamo walk the state dict's keys to
     p's position on every call (`dict_keys_getitem`, quadratic in the parameters). Counted with a profile
     hook over the compiled calls; bit for bit with eager along the way."""
     import sys

@@ -191,7 +191,7 @@ def test_stage_group_must_be_a_process_group(bad):
         mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(), stage_group=bad)
 
 
-# --- the step's wrapper (`modopt.core.modular._stepping`): torch's hooks and profiler range, for less ------
+# --- the step's wrapper (`modopt.core.runner._hooked`): torch's hooks and profiler range, for less ------
 def test_step_hooks_run_in_torchs_order_and_a_pre_hook_can_replace_the_arguments():
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 

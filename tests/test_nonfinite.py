@@ -118,17 +118,17 @@ def test_zero_policy_equals_zeroing_the_gradient_first():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
-    """`Step.clean_`'s grouping (`runner._clean_small_together`): small plain tensors of one dtype and device
+    """`Step.clean_`'s grouping (`step._clean_small_together`): small plain tensors of one dtype and device
     are cleaned as one concatenation and copied back. Every tensor ends up as its own `nan_to_num_` would
     leave it (NaN, +inf, -inf to 0; -0.0 and every finite value kept, as bits), strided 1-D ones included;
     large tensors, tensors of more dimensions that are not contiguous and groups of fewer than three are left
     to clean one by one."""
-    from modopt.core import runner
+    from modopt.core import step as stepapi
 
     g = torch.Generator().manual_seed(seed)
     ts = []
     for i in range(12):
-        n = [3, 40, 700, runner.SMALL_CLEAN, runner.SMALL_CLEAN + 1][i % 5]
+        n = [3, 40, 700, stepapi.SMALL_CLEAN, stepapi.SMALL_CLEAN + 1][i % 5]
         dt = [torch.float32, torch.bfloat16, torch.float64][i % 3] if i < 9 else torch.float16
         t = torch.randn(n, generator=g).to(dt)
         t[torch.randint(0, n, (3,), generator=g)] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dt)
@@ -141,7 +141,7 @@ def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
     ts.append(torch.randn(40, generator=g)[::2])  # 1-D, strided, float32
     ts[-1][7] = float("nan")
     want = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in ts]
-    rest = runner._clean_small_together(ts)
+    rest = stepapi._clean_small_together(ts)
     for t in rest:
         torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
     for t, w in zip(ts, want):
@@ -150,7 +150,7 @@ def test_small_tensors_are_cleaned_together_to_the_same_values(seed):
     # grouped: the three small 1-D float32 tensors, the 2-D contiguous one, and the three small float64 ones;
     # left: the large ones, the 2-D non-contiguous one (no 1-D alias) and the small bfloat16 and float16 pairs
     # (two of a dtype: not worth a group)
-    assert {id(t) for t in rest} == {id(t) for t in ts if t.numel() > runner.SMALL_CLEAN
+    assert {id(t) for t in rest} == {id(t) for t in ts if t.numel() > stepapi.SMALL_CLEAN
                                      or t.dtype in (torch.bfloat16, torch.float16)
                                      or (t.dim() > 1 and not t.is_contiguous())}
 

@@ -498,12 +498,13 @@ def test_norm_memo_is_fresh_every_step():
 # --- Step.finite: a norm's finiteness and the device's decision -------------------------------------------
 def test_finite_reuses_the_non_finite_checks_decision_for_its_own_total():
     from modopt.core import runner
+    from modopt.core.step import Step
 
     p = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     for g in ([torch.ones(3), torch.ones(2)], [torch.ones(3), torch.tensor([1.0, math.nan])]):
         for q, gr in zip(p, g):
             q.grad = gr
-        ctx = runner.Step.over(p)
+        ctx = Step.over(p)
         with runner.device_path():
             assert runner.apply_nonfinite_policy("skip", ctx, g, on_device=True)
         total = ctx.memo.total(g, 2.0, torch.float32)
@@ -513,7 +514,7 @@ def test_finite_reuses_the_non_finite_checks_decision_for_its_own_total():
         ctx.skip_also(torch.tensor(True))  # a later skip: the check's decision no longer says it all
         assert ctx.checked is None and not bool(ctx.finite(total))
         # a global segment's statistic is a view of the total: the same answer, in its shape
-        ctx2 = runner.Step.over(p)
+        ctx2 = Step.over(p)
         with runner.device_path():
             runner.apply_nonfinite_policy("skip", ctx2, g, on_device=True)
         seen = ctx2.memo.total(g, 2.0, torch.float32).reshape(1)
@@ -524,12 +525,13 @@ def test_finite_is_none_where_the_host_read_the_checks_decision():
     """On a CPU the host read the check's total and the step went ahead: that total and its views are finite,
     known without an op (None); any other norm is still tested."""
     from modopt.core import runner
+    from modopt.core.step import Step
 
     p = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     g = [torch.ones(3), torch.ones(2)]
     for q, gr in zip(p, g):
         q.grad = gr
-    ctx = runner.Step.over(p)
+    ctx = Step.over(p)
     assert runner.apply_nonfinite_policy("skip", ctx, g, on_device=True, host_on_cpu=True)
     assert ctx.skip is None and ctx.checked is not None
     total = ctx.memo.total(g, 2.0, torch.float32)
@@ -537,5 +539,5 @@ def test_finite_is_none_where_the_host_read_the_checks_decision():
     inf = torch.tensor([math.inf])
     assert not bool(ctx.finite(inf)) and bool(ctx.finite(total * 2))
     bad = [torch.ones(3), torch.tensor([1.0, math.nan])]
-    ctx = runner.Step.over(p)
+    ctx = Step.over(p)
     assert not runner.apply_nonfinite_policy("skip", ctx, bad, on_device=True, host_on_cpu=True)  # not run at all

@@ -63,9 +63,9 @@ def test_the_mission_pipeline_moves_two_passes_more_than_the_careful_loop_and_no
     """`ClipNormByEMA(), Normalize(), Adam()`: the clip's multiply is cancelled by the Normalize (left out),
     Normalize reuses the gradients' norms; what remains over the careful loop is the cleaning that keeps
     the EMA on a step the device skips (one read and one write of the gradients, 2P), and for the small
-    tensors cleaned together (`runner.SMALL_CLEAN`: here the biases) their concatenation and copy back
+    tensors cleaned together (`step.SMALL_CLEAN`: here the biases) their concatenation and copy back
     (5 more passes over them as the counter counts, which reads a copy's destination too: about 1% of P)."""
-    from modopt.core.runner import SMALL_CLEAN
+    from modopt.core.step import SMALL_CLEAN
 
     model, make = build_model("mlp", quick=True)
     ours = counted(mo.Modular(model.parameters(), mo.ClipNormByEMA(), mo.Normalize(), mo.Adam()).step, model, make)

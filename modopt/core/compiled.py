@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import compile_marks, hostdata, kernels
-from .runner import STATE_ROWS
+from .step import STATE_ROWS
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
 

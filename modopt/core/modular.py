@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
-import operator
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
-from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
 
 from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_history, history_keys, missing_message,
                          missing_state, param_inventory, structure_difference, upgrade, value_differences)
-from .runner import CPU_FALSE, drive
+from .runner import Stepping, _LastStep
 from .skip_limit import SkipLimit, consecutive_skips_ok
-from . import hostdata
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
-from .runner import TransformState, check_loss
 from .select import check_selections, route_group
 from .pipeline_config import PipelineConfig, load_config
 from .plan import LintWarning, Plan, lint_findings, make_plan
@@ -36,61 +30,7 @@ from .moments import Link
 
 
 
-class _LastStep:
-    """Holds `Modular.stats`, the telemetry of the last step.
-
-    The step stores its new dict here rather than on the optimizer. Under
-    `torch.compile`, dynamo wraps a `torch.optim.Optimizer` in a variable type
-    of its own that (torch 2.13) it does not register for side-effect
-    tracking, so an attribute assigned on the optimizer inside a compiled step
-    is silently not replayed: `self.stats = stats` was lost and `opt.stats`
-    stayed empty. An attribute assigned on this plain object is replayed like
-    any other.
-    """
-
-    def __init__(self, stats: dict[str, torch.Tensor] | None = None):
-        self.stats: dict[str, torch.Tensor] = {} if stats is None else stats
-
-
-def _stepping(func: Callable[..., Any]) -> Callable[..., Any]:
-    """`Modular.step` as torch's `Optimizer.profile_hook_step` and `torch.no_grad()` make a step: torch's
-    step pre- and post-hooks (global and the optimizer's, in torch's order, a pre-hook's new arguments
-    taken), the profiler's `Optimizer.step#Modular.step` range, the body without autograd. Each step
-    makes the range only while a profiler records and sets grad mode directly: the context managers
-    cost about as much as a small model's whole step on a CPU. Traced by `torch.compile`, torch's own
-    wrappers run. Marked `hooked`, so torch does not wrap it again."""
-    traced = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(func))
-
-    @functools.wraps(func)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
-            return traced(*args, **kwargs)
-        self = args[0]
-        if _GLOBAL_PRE_HOOKS or self._optimizer_step_pre_hooks:
-            for hook in itertools.chain(_GLOBAL_PRE_HOOKS.values(), self._optimizer_step_pre_hooks.values()):
-                result = hook(self, args, kwargs)
-                if result is not None:
-                    if not (isinstance(result, tuple) and len(result) == 2):
-                        raise RuntimeError(f"{func} must return None or a tuple of (new_args, new_kwargs), "
-                                           f"but got {result}.")
-                    args, kwargs = result
-        was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            torch._C._set_grad_enabled(was)
-        self._optimizer_step_code()
-        if self._optimizer_step_post_hooks or _GLOBAL_POST_HOOKS:
-            for hook in itertools.chain(self._optimizer_step_post_hooks.values(), _GLOBAL_POST_HOOKS.values()):
-                hook(self, args, kwargs)
-        return out
-
-    step.hooked = True  # type: ignore[attr-defined]
-    return step
-
-
-class Modular(torch.optim.Optimizer):
+class Modular(Stepping):
     """An optimizer made of transforms.
 
     `Modular(params, *transforms, nonfinite=None, config=None, lint=True, stage_group=None,
@@ -241,67 +181,6 @@ class Modular(torch.optim.Optimizer):
         if gate.bound != before:
             gate.checked = []  # every group's values against the new bound at the next step
 
-    @_stepping
-    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
-        """One optimisation step; returns the closure's loss like torch's optimizers.
-
-        `loss=` gives the step's loss to the transforms that read it (`SkipStep`) when there is no
-        closure (a real number or a one-element tensor); with a closure, its return value is the loss.
-        Returns `loss` then."""
-        if closure is not None and loss is not None:
-            raise TypeError("opt.step: give the loss by the closure or by loss=, not both")
-        if loss is not None:
-            check_loss(loss, "opt.step(loss=...)")
-        if self.skip_limit is not None:  # (a GPU's count of the last step, read now: before anything changes)
-            self.skip_limit.before_step()
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        gate = self._gate
-        values_ok = None  # (the tensor group values the device checks: their verdict joins the skip decision)
-        if not torch.compiler.is_compiling():  # the group values a scheduler or a hand changed since the last step
-            # (`GroupGate.check_step`, inline: a call fewer per step)
-            now = [g.get(k) for g in self.param_groups for k in gate.live]
-            if len(now) != len(gate.checked) or not all(map(operator.is_, now, gate.checked)) \
-                    or gate.host_flag is not hostdata.HOST_ON_CPU:
-                gate.check_live(self.param_groups, now)
-            elif gate.host_tensors:  # (tensors filled in place keep their identity: read at every step)
-                gate.read_host_tensors()
-            if gate.device_tensors:
-                values_ok = gate.device_ok()
-        elif gate.live:
-            values_ok = gate.traced_ok(self.param_groups)
-        for key, t in self.plan.swaps:  # (before anything changes: the step moves the training form)
-            if t.weights_mode(self, key) != "train":
-                raise RuntimeError(f"opt.step(): {key} ({type(t).__name__}) holds the parameters in their eval form "
-                                   "(after opt.eval()); call opt.train() before stepping")
-        stats: dict[str, torch.Tensor] = {}
-        plan = self.plan
-        ctx, go, out = drive(
-            self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
-            on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
-            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
-            values_ok=values_ok)
-        if not go:  # the host skipped it: the chain did not run, each transform hears of the call
-            for key, t in plan.host_skips:
-                t.on_host_skip(ctx, TransformState(ctx, key))
-            stats["skipped_steps"] = self._count_skipped(1)
-            stats["skipped"] = torch.ones((), dtype=torch.bool)
-        elif ctx.params:
-            if ctx.skip is not None:  # decided on the device: count it there
-                stats["skipped_steps"] = self._count_skipped(ctx.skip)
-                stats["skipped"] = ctx.skip
-            elif out is None and "skipped" in stats:  # a SkipDecider stopped the step on the host
-                stats["skipped_steps"] = self._count_skipped(1)
-            else:
-                stats["skipped"] = CPU_FALSE
-        if "skipped_steps" not in stats:
-            stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
-        self._last.stats = stats  # not `self.stats = stats`: see _LastStep
-        if self.skip_limit is not None:  # (counted on the device; on the CPU it may raise now)
-            self.skip_limit.after_step(stats)
-        return loss
-
     # --- train and eval forms of the parameters (Schedule-Free) -----------------------------------------
     @property
     def train(self) -> Callable[[], None]:
@@ -353,29 +232,13 @@ class Modular(torch.optim.Optimizer):
 
     def add_step_tap(self, tap: Callable[[Any], None]) -> Any:
         """Call `tap(step)` in every step, after the non-finite check and before the transforms
-        run (`step`: the `modopt.core.runner.Step`, whose norm memo holds the gradients' per-tensor
+        run (`step`: the `modopt.core.step.Step`, whose norm memo holds the gradients' per-tensor
         norms the check computed; what `tap` puts in `step.stats` reaches `opt.stats`). For
         telemetry (`modopt.History`); returns a handle whose `remove()` takes it out."""
         taps = self.__dict__.setdefault("_step_taps", OrderedDict())
         handle = torch.utils.hooks.RemovableHandle(taps)
         taps[handle.id] = tap
         return handle
-
-    def _count_skipped(self, by: torch.Tensor | int) -> torch.Tensor:
-        """`skipped_steps += by`; returns the new count for the step's stats.
-
-        Eagerly the count becomes a new tensor (one op), never written in place, so the
-        stats of earlier steps and a state dict taken earlier keep their values. Traced,
-        it is written in place (a compiled step keeps writes into an attribute's tensor,
-        not a rebinding of the attribute) and the stats get a copy.
-        """
-        if isinstance(by, torch.Tensor) and self._skipped_steps.device != by.device:
-            self._skipped_steps = self._skipped_steps.to(by.device)
-        if torch.compiler.is_compiling():
-            self._skipped_steps.add_(by)  # (not `+=`: that rebinds the attribute, which dynamo before 2.13 refuses)
-            return self._skipped_steps.clone()
-        self._skipped_steps = self._skipped_steps + by
-        return self._skipped_steps
 
     @property
     def cancelled_scales(self) -> frozenset[str]:
@@ -401,25 +264,6 @@ class Modular(torch.optim.Optimizer):
         (the plan's answer; per step only where a transform's answer reads group values)."""
         found = self.plan.device_skip  # (decided when built, unless group values decide it)
         return found if found is not None else self.plan.skips_on_device(self.param_groups)
-
-    @property
-    def stats(self) -> dict[str, torch.Tensor]:
-        """Telemetry of the last step: a new dict of 0-d tensors each step (no host sync); read them, never
-        write them in place (a value may be shared between steps)."""
-        return self._last.stats
-
-    @stats.setter
-    def stats(self, value: dict[str, torch.Tensor]) -> None:
-        self._last.stats = value
-
-    # --- state host ------------------------------------------------------------
-    def transform_store(self, key: str) -> dict[str, Any]:
-        """The saved values of the transform with state key `key` (created empty; in `state_dict()`)."""
-        return self._store.setdefault(key, {})
-
-    def runtime_store(self, key: str) -> dict[str, Any]:
-        """The unsaved cache of the transform with state key `key` (created empty; never saved)."""
-        return self._runtime.setdefault(key, {})
 
     # --- configs ---------------------------------------------------------------
     @property

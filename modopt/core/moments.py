@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import runner
+from . import hostdata
 from .keys import transform_key, value_key
-from .runner import Step, TransformState
+from .step import Step, TransformState
 
 #: the moments an optimizer may offer by role
 ROLES = ("first_moment", "second_moment")
@@ -107,8 +107,8 @@ class Moments:
         """Zero the provider's reset buffers (and, with `restart_count`, its step counters) of the step's
         parameters where `when` (a 0-d bool tensor) is true, in place; nothing where it is false."""
         names = list(self.offer.resets) + ([self.offer.count] if restart_count and self.offer.count else [])
-        if runner.reads_on_host(when):
-            # read where reading is free (modopt.core.runner.reads_on_host): a step
+        if hostdata.reads_on_host(when):
+            # read where reading is free (modopt.core.hostdata.reads_on_host): a step
             # without a reset makes no pass over the moments, one with it zeroes them (the same bits)
             if not when.item():
                 return

@@ -41,7 +41,7 @@ from .reduce import parse_ord
 from .registry import _TRANSFORMS, available, get_transform
 from .roles import (Chain, LastWriter, NeedsMoments, Optimizer, Router, Scale, ScaleFact, SeesHostSkips, SkipDecider,
                     StageLimited, WeightStage, WeightSwap, Writer, holds_optimizer, may_stop, skips_on_device)
-from .runner import RunShape
+from .step import RunShape
 from .select import routes as find_routes
 from .state import declared_buffers
 from .transform import Transform, walk
@@ -497,7 +497,7 @@ def _shape(transforms: Sequence[Transform], parent: str, final: bool) -> RunShap
 
 def run_shapes(transforms: Sequence[Transform]) -> dict[tuple[str, bool], RunShape]:
     """The `RunShape` of the top-level chain (`""`) and of every container's children, by `(parent key,
-    final)`, as the runner meets them (`modopt.core.runner.run`)."""
+    final)`, as the runner meets them (`modopt.core.step.run`)."""
     out = {("", final): _shape(transforms, "", final) for final in (False, True)}
     for key, t in walk(tuple(transforms)):
         kids = t.children()

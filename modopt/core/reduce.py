@@ -439,7 +439,7 @@ class Segments:
     dims: list[tuple[int, ...]] | None = None  # slices: the reduced dims of each tensor (left alone: `_layout_dims`)
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # slices: each tensor's keepdim stat shape
     #: the norm memo of the step that asked for these segments last (`Scoped.segments` sets it; see
-    #: `modopt.core.runner.NormMemo`); None for segments made outside a step
+    #: `modopt.core.reduce.NormMemo`); None for segments made outside a step
     memo: NormMemo | None = None
 
     def __post_init__(self) -> None:

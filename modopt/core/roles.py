@@ -37,7 +37,7 @@ import torch
 from pydantic import Field, ValidationError
 
 from .moments import Offer
-from .runner import Step, TransformState, run
+from .step import Step, TransformState, run
 from .transform import ROLE_HOOKS, Transform, TransformField, to_plain, variadic_transforms
 from .values import host_number
 
@@ -141,7 +141,7 @@ class LastWriter(Writer, abstract=True):
 
 class Router(Writer, abstract=True):
     """A writer whose branch may end in its own optimizer, which writes the parameters it selects
-    (`Masked`; `modopt.core.runner.run`)."""
+    (`Masked`; `modopt.core.step.run`)."""
 
     def routes(self) -> bool:
         """Whether the branch ends in an optimizer transform that writes its own selection."""

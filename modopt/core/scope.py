@@ -4,7 +4,7 @@
 `"tensor"` (one per tensor, or with `dim` one per slice of a tensor; `inverse_dims=True` reduces over
 the other dims); segments with fewer than `min_size` elements are left unchanged. The mechanism (the
 segments, the statistics, their application) is `modopt.core.reduce`; a transform gets its step's
-segments from its state, `st.segments(self)` (`modopt.core.runner.TransformState.segments`).
+segments from its state, `st.segments(self)` (`modopt.core.step.TransformState.segments`).
 """
 
 from __future__ import annotations

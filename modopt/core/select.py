@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import compile_marks
 from .keys import transform_key
-from .runner import Step
+from .step import Step
 from .roles import Optimizer, SelectsByName
 from .transform import Transform
 
@@ -221,7 +221,7 @@ class Select(BaseModel):
         return [self.matches(n, p, gi, g) for p, n, gi, g in zip(params, names, group_indices, groups)]
 
     def mask(self, ctx: Any, owner: str | None = None) -> list[bool]:
-        """Per parameter of the step: selected or not; computed once per layout (`ctx.layout.cache`; `ctx`: a `modopt.core.runner.Step`)."""
+        """Per parameter of the step: selected or not; computed once per layout (`ctx.layout.cache`; `ctx`: a `modopt.core.step.Step`)."""
         cache = ctx.layout.cache
         key = self.cache_key()
         if key in cache:

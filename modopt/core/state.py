@@ -9,7 +9,7 @@ parameter (a global EMA of a norm, a step counter) go in the host's transform
 store under the same key. Both are saved by `state_dict`. The runtime store is
 a cache that is never saved (segment layouts, wrapped torch optimizers).
 `modopt.core.keys` writes and reads every one of these names, and a transform
-reaches its state through `modopt.core.runner.TransformState`.
+reaches its state through `modopt.core.step.TransformState`.
 
 Also here, the one mechanism for a buffer whose first step is special when the
 device decides the skip (`SGD`'s momentum with dampening, the EMAs with
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .keys import value_key
-from .runner import Step, TransformState
+from .step import Step, TransformState
 from .transform import Transform
 
 

@@ -2,8 +2,8 @@
 
 A transform is a frozen pydantic model: its fields are its hyperparameters and
 nothing else. It never holds state; per step it receives the step
-(`modopt.core.runner.Step`: the parameters that have a gradient, their groups),
-a `modopt.core.runner.TransformState` (its slice of the optimizer's state) and the
+(`modopt.core.step.Step`: the parameters that have a gradient, their groups),
+a `modopt.core.step.TransformState` (its slice of the optimizer's state) and the
 list of updates, and returns the new list of updates (`None` stops the chain for
 this step: nothing after it runs and the parameters do not move).
 """
@@ -26,7 +26,7 @@ import torch
 from . import registry
 from .fieldtext import field_text, number_text
 from .keys import transform_key
-from .runner import Step, TransformState
+from .step import Step, TransformState
 
 
 def to_plain(value: Any) -> Any:

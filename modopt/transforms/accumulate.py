@@ -11,7 +11,7 @@ from pydantic import PositiveInt
 from ..core import distributed
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype
-from ..core.runner import SMALL_CLEAN, Step, TransformState
+from ..core.step import SMALL_CLEAN, Step, TransformState
 from ..core.roles import SeesHostSkips, StepStopper
 from ..core.state import Buffer
 from ..core.transform import Transform

@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 from ..core.kernels import const
 from ..core.reduce import Ord, _parsed_ord
-from ..core.runner import reads_on_host
+from ..core.hostdata import reads_on_host
 from ..core.roles import Scale, ScaleFact
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer
 from ._util import below_one, clip_to

@@ -9,7 +9,7 @@ from pydantic import PositiveFloat, model_validator
 
 from ..core.kernels import const
 from ..core.reduce import acc_dtype
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import SelectsByName
 from ..core.select import Select
 from ..core.transform import Transform

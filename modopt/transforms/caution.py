@@ -17,7 +17,7 @@ import torch
 
 from ..core.kernels import const
 from ..core.reduce import common_acc_dtype
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import PostOptimizer
 from ..core.reduce import Segments, make_segments
 from ..core.transform import Transform

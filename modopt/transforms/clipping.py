@@ -9,7 +9,7 @@ from pydantic import NonNegativeFloat, PositiveFloat
 
 from ..core.hostdata import cpu_kernels
 from ..core.reduce import Ord
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform

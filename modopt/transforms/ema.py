@@ -22,7 +22,7 @@ from ..core import compiled, distributed
 from ..core.kernels import const
 from ..core.keys import value_key
 from ..core.reduce import Ord
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped, ScopeName
 from ..core.state import STARTED, Buffer, new_flag, proceed_flag, same_flags, settle_flags, started_flags

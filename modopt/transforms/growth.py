@@ -20,7 +20,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from ..core.kernels import const
 from ..core.reduce import Ord, acc_dtype
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Scale, ScaleFact
 from ..core.scope import Scoped
 from ..core.state import Buffer

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.transform import Transform
 
 __all__ = ["Identity", "ZeroNonFinite"]

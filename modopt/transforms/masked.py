@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import LastWriter, Optimizer, Router, SelectsByName
-from ..core.runner import run
+from ..core.step import run
 from ..core.select import Select
 from ..core.transform import Transform, TransformField, variadic_transforms, walk
 

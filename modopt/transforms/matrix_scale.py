@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 from ..core.reduce import acc_dtype
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from .orthogonal import (AdjustLR, _Matrices, _refuse_sharded_stacks, adjust_ratio, frobenius, per_matrix_shape,
                          per_row_shape)
 

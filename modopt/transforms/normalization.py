@@ -10,7 +10,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 from ..core.kernels import const
 from ..core.reduce import Ord
 from ..core.plan import pnorm
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Scale, ScaleFact
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform

@@ -18,7 +18,7 @@ from pydantic import field_validator, model_validator
 from ..core import compiled, kernels
 from ..core.keys import value_key
 from ..core.moments import Offer, lr_scale
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Optimizer, Scale, ScaleFact, Writer
 from ..core.state import STARTED, Buffer, new_flag, same_flags, settle_flags, started_flags
 from ._util import FiniteFloat, FiniteNonNegativeFloat

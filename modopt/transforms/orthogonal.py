@@ -24,7 +24,7 @@ from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, ow
                                 sum_over_)
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import Optimizer, Segmented, Writer
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform

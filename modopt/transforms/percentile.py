@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from ..core import distributed, reduce
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import StageLimited
 from ..core.scope import Scoped, ScopeName
 

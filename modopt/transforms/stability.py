@@ -29,10 +29,11 @@ from pydantic import Field
 from ..core import distributed
 from ..core.distributed import any_sharded
 from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype, foreach_pnorm
-from ..core.runner import check_loss, reads_on_host
+from ..core.step import check_loss
+from ..core.hostdata import reads_on_host
 from ..core.roles import SkipDecider
 from ..core.transform import Transform
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.scope import Scoped, ScopeName
 from ..core.state import Buffer, proceed_flag
 from ..core.values import F32_MAX

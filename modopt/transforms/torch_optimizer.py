@@ -19,7 +19,7 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from ..core import compile_marks
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import LastWriter, Optimizer
 from ..core.state import Buffer
 from ..core.transform import Transform

@@ -13,7 +13,7 @@ from pydantic import Field, NonNegativeInt
 from ..core.kernels import const
 from ..core.reduce import acc_dtype, common_acc_dtype
 from ..core.reduce import any_pnorms
-from ..core.runner import Step, TransformState
+from ..core.step import Step, TransformState
 from ..core.roles import SeesHostSkips, WeightStage
 from ..core.state import Buffer
 from ..core.transform import Transform

@@ -12,7 +12,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, field
 from ..core import distributed
 from ..core.hostdata import on_device
 from ..core.keys import group_key, value_key
-from ..core.runner import Step, TransformState, run
+from ..core.step import Step, TransformState, run
 from ..core.roles import LastWriter, Optimizer, SeesHostSkips, WeightSwap
 from ..core.state import Buffer
 from ..core.transform import Transform, TransformField, variadic_transforms

@@ -1,4 +1,4 @@
-"""The step's loss door (`check_loss` in modopt/core/runner.py): what `opt.step(loss=...)` and a closure
+"""The step's loss door (`check_loss` in modopt/core/step.py, the author's step API, which `Stepping.step` in modopt/core/runner.py calls): what `opt.step(loss=...)` and a closure
 may hand SkipStep, with refusals that change nothing."""
 
 from __future__ import annotations
