@@ -27,6 +27,7 @@ from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
 from .runner import TransformState, check_loss
+from .partitions import check_flat_partitions
 from .select import check_selections, route_group
 from .pipeline_config import PipelineConfig, load_config
 from .plan import LintWarning, Plan, lint_findings, make_plan
@@ -197,6 +198,7 @@ class Modular(torch.optim.Optimizer):
                 warnings.simplefilter("ignore", LintWarning)
             for t in self.transforms:
                 t.check_params(named)
+        check_flat_partitions(self.transforms, named)  # (a shape-reading rule on a 1-D shard: refused, not wrong)
         if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
             self._warn_lint()
         # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
@@ -234,6 +236,9 @@ class Modular(torch.optim.Optimizer):
             if self.__dict__.get("_selections_checked", True):  # a group added after the build: its names
                 check_selections(self.transforms, [(len(self.param_groups) - 1, self.param_groups[-1])],
                                  patterns=False)
+                g = self.param_groups[-1]
+                check_flat_partitions(self.transforms, list(zip(g.get("param_names") or [None] * len(g["params"]),
+                                                                g["params"])))
         except Exception:
             gate.bound = before
             self.param_groups.pop()

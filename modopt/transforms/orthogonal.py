@@ -25,7 +25,7 @@ from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, ow
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.runner import Step, TransformState
-from ..core.roles import Optimizer, Segmented, Writer
+from ..core.roles import Optimizer, Segmented, ShapeDependent, Writer
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 from ..core.state import Buffer, proceed_flag
@@ -361,7 +361,7 @@ def _zeros_like_update(updates):
     return lambda i, p: torch.zeros_like(updates[i], memory_format=torch.preserve_format)
 
 
-class _Matrices(Transform, abstract=True):
+class _Matrices(ShapeDependent, abstract=True):
     """The `batch_dims` field of every transform that reads a parameter as a matrix, and its build-time check.
 
     `batch_dims` is the number of leading dims that index a batch of matrices (`as_matrix`): an expert
@@ -371,6 +371,10 @@ class _Matrices(Transform, abstract=True):
     at build for each parameter of 3 or more dims it reads so; 0 is that reading chosen (no warning)."""
 
     batch_dims: Optional[int] = Field(None, ge=0, le=8)
+
+    def shape_dependence(self) -> str | None:
+        """A matrix reading is the shape itself (a 1-D piece is no matrix: it would pass through unchanged)."""
+        return "reads each parameter as a matrix (or a stack of them, batch_dims)"
 
     def matrix(self, t: torch.Tensor) -> torch.Tensor | None:
         """`as_matrix(t, batch_dims)`: the 2-D matrix, the `(B, rows, cols)` stack, or None (left as it is)."""
