@@ -6,6 +6,7 @@ checkpoints and their upgrades live in `modopt.core.checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -22,7 +23,7 @@ from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_histor
                          missing_state, param_inventory, structure_difference, upgrade, value_differences)
 from .runner import CPU_FALSE, drive
 from .skip_limit import SkipLimit
-from . import hostdata
+from . import distributed, hostdata
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
@@ -91,6 +92,10 @@ def _stepping(func: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+#: the step's context when the parameters lie on one mesh (or none): nothing
+_NO_MODE = contextlib.nullcontext()
+
+
 class Modular(torch.optim.Optimizer):
     """An optimizer made of transforms.
 
@@ -125,6 +130,8 @@ class Modular(torch.optim.Optimizer):
     its dict or `DictConfig`, or a config file path; its `nonfinite` and
     `defaults` apply, and keyword group defaults override them).
     """
+
+    _per_mesh: Any = None  # (see `_set_per_mesh`)
 
     def __init__(
         self,
@@ -199,11 +206,18 @@ class Modular(torch.optim.Optimizer):
             for t in self.transforms:
                 t.check_params(named)
         check_flat_partitions(self.transforms, named)  # (a shape-reading rule on a 1-D shard: refused, not wrong)
+        self._set_per_mesh()
         if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
             self._warn_lint()
         # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
         # and a compiled step cannot move it)
         self._skipped_steps = self._skipped_steps.to(_counter_device(self.param_groups))
+
+    def _set_per_mesh(self) -> None:
+        """The step's torch function mode when the parameters lie on several meshes (`distributed.meshes_mixed`),
+        else None: worked out here, when the parameters change, never in a step."""
+        ps = [p for g in self.param_groups for p in g["params"]]
+        self._per_mesh = distributed.per_mesh_mode() if distributed.meshes_mixed(ps) else None
 
     def _warn_lint(self) -> None:
         for f in lint_findings(self.plan.transforms, self.plan.nonfinite):
@@ -239,6 +253,7 @@ class Modular(torch.optim.Optimizer):
                 g = self.param_groups[-1]
                 check_flat_partitions(self.transforms, list(zip(g.get("param_names") or [None] * len(g["params"]),
                                                                 g["params"])))
+                self._set_per_mesh()
         except Exception:
             gate.bound = before
             self.param_groups.pop()
@@ -282,11 +297,12 @@ class Modular(torch.optim.Optimizer):
                                    "(after opt.eval()); call opt.train() before stepping")
         stats: dict[str, torch.Tensor] = {}
         plan = self.plan
-        ctx, go, out = drive(
-            self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
-            on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
-            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
-            values_ok=values_ok)
+        with self._per_mesh or _NO_MODE:  # (several meshes: each multi-tensor op split per mesh, `distributed.PerMesh`)
+            ctx, go, out = drive(
+                self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
+                on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
+                host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
+                values_ok=values_ok)
         if not go:  # the host skipped it: the chain did not run, each transform hears of the call
             for key, t in plan.host_skips:
                 t.on_host_skip(ctx, TransformState(ctx, key))

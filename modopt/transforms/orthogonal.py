@@ -21,6 +21,7 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, owner_apply, owner_split, placed_like,
+                                whole_blocks_here,
                                 sum_over_)
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
@@ -505,12 +506,17 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
         """`{i: this rank's shard of NS(full direction i), shaped as the direction's shard, in out_dtypes[i]}` for
         each sharded matrix-shaped direction that the owner path takes (`sharded="owner"`, eager, a layout that
         `owner_split` accepts); the others are left to the per-matrix path (`{}`: all of them)."""
-        if self.sharded != "owner" or torch.compiler.is_compiling() or not any_sharded(directions):
+        if torch.compiler.is_compiling() or not any_sharded(directions):
             return {}
-        idx = [i for i, d in enumerate(directions)
-               if d is not None and d.dim() - (self.batch_dims or 0) >= 2 and d.numel() > 0
-               and owner_split(d) is not None]
-        if not idx:
+        k = self.batch_dims or 0
+        # expert parallel: a stack split over its batch dims only holds whole matrices on each rank, which are
+        # orthogonalized where they are (no communication, either `sharded` mode)
+        here = [i for i, d in enumerate(directions)
+                if d is not None and d.dim() - k >= 2 and d.numel() > 0 and whole_blocks_here(d, k)]
+        idx = [] if self.sharded != "owner" else [
+            i for i, d in enumerate(directions)
+            if d is not None and d.dim() - k >= 2 and d.numel() > 0 and i not in here and owner_split(d) is not None]
+        if not idx and not here:
             return {}
         nsd = _DTYPES[self.ns_dtype]
         steps, eps, safety = self.coefficient_steps(), self.norm_floor(), self.safety()
@@ -530,9 +536,15 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
                     res[j] = o.reshape(fulls[j].shape)
             return res  # type: ignore[return-value]
 
-        wire_in = [narrow(directions[i].dtype) for i in idx]
-        wire_out = [out_dtypes[i] or nsd for i in idx]
-        return dict(zip(idx, owner_apply([directions[i] for i in idx], orthogonalize_all, wire_in, wire_out)))
+        out: dict[int, torch.Tensor] = {}
+        for i in here:  # the owner path's casts and kernels, on this rank's whole matrices
+            x = local(directions[i])
+            out[i] = (orthogonalize_all([x.to(narrow(x.dtype))])[0] if x.numel() else x).to(out_dtypes[i] or nsd)
+        if idx:
+            wire_in = [narrow(directions[i].dtype) for i in idx]
+            wire_out = [out_dtypes[i] or nsd for i in idx]
+            out.update(zip(idx, owner_apply([directions[i] for i in idx], orthogonalize_all, wire_in, wire_out)))
+        return out
 
 
 class Orthogonalize(_OwnerRank):
