@@ -152,13 +152,13 @@ def cases() -> dict[str, list]:
 
 
 def train(mode: str, ms, pipeline: list) -> dict:
-    from modopt.core import distributed
+    from modopt.transforms import orthogonal
 
     model = build(mode, ms)
     opt = mo.Modular(named(model), *pipeline)
     calls = []
-    real = distributed.owner_apply
-    distributed.owner_apply = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # (counted: the Muon case's exchange)
+    real = orthogonal.owner_apply  # (counted where Orthogonalize and Muon call it: the owner-rank exchange)
+    orthogonal.owner_apply = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         acted = False
         for step in range(STEPS):
@@ -168,7 +168,7 @@ def train(mode: str, ms, pipeline: list) -> dict:
             acted |= any(bool((v != 1).any()) if k.endswith(".scale") else bool(v.any())
                          for k, v in opt.stats.items() if k.endswith((".clipped", ".scale")))
     finally:
-        distributed.owner_apply = real
+        orthogonal.owner_apply = real
     placements = sorted({(p.device_mesh.mesh_dim_names, tuple(str(pl) for pl in p.placements))
                          for p in model.parameters() if hasattr(p, "placements")})
     return {"params": full_params(model), "acted": acted, "placements": placements, "owner_calls": len(calls),
