@@ -26,7 +26,7 @@ BASE_API = {"model_config", "to_dict", "from_dict", "model_copy", "field_order"}
 
 ROLES = [roles.Optimizer, roles.Writer, roles.LastWriter, roles.Router, roles.SelectsByName, roles.WeightStage,
          roles.WeightSwap, roles.StepStopper, roles.SkipDecider, roles.SeesHostSkips, roles.ScaleFact,
-         roles.NeedsMoments, roles.PostOptimizer, roles.Segmented, roles.StageLimited]
+         roles.NeedsMoments, roles.PostOptimizer, roles.Segmented, roles.StageLimited, roles.ShapeDependent]
 
 
 def _public(cls: type) -> set[str]:
@@ -99,11 +99,12 @@ def test_the_old_flags_are_gone_from_every_transform():
     ("TorchOptimizer", {roles.Optimizer, roles.LastWriter, roles.Writer}),
     ("ScheduleFreeAdamW", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.WeightSwap}),
     ("Lookahead", {roles.LastWriter, roles.Writer, roles.SeesHostSkips}),
-    ("Masked", {roles.Router, roles.Writer, roles.SelectsByName}),
+    ("Masked", {roles.Router, roles.Writer, roles.SelectsByName, roles.ShapeDependent}),
     ("SkipStep", {roles.SkipDecider, roles.StepStopper}), ("Accumulate", {roles.StepStopper, roles.SeesHostSkips}),
-    ("QKClip", {roles.WeightStage, roles.SeesHostSkips}), ("ProjectNorm", {roles.WeightStage}),
-    ("ClipNorm", {roles.ScaleFact, roles.Segmented}), ("SPAM", {roles.NeedsMoments}),
-    ("WeightDecay", {roles.PostOptimizer}), ("ClipValueByPercentile", {roles.StageLimited, roles.Segmented}),
+    ("QKClip", {roles.WeightStage, roles.SeesHostSkips, roles.ShapeDependent}),
+    ("ProjectNorm", {roles.WeightStage, roles.ShapeDependent}),
+    ("ClipNorm", {roles.ScaleFact, roles.Segmented, roles.ShapeDependent}), ("SPAM", {roles.NeedsMoments}),
+    ("WeightDecay", {roles.PostOptimizer}), ("ClipValueByPercentile", {roles.StageLimited, roles.Segmented, roles.ShapeDependent}),
     ("ClipValue", set()),
 ])
 def test_the_builtin_transforms_take_their_roles(name, expected):

@@ -94,6 +94,21 @@ def all_groups_of(t: torch.Tensor) -> tuple[torch.distributed.ProcessGroup, ...]
     return tuple(mesh.get_group(d) for d in range(mesh.ndim))
 
 
+def whole_blocks_here(t: torch.Tensor, k: int) -> bool:
+    """True for a DTensor `t` that only its first `k` dims are split of (`Shard`/`_StridedShard` of a dim below
+    `k` on every splitting mesh dim, no `Partial`): each rank holds whole trailing blocks, as an expert-parallel
+    stack `(E, out, in)` sharded on dim 0 holds whole experts (`k=1`), so a per-block rule needs no communication."""
+    if not k or not is_sharded(t):
+        return False
+    dims = []
+    for pl in t.placements:
+        if pl.is_partial():
+            return False
+        if _splits(pl):
+            dims.append(pl.dim % t.dim())
+    return bool(dims) and all(d < k for d in dims)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds (its local shard; `t` itself when it is not a DTensor): an in-place
     op on it changes `t`."""
@@ -138,6 +153,68 @@ def check_slices(params: list[torch.Tensor], dims: list[tuple[int, ...]], names:
                 "sharded parameters are not supported. Use scope='tensor' without dim, 'group' or 'global' "
                 "(computed over the full tensors), or keep this parameter out of FSDP"
             )
+
+
+# --- several meshes in one optimizer (expert parallelism): multi-tensor ops split per mesh -------------------
+def _mesh_of(t: Any) -> Any:
+    """The mesh of a DTensor, None for a plain tensor (the key a multi-tensor op is split by)."""
+    return t.device_mesh if is_sharded(t) else None
+
+
+def meshes_mixed(params: Sequence[torch.Tensor]) -> bool:
+    """True when `params` hold DTensors of more than one mesh, or DTensors and plain tensors together (dense
+    layers under FSDP2 and an expert stack on an expert-parallel mesh; replicated plain tensors beside them):
+    DTensor refuses one multi-tensor (`_foreach_*`) op over them, so a step runs under `PerMesh`. Read when
+    the optimizer is built and when a param group is added."""
+    if _dtensor_cls() is None or not any_sharded(list(params)):
+        return False
+    return len({_mesh_of(p) for p in params}) > 1
+
+
+def _split_foreach(func: Any, args: tuple, kwargs: dict, keys: list) -> Any:
+    """`func` (a `torch._foreach_*` op) run once per mesh of the tensors of its first list (`keys`), each list (and
+    1-D tensor of per-tensor scalars) of that length cut to the bucket's entries; the results in the given order."""
+    n = len(keys)
+    buckets: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys):
+        buckets.setdefault(k, []).append(i)
+
+    def cut(a: Any, idx: list[int]) -> Any:
+        if isinstance(a, (list, tuple)) and len(a) == n:
+            return [a[i] for i in idx]
+        if isinstance(a, torch.Tensor) and not is_sharded(a) and a.dim() == 1 and a.shape[0] == n:
+            return a[idx]  # (per-tensor scalars given as one tensor)
+        return a
+
+    out: list[Any] = [None] * n
+    returned = False
+    for idx in buckets.values():
+        res = func(*[cut(a, idx) for a in args], **{k: cut(v, idx) for k, v in kwargs.items()})
+        if res is not None:
+            returned = True
+            for i, r in zip(idx, res):
+                out[i] = r
+    return out if returned else None
+
+
+def per_mesh_mode() -> Any:
+    """A torch function mode under which a `torch._foreach_*` op whose first list holds tensors of several meshes
+    (or DTensors and plain tensors) runs once per mesh (`_split_foreach`); every other call runs as it is. Entered
+    only around the step of an optimizer whose parameters are so mixed (`meshes_mixed`): one multi-tensor op per
+    mesh, the statistics still summed per tensor over the groups of the mesh dims that split it (`groups_of`)."""
+    from torch.overrides import TorchFunctionMode
+
+    class PerMesh(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if args and isinstance(args[0], (list, tuple)) and len(args[0]) > 1 \
+                    and getattr(func, "__name__", "").startswith("_foreach_"):
+                keys = [_mesh_of(t) for t in args[0]]
+                if any(k is not keys[0] for k in keys):
+                    return _split_foreach(func, args, kwargs, keys)
+            return func(*args, **kwargs)
+
+    return PerMesh()
 
 
 def placed_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,11 @@ from .checkpoint import (FORMAT_VERSION, GROUP_ENTRY, StateLoader, encode_histor
                          missing_state, param_inventory, structure_difference, upgrade, value_differences)
 from .runner import Stepping, _LastStep
 from .skip_limit import SkipLimit, consecutive_skips_ok
+from . import distributed
 from .hyper import GroupGate
 from .keys import inventory_key, split_group_key
 from .torch_checkpoint import as_modular_state_dict, caller_stacklevel, is_torch_state_dict
+from .partitions import check_flat_partitions
 from .select import check_selections, route_group
 from .pipeline_config import PipelineConfig, load_config
 from .plan import LintWarning, Plan, lint_findings, make_plan
@@ -64,6 +66,7 @@ class Modular(Stepping):
     its dict or `DictConfig`, or a config file path; its `nonfinite` and
     `defaults` apply, and keyword group defaults override them).
     """
+
 
     def __init__(
         self,
@@ -137,11 +140,19 @@ class Modular(Stepping):
                 warnings.simplefilter("ignore", LintWarning)
             for t in self.transforms:
                 t.check_params(named)
+        check_flat_partitions(self.transforms, named)  # (a shape-reading rule on a 1-D shard: refused, not wrong)
+        self._set_per_mesh()
         if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
             self._warn_lint()
         # the skipped-step count lives where the step decides (a copy to the GPU each step would be a sync,
         # and a compiled step cannot move it)
         self._skipped_steps = self._skipped_steps.to(_counter_device(self.param_groups))
+
+    def _set_per_mesh(self) -> None:
+        """The step's torch function mode when the parameters lie on several meshes (`distributed.meshes_mixed`),
+        else None: worked out here, when the parameters change, never in a step."""
+        ps = [p for g in self.param_groups for p in g["params"]]
+        self._per_mesh = distributed.per_mesh_mode() if distributed.meshes_mixed(ps) else None
 
     def _warn_lint(self) -> None:
         for f in lint_findings(self.plan.transforms, self.plan.nonfinite):
@@ -174,6 +185,10 @@ class Modular(Stepping):
             if self.__dict__.get("_selections_checked", True):  # a group added after the build: its names
                 check_selections(self.transforms, [(len(self.param_groups) - 1, self.param_groups[-1])],
                                  patterns=False)
+                g = self.param_groups[-1]
+                check_flat_partitions(self.transforms, list(zip(g.get("param_names") or [None] * len(g["params"]),
+                                                                g["params"])))
+                self._set_per_mesh()
         except Exception:
             gate.bound = before
             self.param_groups.pop()

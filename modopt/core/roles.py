@@ -21,6 +21,7 @@ a role below; the plan (`modopt.core.plan`) finds them with `isinstance`, never 
 | `PostOptimizer` | acts on the optimizer's step, after it (decoupled weight decay) | — |
 | `Segmented` | saves per-segment values of a shape it states | `segment_shape` |
 | `StageLimited` | cannot take its statistics over pipeline stages in some settings | `check_stages` |
+| `ShapeDependent` | its result depends on each tensor's shape (refused for flat partitions) | `shape_dependence` |
 
 A role that keeps order or state a skipped step could change (`LastWriter`, `WeightStage`,
 `WeightSwap`, `StepStopper`, `SeesHostSkips`) declares `device_skip = False`; a transform that does keep
@@ -250,9 +251,20 @@ class StageLimited(Transform, abstract=True):
         """Raise `ValueError` (why, and what to use instead) when these fields cannot span the stages."""
 
 
+class ShapeDependent(Transform, abstract=True):
+    """Its result depends on each parameter's shape (a matrix reading, a per-tensor or per-slice statistic, a
+    selection by number of dims): a flat partition (DeepSpeed ZeRO's 1-D shards, FSDP1's `FlatParameter`) would
+    make it silently wrong, so `modopt.core.partitions` refuses one when the optimizer is built."""
+
+    def shape_dependence(self) -> str | None:
+        """Why these fields make the result depend on a tensor's shape (a clause: "reads each parameter as a
+        matrix"), or None when they do not (`scope="global"`: elementwise over every tensor)."""
+        return None
+
+
 ROLES: tuple[type[Transform], ...] = (Optimizer, Writer, LastWriter, Router, SelectsByName, WeightStage, WeightSwap,
                                      StepStopper, SkipDecider, SeesHostSkips, ScaleFact, NeedsMoments, PostOptimizer,
-                                     Segmented, StageLimited)
+                                     Segmented, StageLimited, ShapeDependent)
 for _role in ROLES:  # (so that a class defining a role's hook without the role is named when it is defined)
     for _name in _role.__dict__:
         if not _name.startswith("_") and _name not in Transform.__dict__ and _name not in ("model_config",
@@ -326,5 +338,5 @@ class Chain(Writer):
 
 
 __all__ = ["ROLES", "Chain", "LastWriter", "NeedsMoments", "Optimizer", "PostOptimizer", "Router", "Scale", "ScaleFact",
-           "SeesHostSkips", "Segmented", "SelectsByName", "SkipDecider", "StageLimited", "StepStopper",
+           "SeesHostSkips", "Segmented", "SelectsByName", "ShapeDependent", "SkipDecider", "StageLimited", "StepStopper",
            "WeightStage", "WeightSwap", "Writer", "attachable", "holds_optimizer", "may_stop", "skips_on_device"]

@@ -379,7 +379,8 @@ class Stepping(torch.optim.Optimizer):
 
     What the builder sets: `plan` (`modopt.core.plan.Plan`), `_gate` (`modopt.core.hyper.GroupGate`),
     `skip_limit` (`modopt.core.skip_limit.SkipLimit` or None), `_skipped_steps` (a 0-d int64 tensor),
-    `_last` (`_LastStep`), `_store` and `_runtime` (dicts by transform key).
+    `_last` (`_LastStep`), `_store` and `_runtime` (dicts by transform key); `_per_mesh`, the torch function
+    mode the step runs under when the parameters lie on several meshes (`distributed.per_mesh_mode`), or None.
     """
 
     plan: Any
@@ -389,6 +390,7 @@ class Stepping(torch.optim.Optimizer):
     _last: _LastStep
     _store: dict[str, dict[str, Any]]
     _runtime: dict[str, dict[str, Any]]
+    _per_mesh: Any = None
 
     @_hooked
     def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
@@ -426,11 +428,18 @@ class Stepping(torch.optim.Optimizer):
                                    "(after opt.eval()); call opt.train() before stepping")
         stats: dict[str, torch.Tensor] = {}
         plan = self.plan
-        ctx, go, out = drive(
-            self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
-            on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
-            host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
-            values_ok=values_ok)
+        mesh_mode = self._per_mesh  # (parameters on several meshes: each multi-tensor op split per mesh)
+        if mesh_mode is not None:
+            mesh_mode.__enter__()
+        try:
+            ctx, go, out = drive(
+                self, self.param_groups, plan.updates, plan.nonfinite, stats, loss=loss, write=True,
+                on_device=plan.device_skip if plan.device_skip is not None else plan.skips_on_device(self.param_groups),
+                host_on_cpu=plan.host_on_cpu, taps=self.__dict__.get("_step_taps", {}).values(), weights=plan.weights,
+                values_ok=values_ok)
+        finally:
+            if mesh_mode is not None:
+                mesh_mode.__exit__(None, None, None)
         if not go:  # the host skipped it: the chain did not run, each transform hears of the call
             for key, t in plan.host_skips:
                 t.on_host_skip(ctx, TransformState(ctx, key))

@@ -15,12 +15,12 @@ import torch
 from pydantic import Field, model_validator
 
 from .reduce import Dims, segment_shape
-from .roles import Segmented
+from .roles import Segmented, ShapeDependent
 
 ScopeName = Literal["global", "group", "tensor"]
 
 
-class Scoped(Segmented, abstract=True):
+class Scoped(Segmented, ShapeDependent, abstract=True):
     """Mixin of the scope fields (see `modopt.core.scope`)."""
 
     scope: ScopeName = "global"
@@ -33,6 +33,15 @@ class Scoped(Segmented, abstract=True):
         if (self.dim is not None or self.inverse_dims) and self.scope != "tensor":
             raise ValueError(f"dim/inverse_dims apply only with scope='tensor' (got scope={self.scope!r})")
         return self
+
+    def shape_dependence(self) -> str | None:
+        """Per-tensor and per-slice statistics read each tensor's extent and shape; global and group ones
+        (elementwise over every tensor of the segment) do not."""
+        if self.scope != "tensor":
+            return None
+        if self.dim is None and not self.inverse_dims:
+            return "takes its statistics per tensor (scope='tensor')"
+        return f"takes its statistics per slice of each tensor (scope='tensor', dim={self.dim!r}, inverse_dims={self.inverse_dims})"
 
     def segment_shape(self, p: torch.Tensor) -> tuple[int, ...] | None:
         """The shape of this transform's per-segment values saved for `p` (None: kept transform-wide)."""

@@ -236,6 +236,15 @@ class Select(BaseModel):
         return out
 
 
+def selected_named(where: Select, named: list[tuple[str | None, "torch.Tensor"]]) -> list[tuple[str | None, "torch.Tensor"]]:
+    """The `(name, parameter)` pairs of `named` that `where` takes, as far as a check at build can tell: a
+    selection by param group cannot be told there (`named` holds no groups), nor one by name when some
+    parameter is unnamed: every pair is kept then (the checks err on the side of looking at more)."""
+    if where.groups is None and not (where.by_name and any(n is None for n, _ in named)):
+        return [(n, p) for n, p in named if where.matches(n, p, 0, {})]
+    return list(named)
+
+
 def _any_match(name: str, patterns: tuple[str, ...]) -> bool:
     """Does `name` match one of the glob `patterns` (`fnmatch`, case-sensitive)? Traced by `torch.compile`
     as a constant (`compile_marks.any_match`): it runs when a layout is first seen (its result is cached

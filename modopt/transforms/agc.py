@@ -10,7 +10,7 @@ from pydantic import PositiveFloat, model_validator
 from ..core.kernels import const
 from ..core.reduce import acc_dtype
 from ..core.step import Step, TransformState
-from ..core.roles import SelectsByName
+from ..core.roles import SelectsByName, ShapeDependent
 from ..core.select import Select
 from ..core.transform import Transform
 
@@ -26,7 +26,7 @@ def unit_dims(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(range(1, t.dim())) if t.dim() >= 2 else None
 
 
-class AGC(SelectsByName):
+class AGC(SelectsByName, ShapeDependent):
     r"""Adaptive gradient clipping: clip each unit's update relative to its weight's norm.
 
     For each output unit `i` (the slice along dim 0 of a tensor with 2+ dims,
@@ -96,6 +96,10 @@ class AGC(SelectsByName):
                 mask = select.mask(ctx, owner=owner)
             cache[key] = mask
         return mask
+
+    def shape_dependence(self) -> str | None:
+        """Its units are the slices along dim 0 of each tensor."""
+        return "clips the norm of each unit (slices along dim 0 of each tensor)"
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each unit's update down to at most `clipping` times its parameter's norm (`max(norm, eps)`)."""

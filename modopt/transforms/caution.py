@@ -18,7 +18,7 @@ import torch
 from ..core.kernels import const
 from ..core.reduce import common_acc_dtype
 from ..core.step import Step, TransformState
-from ..core.roles import PostOptimizer
+from ..core.roles import PostOptimizer, ShapeDependent
 from ..core.reduce import Segments, make_segments
 from ..core.transform import Transform
 from ._util import FiniteNonNegativeFloat
@@ -48,7 +48,7 @@ def agree(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (u * torch.sign(g)) > 0
 
 
-class Cautious(Transform):
+class Cautious(ShapeDependent):
     r"""Keep only the elements of the update that agree in sign with the gradient, and rescale.
 
     $$
@@ -92,6 +92,10 @@ class Cautious(Transform):
     device_skip = True  # keeps its state on a step the device skips (it has none)
 
     scale: CautionScale = "timm"
+
+    def shape_dependence(self) -> str | None:
+        """The rescaling counts the kept elements of each tensor (`scale="none"` counts nothing)."""
+        return None if self.scale == "none" else f"rescales each tensor by its count of kept elements (scale={self.scale!r})"
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Zero the elements that disagree with the gradient's sign; multiply each tensor by its `s`."""

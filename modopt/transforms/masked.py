@@ -10,15 +10,15 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from ..core.step import Step, TransformState
-from ..core.roles import LastWriter, Optimizer, Router, SelectsByName
+from ..core.roles import LastWriter, Optimizer, Router, SelectsByName, ShapeDependent
 from ..core.step import run
-from ..core.select import Select
+from ..core.select import Select, selected_named
 from ..core.transform import Transform, TransformField, variadic_transforms, walk
 
 __all__ = ["Masked"]
 
 
-class Masked(Router, SelectsByName):
+class Masked(Router, SelectsByName, ShapeDependent):
     r"""Run `transforms` on the parameters that `where` selects; the others pass through untouched.
 
     `mo.Masked(*transforms, where=mo.Select(...))` (a glob string is shorthand
@@ -101,10 +101,12 @@ class Masked(Router, SelectsByName):
     def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
         """The inner transforms check the parameters `where` selects. A selection by param group cannot be told
         here (`named` holds no groups): they check every parameter then."""
+        super().check_params(selected_named(self.where, named))
+
+    def shape_dependence(self) -> str | None:
+        """A selection by number of dims (`min_ndim`, `max_ndim`) reads each parameter's shape."""
         w = self.where
-        if w.groups is None and not (w.by_name and any(n is None for n, _ in named)):
-            named = [(n, p) for n, p in named if w.matches(n, p, 0, {})]
-        super().check_params(named)
+        return None if w.min_ndim is None and w.max_ndim is None else "selects parameters by their number of dims"
 
     def name_selection(self, key: str) -> tuple[Select, str]:
         """`where` and the label its errors use (`modopt.core.select.check_selections`, when the

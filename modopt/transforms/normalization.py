@@ -11,7 +11,7 @@ from ..core.kernels import const
 from ..core.reduce import Ord
 from ..core.plan import pnorm
 from ..core.step import Step, TransformState
-from ..core.roles import Scale, ScaleFact
+from ..core.roles import Scale, ScaleFact, ShapeDependent
 from ..core.scope import Dims, Scoped, ScopeName
 from ..core.transform import Transform
 
@@ -158,7 +158,7 @@ class Sign(Transform):
         return updates
 
 
-class ScaledSign(Transform):
+class ScaledSign(ShapeDependent):
     r"""The sign of every element times the tensor's mean absolute value: EF-signSGD's scaled sign.
 
     For each parameter's update $u$ of $d$ elements,
@@ -185,6 +185,10 @@ class ScaledSign(Transform):
     """
 
     positional: ClassVar[str | None] = None
+
+    def shape_dependence(self) -> str | None:
+        """The scale is each tensor's mean absolute value."""
+        return "scales each tensor by its mean absolute value"
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Each update's mean absolute value times its sign, in place."""

@@ -21,11 +21,12 @@ import torch
 from pydantic import Field, model_validator
 
 from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, owner_apply, owner_split, placed_like,
+                                whole_blocks_here,
                                 sum_over_)
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.step import Step, TransformState
-from ..core.roles import Optimizer, Segmented, Writer
+from ..core.roles import Optimizer, Segmented, ShapeDependent, Writer
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 from ..core.state import Buffer, proceed_flag
@@ -361,7 +362,7 @@ def _zeros_like_update(updates):
     return lambda i, p: torch.zeros_like(updates[i], memory_format=torch.preserve_format)
 
 
-class _Matrices(Transform, abstract=True):
+class _Matrices(ShapeDependent, abstract=True):
     """The `batch_dims` field of every transform that reads a parameter as a matrix, and its build-time check.
 
     `batch_dims` is the number of leading dims that index a batch of matrices (`as_matrix`): an expert
@@ -371,6 +372,10 @@ class _Matrices(Transform, abstract=True):
     at build for each parameter of 3 or more dims it reads so; 0 is that reading chosen (no warning)."""
 
     batch_dims: Optional[int] = Field(None, ge=0, le=8)
+
+    def shape_dependence(self) -> str | None:
+        """A matrix reading is the shape itself (a 1-D piece is no matrix: it would pass through unchanged)."""
+        return "reads each parameter as a matrix (or a stack of them, batch_dims)"
 
     def matrix(self, t: torch.Tensor) -> torch.Tensor | None:
         """`as_matrix(t, batch_dims)`: the 2-D matrix, the `(B, rows, cols)` stack, or None (left as it is)."""
@@ -501,12 +506,17 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
         """`{i: this rank's shard of NS(full direction i), shaped as the direction's shard, in out_dtypes[i]}` for
         each sharded matrix-shaped direction that the owner path takes (`sharded="owner"`, eager, a layout that
         `owner_split` accepts); the others are left to the per-matrix path (`{}`: all of them)."""
-        if self.sharded != "owner" or torch.compiler.is_compiling() or not any_sharded(directions):
+        if torch.compiler.is_compiling() or not any_sharded(directions):
             return {}
-        idx = [i for i, d in enumerate(directions)
-               if d is not None and d.dim() - (self.batch_dims or 0) >= 2 and d.numel() > 0
-               and owner_split(d) is not None]
-        if not idx:
+        k = self.batch_dims or 0
+        # expert parallel: a stack split over its batch dims only holds whole matrices on each rank, which are
+        # orthogonalized where they are (no communication, either `sharded` mode)
+        here = [i for i, d in enumerate(directions)
+                if d is not None and d.dim() - k >= 2 and d.numel() > 0 and whole_blocks_here(d, k)]
+        idx = [] if self.sharded != "owner" else [
+            i for i, d in enumerate(directions)
+            if d is not None and d.dim() - k >= 2 and d.numel() > 0 and i not in here and owner_split(d) is not None]
+        if not idx and not here:
             return {}
         nsd = _DTYPES[self.ns_dtype]
         steps, eps, safety = self.coefficient_steps(), self.norm_floor(), self.safety()
@@ -526,9 +536,15 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
                     res[j] = o.reshape(fulls[j].shape)
             return res  # type: ignore[return-value]
 
-        wire_in = [narrow(directions[i].dtype) for i in idx]
-        wire_out = [out_dtypes[i] or nsd for i in idx]
-        return dict(zip(idx, owner_apply([directions[i] for i in idx], orthogonalize_all, wire_in, wire_out)))
+        out: dict[int, torch.Tensor] = {}
+        for i in here:  # the owner path's casts and kernels, on this rank's whole matrices
+            x = local(directions[i])
+            out[i] = (orthogonalize_all([x.to(narrow(x.dtype))])[0] if x.numel() else x).to(out_dtypes[i] or nsd)
+        if idx:
+            wire_in = [narrow(directions[i].dtype) for i in idx]
+            wire_out = [out_dtypes[i] or nsd for i in idx]
+            out.update(zip(idx, owner_apply([directions[i] for i in idx], orthogonalize_all, wire_in, wire_out)))
+        return out
 
 
 class Orthogonalize(_OwnerRank):

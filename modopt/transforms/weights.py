@@ -14,7 +14,7 @@ from ..core.kernels import const
 from ..core.reduce import acc_dtype, common_acc_dtype
 from ..core.reduce import any_pnorms
 from ..core.step import Step, TransformState
-from ..core.roles import SeesHostSkips, WeightStage
+from ..core.roles import SeesHostSkips, ShapeDependent, WeightStage
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -28,7 +28,7 @@ def _norm_now(i: int, p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(p.detach(), dtype=acc_dtype(p.dtype))
 
 
-class ProjectNorm(WeightStage):
+class ProjectNorm(WeightStage, ShapeDependent):
     r"""Hold each weight tensor's Frobenius norm: after the optimizer's write, project it back onto the sphere
     of radius $R$.
 
@@ -64,6 +64,10 @@ class ProjectNorm(WeightStage):
 
     device_skip: ClassVar[bool] = True  # on a skipped step the factor is exactly 1
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"radius": Buffer("segment", low=0)}  # 0-d per tensor
+
+    def shape_dependence(self) -> str | None:
+        """Each chosen weight is projected alone, chosen by its number of dims."""
+        return f"projects each tensor of at least {self.min_ndim} dims onto its own norm ball"
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Always raises: a weight-stage transform acts on the parameters, after the optimizer's write."""
@@ -102,7 +106,7 @@ class ProjectNorm(WeightStage):
             p.mul_(f.to(p.dtype))
 
 
-class QKClip(WeightStage, SeesHostSkips):
+class QKClip(WeightStage, SeesHostSkips, ShapeDependent):
     r"""QK-Clip (Kimi K2's MuonClip, arXiv 2507.20534): after the optimizer's write, shrink the query and
     key rows of each attention head whose largest pre-softmax logit over the step exceeded $\tau$.
 
@@ -163,6 +167,10 @@ class QKClip(WeightStage, SeesHostSkips):
     logits: Literal["recorded", "rewritten"] = "recorded"
 
     device_skip: ClassVar[bool] = True  # on a skipped step every factor is exactly 1
+
+    def shape_dependence(self) -> str | None:
+        """Its heads are blocks of each projection weight's rows."""
+        return "scales each attention head's block of rows of the query and key weights"
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Always raises: a weight-stage transform acts on the parameters, after the optimizer's write."""
