@@ -247,3 +247,19 @@ def test_compiled_step_stores_bf16_moments():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     torch.testing.assert_close(opt.state[qs[0]]["0:AdamW.exp_avg_sq"].float(),
                                eager.state[ps[0]]["0:AdamW.exp_avg_sq"].float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("beta2,decays", [(0.999, False), (0.99, True)])
+def test_round_to_nearest_holds_the_second_moment_at_beta2_0999(beta2, decays):
+    """What docs/modules/optimizers.md states: round to nearest drops a change below half a bfloat16 step,
+    so `v <- 0.999 v` never moves a bfloat16 second moment (it does in float32); 0.99's decay does."""
+    p = torch.nn.Parameter(torch.zeros(16))
+    opt = mo.Modular([p], mo.Adam(1e-3, betas=(0.9, beta2), state_dtype="bfloat16"))
+    p.grad = torch.ones(16)
+    opt.step()
+    v0 = opt.state[p]["0:Adam.exp_avg_sq"].clone()
+    for _ in range(50):
+        p.grad = torch.zeros(16)
+        opt.step()
+    v = opt.state[p]["0:Adam.exp_avg_sq"]
+    assert bool((v < v0).all()) is decays

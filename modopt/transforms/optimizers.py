@@ -261,6 +261,29 @@ class Adam(_FusedOptimizer):
     bfloat16 the kernel also skips the rounding of the clipped gradient to the parameters'
     dtype). Where the kernel is not used (compiled steps, the foreach path, float64, which
     the kernel's float32 `grad_scale` would round) the clip multiplies as usual.
+
+    `state_dtype="bfloat16"` (default `"param"`: the parameter's dtype, torch's) keeps `exp_avg`,
+    `exp_avg_sq` and `max_exp_avg_sq` in bfloat16: half their memory for float32 parameters.
+    Each step computes in the parameters' dtype (float32 for float16 parameters) from the
+    stored moments, makes this step's update from the new moments unrounded, and stores them
+    rounded to nearest (ties to even): $m \leftarrow \operatorname{bf16}(\beta_1 m + (1-\beta_1) g)$,
+    the same for $v$. float32 parameters on CUDA run torch's fused kernel on the bfloat16
+    moments as they are (its mixed-precision path); elsewhere (a CPU, whose fused kernel
+    refuses the mix) the kernel runs on float32 copies and the moments are written back. Needs
+    modopt's kernel choice (`fused=None` or `True`). A checkpoint's moments are cast to this
+    dtype when loaded. Round to nearest drops a change below half a bfloat16 step: with
+    `betas[1]=0.999` the second moment's decay is always dropped (it never decreases); use
+    0.99 or below. See docs/modules/optimizers.md, "bfloat16 moments".
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3))
+    >>> opt = mo.Modular([p], mo.AdamW(1e-3, state_dtype="bfloat16"))
+    >>> p.grad = torch.tensor([0.1, 0.2, 0.3]); opt.step()
+    >>> opt.state[p]["0:AdamW.exp_avg"]   # 0.1 * g, rounded to bfloat16
+    tensor([0.0100, 0.0200, 0.0300], dtype=torch.bfloat16)
+
+    ```
     """
 
     positional: ClassVar[str | None] = "lr"
