@@ -48,11 +48,13 @@ NON_DEFAULT = {
         # torch's for-loop kernel; it computes in the parameters' dtype, where eps=1e-8 rounds to 0 in float16
         mo.Adam(lr=2e-3, eps=1e-4, maximize=True, fused=False, foreach=False, decoupled_weight_decay=True),
         mo.Adam(lr=2e-3, fused=True),
+        mo.Adam(lr=2e-3, amsgrad=True, state_dtype="bfloat16"),  # bfloat16 moments (the max too)
     ],
     "AdamW": [
         mo.AdamW(lr=2e-3, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.05, amsgrad=True),
         mo.AdamW(lr=2e-3, eps=1e-4, maximize=True, foreach=True),  # torch's foreach kernel (as above)
         mo.AdamW(lr=2e-3, fused=True),
+        mo.AdamW(lr=2e-3, state_dtype="bfloat16"),  # bfloat16 moments
     ],
     # eps representable in fp16, so the half-precision checks test modopt rather than RMSprop's fp16 underflow
     "TorchOptimizer": mo.TorchOptimizer(torch.optim.RMSprop, lr=3e-3, alpha=0.95, eps=1e-4),

@@ -64,7 +64,7 @@ def const(value: float, like: torch.Tensor) -> Union[torch.Tensor, float]:
 __all__ = ["const", "KernelBug", "KERNEL_BUGS", "known_bad", "KNOWN_BAD", "fused_ok", "fused_sgd_", "fused_adam_", "foreach_sgd_", "foreach_sgd_skip_", "foreach_sgd_started_",
            "fused_sgd_started_", "foreach_adam_",
            "torch_default_foreach", "torch_adam_", "torch_sgd_", "loop_adam_ok", "loop_adam_",
-           "AdamPlan", "SGDPlan", "split", "adam_state", "check_capturable", "adam_updates", "sgd_updates", "lr_value",
+           "AdamPlan", "SGDPlan", "split", "adam_state", "wide", "narrow_", "check_capturable", "adam_updates", "sgd_updates", "lr_value",
            "traced_value", "count_steps", "adam_traced_updates", "adopt_step", "packed_steps_hold"]
 
 #: a hyperparameter a kernel takes as a number or a 0-d tensor (a scheduler may hold `lr` as a tensor)
@@ -428,17 +428,46 @@ def _zeros(i: int, p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def adam_state(st: Any, a: int, b: int, amsgrad: bool, steps_on: torch.device | None = None) -> tuple[Tensors, ...]:
+def _zeros_bf16(i: int, p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+
+
+def adam_state(st: Any, a: int, b: int, amsgrad: bool, steps_on: torch.device | None = None,
+               state_dtype: torch.dtype | None = None) -> tuple[Tensors, ...]:
     """Adam's state of `params[a:b]` (`steps, exp_avgs, exp_avg_sqs, max_exp_avg_sqs`, the last empty
-    without `amsgrad`), made where missing: moments of zeros, step counts 0-d float32 on `steps_on`
-    (None: each parameter's device; a meta parameter's on the CPU, as torch.optim keeps it: it is read)."""
+    without `amsgrad`), made where missing: moments of zeros (in the parameter's dtype, or bfloat16 with
+    `state_dtype=torch.bfloat16`), step counts 0-d float32 on `steps_on` (None: each parameter's device;
+    a meta parameter's on the CPU, as torch.optim keeps it: it is read)."""
     def count(i: int, p: torch.Tensor) -> torch.Tensor:
         on = steps_on if steps_on is not None else (p.device if not p.is_meta else _CPU)
         return torch.zeros((), dtype=torch.float32, device=on)
 
-    steps, m, v = (st.buffers("step", count)[a:b], st.buffers("exp_avg", _zeros)[a:b],
-                   st.buffers("exp_avg_sq", _zeros)[a:b])
-    return steps, m, v, st.buffers("max_exp_avg_sq", _zeros)[a:b] if amsgrad else []
+    zeros = _zeros if state_dtype is None else _zeros_bf16
+    steps, m, v = (st.buffers("step", count)[a:b], st.buffers("exp_avg", zeros)[a:b],
+                   st.buffers("exp_avg_sq", zeros)[a:b])
+    return steps, m, v, st.buffers("max_exp_avg_sq", zeros)[a:b] if amsgrad else []
+
+
+def wide(params: Tensors, *lists: Tensors) -> tuple[Tensors, ...]:
+    """Copies of `params` and of each list beside them (gradients, bfloat16 moments) in the dtype the step
+    computes in: each parameter's, float32 for float16 ones (their range, down to 6e-8, would lose the small
+    second moments bfloat16 keeps). A tensor already in that dtype is itself (`Tensor.to`), so a kernel
+    writes it in place; an empty list (no `max_exp_avg_sq`) stays empty."""
+    dts = [torch.float32 if p.dtype == torch.float16 else p.dtype for p in params]
+    return tuple([x.to(d) for x, d in zip(xs, dts)] for xs in (params,) + lists)
+
+
+def narrow_(params: Tensors, moments: tuple[Tensors, ...], wide_params: Tensors, wide_moments: tuple[Tensors, ...]) -> None:
+    """Write a step computed on `wide` copies back: the moments into their bfloat16 tensors (`copy_` rounds to
+    nearest, ties to even, as torch's fused CUDA kernel stores them), the parameters where a copy was made
+    (float16: rounded as the kernel rounds its own writes). A skipped step left the copies as they were: the
+    same values go back."""
+    for dst, src in zip(moments, wide_moments):
+        if dst:
+            distributed.copy_(dst, src)
+    copied = [(p, w) for p, w in zip(params, wide_params) if w is not p]
+    if copied:
+        distributed.copy_([p for p, _ in copied], [w for _, w in copied])
 
 
 def check_capturable(named: list[tuple[str | None, torch.Tensor]]) -> None:
@@ -486,12 +515,12 @@ class _Call:
     all) and the state tensors it reads and writes."""
 
     __slots__ = ("kind", "idx", "params", "steps", "flat", "m", "v", "vmax", "lr_dtype", "bufs", "flags", "same",
-                 "first")
+                 "first", "wide")
 
     def __init__(self, kind: str, idx: list[int] | None, params: Tensors, **tensors: Any) -> None:
         self.kind, self.idx, self.params = kind, idx, params
         self.steps = self.flat = self.m = self.v = self.vmax = self.lr_dtype = self.flags = None
-        self.bufs, self.same, self.first = None, False, False
+        self.bufs, self.same, self.first, self.wide = None, False, False, False
         for k, t in tensors.items():
             setattr(self, k, t)
 
@@ -530,7 +559,7 @@ class AdamPlan:
     foldable: bool  # ... and takes a clip's scale as `grad_scale` (no float64)
 
     def __init__(self, ctx: Any, st: Any, write: bool, *, decoupled: bool, fused: bool | None,
-                 foreach: bool | None, capturable: bool) -> None:
+                 foreach: bool | None, capturable: bool, state_dtype: torch.dtype | None = None) -> None:
         self.write, self.decoupled, self.foreach, self.capturable = write, decoupled, foreach, capturable
         self.torch = write and (fused is False or (fused is None and foreach is not None))
         steps_on = (None if capturable else _CPU) if self.torch else None
@@ -541,19 +570,25 @@ class AdamPlan:
         self.fused = self.scalable = self.foldable = True
         for g, a, b in ctx.per_group():
             amsgrad = bool(g["amsgrad"])
-            steps, m, v, vmax = adam_state(st, a, b, amsgrad, steps_on)
+            steps, m, v, vmax = adam_state(st, a, b, amsgrad, steps_on, state_dtype)
             states, params = now[a:b], ctx.params[a:b]
             calls = []
             if self.torch:  # (torch keeps the counts of these kernels on the CPU unless capturable)
                 _move(st, "step", states, steps, [p.device if steps_on is None else steps_on for p in params])
                 calls.append(_Call("torch", None, params, steps=steps, m=m, v=v, vmax=vmax))
-            elif not write:
-                calls.append(_Call("updates", None, params, steps=steps, m=m, v=v, vmax=vmax))
+            elif not write:  # (bfloat16 moments: the formulas run on copies in the parameters' dtypes, `wide`)
+                calls.append(_Call("updates", None, params, steps=steps, m=m, v=v, vmax=vmax,
+                                   wide=state_dtype is not None))
             for idx, fused_, dtype in () if calls else split(ctx, a, b, "adamw" if decoupled else "adam", fused is True):
                 ps, sts = _pick(params, idx), _pick(states, idx)
                 c = _Call("fused" if fused_ else "foreach", idx, ps, steps=_pick(steps, idx), m=_pick(m, idx),
                           v=_pick(v, idx), vmax=_pick(vmax, idx) if amsgrad else [],
                           lr_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+                # bfloat16 moments of other parameters: torch's fused CUDA kernel takes them with float32
+                # parameters (its mixed-precision path: it computes in float32 and stores the moments
+                # rounded); elsewhere the kernel runs on `wide` copies, written back rounded (`narrow_`)
+                c.wide = state_dtype is not None and dtype != state_dtype and not (
+                    fused_ and dtype == torch.float32 and ps[0].device.type == "cuda")
                 if fused_:  # (the fused kernels read the counts on the parameters' device)
                     _move(st, "step", sts, c.steps, [ps[0].device] * len(ps))
                     c.flat = _packed(st, (a, b, None if idx is None else idx[0]), c.steps, sts, ps)
@@ -590,6 +625,13 @@ class AdamPlan:
         if not self.write:
             out: Tensors = []
             for vals, (a, b, _, (c,)) in zip(values, self.groups):
+                if c.wide:  # (bfloat16 moments: the formulas on `wide` copies, stored rounded; each update in
+                    # its parameter's dtype)
+                    ps, gs, m, v, vmax = wide(c.params, updates[a:b], c.m, c.v, c.vmax)
+                    u = adam_updates(ctx, ps, gs, c.steps, m, v, vmax, *vals, decoupled=self.decoupled, scaled=scaled)
+                    narrow_(c.params, (c.m, c.v, c.vmax), c.params, (m, v, vmax))
+                    out += [x.to(p.dtype) for x, p in zip(u, c.params)]
+                    continue
                 out += adam_updates(ctx, c.params, updates[a:b], c.steps, c.m, c.v, c.vmax, *vals,
                                     decoupled=self.decoupled, scaled=scaled)
             return out
@@ -619,10 +661,16 @@ class AdamPlan:
         for (lr, beta1, beta2, eps, wd, amsgrad, maximize), (a, b, _, calls) in zip(values, self.groups):
             for c in calls:
                 grads = updates[a:b] if c.idx is None else [updates[a + i] for i in c.idx]
+                ps, m, v, vmax = c.params, c.m, c.v, c.vmax
+                if c.wide:  # bfloat16 moments: the kernel on `wide` copies (its new moments, unrounded, make this
+                    # step's update), stored back rounded to nearest after the call (`narrow_`)
+                    ps, grads, m, v, vmax = wide(ps, grads, m, v, vmax)
                 if c.kind == "foreach":  # (no skip, no factor here; it advances the counts itself)
-                    foreach_adam_(c.params, grads, c.m, c.v, c.vmax, c.steps, decoupled=self.decoupled,
+                    foreach_adam_(ps, grads, m, v, vmax, c.steps, decoupled=self.decoupled,
                                   amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps,
                                   maximize=maximize)
+                    if c.wide:
+                        narrow_(c.params, (c.m, c.v, c.vmax), ps, (m, v, vmax))
                     continue
                 if c.flat is not None:
                     c.flat.add_(const(1.0, c.flat) if by is None else by)  # (a cached 1: no scalar tensor per call)
@@ -630,10 +678,12 @@ class AdamPlan:
                     torch._foreach_add_(c.steps, 1 if by is None else by)
                 dev = c.params[0].device
                 fused_adam_(  # (the kernel reads a tensor lr in float64 for float64 parameters, else in float32)
-                    c.params, grads, c.m, c.v, c.vmax, c.steps, decoupled=self.decoupled,
+                    ps, grads, m, v, vmax, c.steps, decoupled=self.decoupled,
                     lr=lr if scaled is None else (scaled * lr).to(dev, c.lr_dtype), beta1=beta1, beta2=beta2,
                     weight_decay=wd, eps=eps, amsgrad=amsgrad, found_inf=found_inf, maximize=maximize,
                     grad_scale=None if grad_scale is None else grad_scale.to(dev))
+                if c.wide:
+                    narrow_(c.params, (c.m, c.v, c.vmax), ps, (m, v, vmax))
         return True
 
 

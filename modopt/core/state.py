@@ -52,8 +52,11 @@ BUFFER_DEVICES = ("param", "cpu")
 #: the dtype a loaded floating-point value is cast to (torch's rule for optimizer state, made
 #: explicit per buffer): `"param"` the parameter's dtype, `"acc"` the dtype statistics of it
 #: accumulate in (`modopt.core.reduce.acc_dtype`: float32 for half precision), a dtype name
-#: (`"float32"`: Adam's step counters, as torch keeps them), or None to keep the saved dtype
-BUFFER_DTYPES = ("param", "acc", "float32", "float64")
+#: (`"float32"`: Adam's step counters, as torch keeps them; `"bfloat16"`), `FIELD_DTYPE` (the one the
+#: transform's `state_dtype` field names: `"param"` or a dtype name, resolved per instance by
+#: `declared_buffers`), or None to keep the saved dtype
+FIELD_DTYPE = "state_dtype"
+BUFFER_DTYPES = ("param", "acc", "float32", "float64", "bfloat16", FIELD_DTYPE)
 #: the cast each kind gets unless its declaration says otherwise
 _KIND_DTYPE = {"param": "param", "segment": "acc", "history": "acc", "counter": None, "fixed": None, "torch": None}
 
@@ -134,12 +137,16 @@ class Buffer:
 
 
 def declared_buffers(t: Transform | type[Transform]) -> dict[str, Buffer]:
-    """The buffers a transform (or transform class) declares, as `Buffer` objects."""
+    """The buffers a transform (or transform class) declares, as `Buffer` objects. For an instance a
+    `Buffer(dtype="state_dtype")` takes the dtype its `state_dtype` field names (Adam's moments)."""
     cls = t if isinstance(t, type) else type(t)
     spec = cls.state_buffers or {}
     out: dict[str, Buffer] = {}
     for name, b in spec.items():
-        out[name] = b if isinstance(b, Buffer) else Buffer(b)
+        b = b if isinstance(b, Buffer) else Buffer(b)
+        if b.dtype == FIELD_DTYPE and not isinstance(t, type):
+            b = Buffer(b.kind, b.device, b.shape, t.state_dtype, b.low, b.finite)
+        out[name] = b
     return out
 
 

@@ -10,7 +10,7 @@ torch's fused (or foreach) kernels; elsewhere in a chain they return the update
 from __future__ import annotations
 
 import operator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -261,6 +261,29 @@ class Adam(_FusedOptimizer):
     bfloat16 the kernel also skips the rounding of the clipped gradient to the parameters'
     dtype). Where the kernel is not used (compiled steps, the foreach path, float64, which
     the kernel's float32 `grad_scale` would round) the clip multiplies as usual.
+
+    `state_dtype="bfloat16"` (default `"param"`: the parameter's dtype, torch's) keeps `exp_avg`,
+    `exp_avg_sq` and `max_exp_avg_sq` in bfloat16: half their memory for float32 parameters.
+    Each step computes in the parameters' dtype (float32 for float16 parameters) from the
+    stored moments, makes this step's update from the new moments unrounded, and stores them
+    rounded to nearest (ties to even): $m \leftarrow \operatorname{bf16}(\beta_1 m + (1-\beta_1) g)$,
+    the same for $v$. float32 parameters on CUDA run torch's fused kernel on the bfloat16
+    moments as they are (its mixed-precision path); elsewhere (a CPU, whose fused kernel
+    refuses the mix) the kernel runs on float32 copies and the moments are written back. Needs
+    modopt's kernel choice (`fused=None` or `True`). A checkpoint's moments are cast to this
+    dtype when loaded. Round to nearest drops a change below half a bfloat16 step: with
+    `betas[1]=0.999` the second moment's decay is always dropped (it never decreases); use
+    0.99 or below. See docs/modules/optimizers.md, "bfloat16 moments".
+
+    ```pycon
+    >>> import torch, modopt as mo
+    >>> p = torch.nn.Parameter(torch.zeros(3))
+    >>> opt = mo.Modular([p], mo.AdamW(1e-3, state_dtype="bfloat16"))
+    >>> p.grad = torch.tensor([0.1, 0.2, 0.3]); opt.step()
+    >>> opt.state[p]["0:AdamW.exp_avg"]   # 0.1 * g, rounded to bfloat16
+    tensor([0.0100, 0.0200, 0.0300], dtype=torch.bfloat16)
+
+    ```
     """
 
     positional: ClassVar[str | None] = "lr"
@@ -280,11 +303,14 @@ class Adam(_FusedOptimizer):
     capturable: bool = False
     differentiable: bool = False
     decoupled_weight_decay: bool = False
+    #: the dtype of the moments: "param" (the parameter's, torch's) or "bfloat16" (see the class docstring)
+    state_dtype: Literal["param", "bfloat16"] = "param"
     state_buffers: ClassVar[dict[str, str | Buffer]] = {
         "step": Buffer("counter", dtype="float32"),  # torch keeps Adam's step in float32
-        "exp_avg": "param",
-        "exp_avg_sq": Buffer("param", low=0, finite=False),  # squares: +inf after gradients of 1e20
-        "max_exp_avg_sq": Buffer("param", low=0, finite=False),
+        # (the moments take the dtype `state_dtype` names: a load casts to it)
+        "exp_avg": Buffer("param", dtype="state_dtype"),
+        "exp_avg_sq": Buffer("param", dtype="state_dtype", low=0, finite=False),  # squares: +inf after 1e20
+        "max_exp_avg_sq": Buffer("param", dtype="state_dtype", low=0, finite=False),
     }
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
     #: what it offers the transforms before it (`modopt.core.moments`: SPAM reads `v`, resets the moments,
@@ -319,6 +345,14 @@ class Adam(_FusedOptimizer):
             kernels.check_capturable(named)
 
     @model_validator(mode="after")
+    def _state_dtype_kernel(self):
+        if self.state_dtype != "param" and self.torch_kernel():
+            raise ValueError("state_dtype='bfloat16' runs on modopt's kernel choice (fused=None or True); torch's own "
+                             "kernels (fused=False, or foreach given) take no bfloat16 moments for float32 parameters: "
+                             "drop fused=False/foreach, or keep state_dtype='param'")
+        return self
+
+    @model_validator(mode="after")
     def _fold_needs_fused(self):
         if self.fold_clip and self.torch_kernel():
             raise ValueError("fold_clip=True needs torch's fused kernel (its grad_scale), but fused=False or foreach "
@@ -329,7 +363,8 @@ class Adam(_FusedOptimizer):
 
     def _plan(self, ctx, st, updates, write):
         return kernels.AdamPlan(ctx, st, write, decoupled=self.decoupled, fused=self.fused, foreach=self.foreach,
-                                capturable=self.capturable)
+                                capturable=self.capturable,
+                                state_dtype=None if self.state_dtype == "param" else torch.bfloat16)
 
     def _traced_step(self, ctx, st, updates, write):
         """The step under `torch.compile`. With `write` (traced by `modopt.compile_step`): torch's fused kernel
@@ -346,9 +381,11 @@ class Adam(_FusedOptimizer):
         of recompiling it. Equal to the eager formulas up to rounding (inductor fuses and reorders them)."""
         skip, scaled, grad_mul, op = ctx.skip, lr_scale(ctx, st), None, compiled.FUSED_ADAM
         found_inf = by = None
+        wide = None if self.state_dtype == "param" else torch.bfloat16
         if write:
-            # (torch's fused kernels do not functionalize: only `compile_step` keeps one, as an op of the graph)
-            if not compiled.keeps_fused() or self.torch_kernel() or ctx.moment_requests or op is None:
+            # (torch's fused kernels do not functionalize: only `compile_step` keeps one, as an op of the graph;
+            # bfloat16 moments: the formulas, on copies in the parameters' dtype)
+            if not compiled.keeps_fused() or self.torch_kernel() or ctx.moment_requests or op is None or wide:
                 return False
             if ctx.pending is not None:  # the scale the plan left to this op (`Plan.deferred`), not a fold
                 seg, scale = ctx.pending
@@ -373,7 +410,7 @@ class Adam(_FusedOptimizer):
         for g, a, b in ctx.per_group():
             lr, (beta1, beta2), eps, wd, amsgrad, maximize = (g["lr"], g["betas"], g["eps"], g["weight_decay"],
                                                               g["amsgrad"], g["maximize"])  # (read once)
-            steps, m, v, vmax = kernels.adam_state(st, a, b, amsgrad)
+            steps, m, v, vmax = kernels.adam_state(st, a, b, amsgrad, state_dtype=wide)
             params, grads = ctx.params[a:b], updates[a:b]
             if write:
                 packed = st.runtime.get(("packed_steps", a, b, None))
@@ -394,6 +431,13 @@ class Adam(_FusedOptimizer):
                 op(params, list(grads), m, v, vmax, steps, packed, by, lr, float(beta1), float(beta2), float(wd),
                    float(eps), bool(amsgrad), bool(maximize), self.decoupled, found_inf,
                    grad_mul if grad_mul is None or grad_mul.dim() == 0 else grad_mul[a:b])
+                continue
+            if wide is not None:  # (on `wide` copies, the new moments stored rounded, as the eager step does)
+                ps, gs, mw, vw, vmaxw = kernels.wide(params, grads, m, v, vmax)
+                u = kernels.adam_traced_updates(ctx, ps, gs, steps, mw, vw, vmaxw, lr, beta1, beta2, eps, wd, amsgrad,
+                                                maximize, decoupled=self.decoupled, scaled=scaled)
+                kernels.narrow_(params, (m, v, vmax), params, (mw, vw, vmaxw))
+                out += [x.to(p.dtype) for x, p in zip(u, params)]
                 continue
             out += kernels.adam_traced_updates(ctx, params, grads, steps, m, v, vmax, lr, beta1, beta2, eps, wd,
                                                amsgrad, maximize, decoupled=self.decoupled, scaled=scaled)
