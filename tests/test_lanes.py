@@ -83,3 +83,41 @@ def test_each_test_is_in_one_lane_and_the_bare_command_runs_the_fast_one(tmp_pat
     assert not compiling, (
         "these tests call torch.compile or compile_step but are not in the compile lane; "
         f"add @pytest.mark.compile: {compiling}")
+
+
+# --- the map of tests/README.md: the tests filed by the code they test --------------------------------------------
+def unmapped(root: Path) -> tuple[list[str], list[str]]:
+    """`(test files, modules)` that tests/README.md's map does not name: a test file by its name in backquotes, a
+    module by a test file named after it (`test_<module>.py`, `test_<package>_<module>.py`) or by its path in a row (`core/step.py`,
+    `modopt/attention.py`, `modules.py` in the cli row). Package `__init__`s, `__main__` and private modules are
+    left out, as are the float64 specs (`modopt/spec/`, one row: every registered transform against its spec)."""
+    text = (root / "tests" / "README.md").read_text(encoding="utf-8")
+    tests = [p.name for p in sorted((root / "tests").glob("test_*.py")) if f"`{p.name}`" not in text]
+    modules = []
+    for p in sorted((root / "modopt").rglob("*.py")):
+        rel = p.relative_to(root / "modopt")
+        if p.name.startswith("_") or rel.parts[0] == "spec":
+            continue
+        named = (f"{rel.parent.name}/{p.name}" if len(rel.parts) > 1 else f"modopt/{p.name}")
+        own = [f"test_{p.stem}.py"] + ([f"test_{rel.parent.name}_{p.stem}.py"] if len(rel.parts) > 1 else [])
+        if not any((root / "tests" / t).exists() for t in own) and named not in text \
+                and not (len(rel.parts) > 1 and f"`{p.name}`" in text):
+            modules.append(str(rel))
+    return tests, modules
+
+
+def test_every_test_file_and_every_module_has_its_row_in_the_map():
+    tests, modules = unmapped(ROOT)
+    assert not tests, f"tests/README.md has no row for {tests}: say which code each tests"
+    assert not modules, f"tests/README.md names no test file for {modules}: add a row (or a test_<module>.py)"
+
+
+def test_the_map_check_sees_a_missing_row(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "modopt" / "core").mkdir(parents=True)
+    (tmp_path / "tests" / "README.md").write_text("| `test_a.py` | `core/a.py` |\n", encoding="utf-8")
+    for name in ("test_a.py", "test_b.py", "test_c.py"):
+        (tmp_path / "tests" / name).write_text("", encoding="utf-8")
+    for name in ("a.py", "b.py", "c.py", "d.py", "_private.py"):
+        (tmp_path / "modopt" / "core" / name).write_text("", encoding="utf-8")
+    assert unmapped(tmp_path) == (["test_b.py", "test_c.py"], ["core/d.py"])
