@@ -222,7 +222,7 @@ def test_the_host_decision_benchmark_runs_both_paths_and_leaves_the_switch_as_it
     assert module.main(["--tensors", "3", "--steps", "22", "--repeats", "1"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
     assert len(rows) == 3 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
-    assert hostdata.HOST_ON_CPU is True
+    assert hostdata.Host.device_path is False
 
 
 def test_the_published_python_call_counts_are_the_step_s(tmp_path):
@@ -367,4 +367,4 @@ def test_the_earlier_commit_runs_beside_this_one(capsys):
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert all(float(c) > 0 for c in cells[2:5])
     assert "modopt_a73d81a" in sys.modules and sys.modules["modopt"] is modopt  # both, side by side
-    assert hostdata.HOST_ON_CPU is True
+    assert hostdata.Host.device_path is False

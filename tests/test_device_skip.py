@@ -254,7 +254,7 @@ def test_on_a_cpu_the_host_reads_the_decision_and_ends_where_the_device_path_end
 
     ends, hosts = [], []
     for host in (True, False):
-        monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
+        monkeypatch.setattr(hostdata.Host, "device_path", not host)
         m = model()
         opt = mo.Modular(groups(m), *pipeline_of(t))
         for k in range(9):
@@ -280,10 +280,59 @@ def test_on_a_cpu_an_overflowing_norm_skips_as_on_the_device(monkeypatch):
     from modopt.core import hostdata
 
     for host in (True, False):
-        monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
+        monkeypatch.setattr(hostdata.Host, "device_path", not host)
         p = torch.nn.Parameter(torch.ones(4))
         opt = mo.Modular([p], mo.ClipNorm(1.0), mo.Adam(lr=0.1))
         p.grad = torch.tensor([1e30, 1.0, -1.0, 0.0])
         opt.step()
         assert torch.equal(p.detach(), torch.ones(4)), host
         assert bool(opt.stats["skipped"]) and int(opt.stats["skipped_steps"]) == 1
+
+
+def test_the_device_path_is_each_optimizers_own():
+    """`opt.device_path = True` puts that optimizer, and no other, on the device path (what a GPU runs: no
+    host read of any value in the step), ending where the host path ends, bit for bit; the step reads the
+    switch once, when it is made (`Step.host_reads`, `Step.cpu_kernels`), so nothing in the step reads a
+    process-wide flag: setting the class default after the step began changes nothing in it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from modopt.core import hostdata
+
+    reads = {"n": 0}
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            reads["n"] += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+            return func(*args, **(kwargs or {}))
+
+    def run(device_path):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+        opt = mo.Modular(ps, mo.ZClip(), mo.ClipNormByEMA(scope="tensor"), mo.Adam(lr=1e-2))
+        if device_path:
+            opt.device_path = True
+        reads["n"] = 0
+        for k in range(6):
+            g = torch.Generator().manual_seed(k)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * (1e3 if k == 3 else 1.0)
+            if k == 4:
+                ps[0].grad[0, 0] = float("nan")
+            with HostReads():
+                opt.step()
+        return [p.detach().clone() for p in ps], reads["n"], opt
+
+    host_params, host_n, host_opt = run(False)
+    dev_params, dev_n, dev_opt = run(True)
+    assert host_n > 0 and dev_n == 0, (host_n, dev_n)
+    assert all(torch.equal(a, b) for a, b in zip(host_params, dev_params))
+    assert host_opt.device_path is False and hostdata.Host.device_path is False  # (the other, and the default)
+    # inside `hostdata.device_path()` (the default every host without its own setting reads) an optimizer that
+    # set `device_path = False` keeps the host path, and the others take the device path
+    with hostdata.device_path():
+        _, own_n, _ = run(False)  # (a new optimizer: the default, the device path)
+        host_opt.device_path = False
+        reads["n"] = 0
+        with HostReads():
+            host_opt.step()
+    assert own_n == 0 and reads["n"] > 0

@@ -152,7 +152,7 @@ def test_nan_steps_change_nothing_and_no_step_syncs(name, schedule):
 
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host-on-cpu"])
 def test_a_first_step_that_is_skipped_leaves_clip_value_growth_unstarted(host, monkeypatch):
-    monkeypatch.setattr(hostdata, "HOST_ON_CPU", host)
+    monkeypatch.setattr(hostdata.Host, "device_path", not host)
     m = model()
     opt = mo.Modular(m.parameters(), mo.ClipValueGrowth(mul=2.0), mo.LR(1.0))
     set_grads(m, NAN)

@@ -15,6 +15,7 @@ from .plan import Plan, make_plan
 from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
+from .hostdata import Host
 from .checkpoint import param_inventory
 from .keys import inventory_key
 from .roles import NOT_ATTACHABLE
@@ -48,7 +49,7 @@ def _unscale_for_transforms(optimizer: torch.optim.Optimizer) -> None:
     optimizer.grad_scale = None
 
 
-class AttachHandle:
+class AttachHandle(Host):
     """What `attach()` returns: holds the transforms' state; `remove()` detaches them.
 
     The attached transforms' state travels inside the optimizer's own

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import compile_marks, hostdata, kernels
+from . import compile_marks, kernels
 from .step import STATE_ROWS
 
 __all__ = ["CompiledStep", "compile_step", "cuda_graph_step", "keeps_fused", "fused_adam_op", "tensor_hyperparams"]
@@ -97,7 +97,7 @@ def fused_adam_op() -> Callable[..., None]:
     torch.library.register_fake("modopt::fused_adam_", _fake, lib=lib)
 
     # an EMA's `lerp_` as the eager step runs it (see `ema_lerp_`)
-    lib.define("lerp_(Tensor(a!)[] m, Tensor[] u, Tensor[] weights, Tensor? skip) -> ()")
+    lib.define("lerp_(Tensor(a!)[] m, Tensor[] u, Tensor[] weights, Tensor? skip, bool host_read) -> ()")
     lib.impl("lerp_", ema_lerp_, "CompositeExplicitAutograd")
     torch.library.register_fake("modopt::lerp_", _fake, lib=lib)
     # the per-tensor norms stacked, as `reduce.pnorms` computes them eagerly (see `stacked_norms`)
@@ -135,18 +135,18 @@ def stacked_norms(xs: list[torch.Tensor], p: float) -> torch.Tensor:
 
 
 def ema_lerp_(m: list[torch.Tensor], u: list[torch.Tensor], weights: list[torch.Tensor],
-              skip: torch.Tensor | None) -> None:
+              skip: torch.Tensor | None, host_read: bool = False) -> None:
     """`m[i].lerp_(u[i], weights[i])` with aten's multi-tensor kernel, the eager step's, in place: traced by
     `compile_step` as one op (`modopt::lerp_`), so the EMA rounds as the eager one does and is written
     into its own tensor (inductor's lerp, read by the opaque norm that follows, lived in a fresh
     full-size block each call). `skip` is the step's device-side decision; on a skipped step every
     weight is 0, and `u` may hold inf or NaN (`m + 0 * (u - m)` is `m` only for finite `u`): on the
-    CPU, where reading the decision costs nothing (`hostdata.reads_on_host`), the EMA is then left
+    CPU, where reading the decision costs nothing (`host_read`: the step's `cpu_kernels`), the EMA is then left
     alone, as the eager step, which decides there on the host, does not run at all; on the device path
     (a GPU's) the inf/NaN elements read as 0, the eager device path's cleaning, out of place (no sync,
     the gradients left as they are)."""
     if skip is not None:
-        if hostdata.reads_on_host(skip):
+        if host_read and skip.device.type == "cpu":
             if bool(skip):
                 return
         else:
@@ -239,7 +239,7 @@ class CompiledStep:
                 loss = closure()
         opt = self.opt
         # the group values, by the gate every step passes (the graph checks the tensor ones again, on the device)
-        opt._gate.check_step(opt.param_groups)
+        opt._gate.check_step(opt.param_groups, opt.device_path)
         rows = opt.runtime_store(STATE_ROWS).setdefault("rows", [])  # (the trace's states: see STATE_ROWS)
         rows[:] = map(opt.state.get, chain.from_iterable(map(_params_of, opt.param_groups)))
         if self.guards != "own":
@@ -328,7 +328,7 @@ def own_key(opt: Any, loss: Any = None) -> tuple[Any, ...]:
     parameter's shape and dtype: torch checks that), every state entry (`opt.state`, the transforms'
     stores and caches, two levels deep, with the lengths of lists there; a state tensor by identity and
     its element count, which a resize in place changes), the skip counter, the step hooks and taps, the
-    non-finite path (`hostdata.HOST_ON_CPU`), grad mode and the deterministic-algorithms flag, and
+    non-finite path (the optimizer's `device_path`), grad mode and the deterministic-algorithms flag, and
     whether a loss is given. That is what inductor's size assert on each input checks, which the
     guard-free graphs leave out (0.4 us a tensor). Not seen: a state tensor given another shape of the
     same size or another dtype through `.data` (load a state dict instead)."""
@@ -347,7 +347,7 @@ def own_key(opt: Any, loss: Any = None) -> tuple[Any, ...]:
         _entries(opt._store), _entries(opt._runtime), id(opt._skipped_steps),
         len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
         len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks), len(opt.__dict__.get("_step_taps", ())),
-        hostdata.HOST_ON_CPU, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+        opt.device_path, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
         loss is None, type(loss),
     )
 

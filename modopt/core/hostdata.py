@@ -5,8 +5,9 @@
 made on the CPU and sent with `non_blocking=True` (from pageable memory CUDA stages the source before the
 call returns, so the CPU tensor may go at once); a 0-d value is filled on the device instead.
 
-And where the host may read a value instead (`reads_on_host`): on the CPU, where a read only reads memory,
-unless `device_path()` asks for what a GPU runs.
+And where the host may read a value instead: on the CPU, where a read only reads memory, unless the host
+takes the device path (`Host.device_path`, what a GPU runs). Each step reads that once, when it is made
+(`modopt.core.step.Step.host_reads`).
 """
 
 from __future__ import annotations
@@ -26,34 +27,23 @@ def on_device(values: Any, dtype: torch.dtype | None, device: torch.device) -> t
     return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
 
 
-#: A step over parameters on the CPU reads the device's non-finite decision back on the host (where that
-#: only reads memory) when its plan allows it (`Plan.host_on_cpu`), and transforms read other values there
-#: to skip work (`reads_on_host`). False keeps the device path on the CPU too (`device_path`).
-HOST_ON_CPU = True
+class Host:
+    """What every state host (`Modular`, an `attach` handle, a `ScratchHost`) says about where its steps read
+    values. `device_path`: take what a GPU runs on the CPU too (no host read of any decision, kernels chosen
+    as for a GPU), for the tests and benchmarks that count what a GPU pays for; the results are the same bits
+    either way. Read once per step, when the step is made (`modopt.core.step.Step`: `host_reads`,
+    `cpu_kernels`); set it on one optimizer (`opt.device_path = True`) or for every host inside
+    `device_path()`."""
 
-
-def reads_on_host(t: torch.Tensor) -> bool:
-    """Whether the step may read `t`'s values on the host to leave out work the value makes useless (a
-    moment reset that is not due, a clip that cuts nothing): `t` on the CPU, where a read only reads memory,
-    outside a compiled step, unless `device_path` is in force. Either way the results are the same bits."""
-    return HOST_ON_CPU and t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def cpu_kernels(t: torch.Tensor) -> bool:
-    """Whether work on `t` is planned for a CPU (where a call costs about a memory sweep of a few thousand
-    elements) rather than a GPU (where a launch costs about a sweep of millions): `t` on the CPU, unless
-    `device_path` asks for what a GPU runs. Only the speed differs, never the values."""
-    return HOST_ON_CPU and t.device.type == "cpu"
+    device_path: bool = False
 
 
 @contextlib.contextmanager
 def device_path() -> Iterator[None]:
-    """Inside it, steps on the CPU take the device path (no host read of any decision, kernels chosen as for
-    a GPU, `cpu_kernels`): what a GPU runs.
-    The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
-    global HOST_ON_CPU
-    was, HOST_ON_CPU = HOST_ON_CPU, False
+    """Inside it, every host that does not set its own `device_path` takes the device path on the CPU too
+    (what a GPU runs: `Host`). The tests and benchmarks that count syncs, ops and bytes run their steps inside it."""
+    was, Host.device_path = Host.device_path, True
     try:
         yield
     finally:
-        HOST_ON_CPU = was
+        Host.device_path = was

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import hostdata, registry
+from . import registry
 from .roles import Optimizer
 from .transform import Transform, walk
 from .values import F64_MAX, Rule, bound_of, check_tensor, dtype_name, host_number
@@ -85,7 +85,7 @@ class GroupGate:
     bound = F64_MAX
     host_tensors: list[list[Any]] = []
     device_tensors: list[tuple[int, str, int | None, torch.Tensor]] = []
-    host_flag = True
+    device_path = False
     field_numbers: list[tuple[str, float]] = []
 
     def __init__(self, transforms: Iterable[Transform]):
@@ -127,7 +127,7 @@ class GroupGate:
         #: the host reads each step (on the CPU) with the number last read, and those the device checks
         self.host_tensors: list[list[Any]] = []
         self.device_tensors: list[tuple[int, str, int | None, torch.Tensor]] = []
-        self.host_flag: bool = hostdata.HOST_ON_CPU  # the partition above was made under this setting
+        self.device_path: bool = False  # the host's `device_path` the partition above was made under
         #: the transforms' own finite float field values, held to the bound when a group's parameters arrive
         self.field_numbers = [(f"{key}.{f}", x) for key, t in walked for f in type(t).model_fields
                               for x in _floats(getattr(t, f))]
@@ -186,7 +186,7 @@ class GroupGate:
             if not r.holds(x, self.bound):
                 raise ValueError(_out_of_rule(k if place is None else f"{k}[{place}]", x, r, self.bound))
 
-    def check_live(self, groups: list[dict[str, Any]], now: list[Any]) -> None:
+    def check_live(self, groups: list[dict[str, Any]], now: list[Any], device_path: bool = False) -> None:
         """The per-step check of the group values that transforms read: what a scheduler or a hand wrote
         since the last step is refused, naming the group and key, before the step changes anything.
 
@@ -195,7 +195,8 @@ class GroupGate:
         same objects checks nothing again. A changed number is held to its key's rule (a few Python
         comparisons); any other changed value (a tuple, a tensor, a NumPy scalar, a string, None) is
         checked as the transform's field as well (`check`). Tensor values are then sorted into those the
-        host reads at every step (`read_host_tensors`) and those the device checks (`device_ok`)."""
+        host reads at every step (`read_host_tensors`: on the CPU, unless the host takes the device path,
+        `device_path`) and those the device checks (`device_ok`)."""
         old = self.checked if len(self.checked) == len(now) else [None] * len(now)
         n = len(self.live)
         host: list[list[Any]] = []
@@ -212,7 +213,7 @@ class GroupGate:
                         for key, t, keys in self.checks:
                             if k in keys:
                                 try:
-                                    _in_group(t, g, keys, k).check_group_values({k: _host_only(v)})
+                                    _in_group(t, g, keys, k).check_group_values({k: _host_only(v, device_path)})
                                 except (ValueError, TypeError) as e:
                                     raise ValueError(f"as read by {key}: {e}") from None
                 except (ValueError, TypeError) as e:
@@ -223,21 +224,21 @@ class GroupGate:
             for place, x in _numbers(v):
                 if isinstance(x, torch.Tensor):
                     k = self.live[i % n]
-                    if hostdata.reads_on_host(x):
+                    if not device_path and x.device.type == "cpu":
                         host.append([i // n, k, place, x, None])
                     else:
                         device.append((i // n, k, place, x))
-        self.host_tensors, self.device_tensors, self.host_flag = host, device, hostdata.HOST_ON_CPU
+        self.host_tensors, self.device_tensors, self.device_path = host, device, device_path
         self.read_host_tensors()
         self.checked = now
 
-    def check_step(self, groups: list[dict[str, Any]]) -> None:
+    def check_step(self, groups: list[dict[str, Any]], device_path: bool = False) -> None:
         """The host's part of the per-step check, for a step that runs traced (`compile_step` calls it before
         its graph). `Modular.step` runs the same lines inline (a call fewer per step)."""
         now = [g.get(k) for g in groups for k in self.live]
         if len(now) != len(self.checked) or not all(map(operator.is_, now, self.checked)) \
-                or self.host_flag is not hostdata.HOST_ON_CPU:
-            self.check_live(groups, now)
+                or self.device_path != device_path:
+            self.check_live(groups, now, device_path)
         elif self.host_tensors:
             self.read_host_tensors()
 
@@ -323,11 +324,12 @@ def _as_0d(groups: Any, keys: tuple[str, ...], now: list[Any] | None = None) -> 
                     now[i * len(keys) + j] = g[k]
 
 
-def _host_only(v: Any) -> Any:
+def _host_only(v: Any, device_path: bool) -> Any:
     """`v` for the field check: a tuple's tensors that the host does not read replaced by 0.0 (their values
     are checked on the device)."""
     if isinstance(v, tuple):
-        return tuple(x if not isinstance(x, torch.Tensor) or hostdata.reads_on_host(x) else 0.0 for x in v)
+        return tuple(x if not isinstance(x, torch.Tensor) or (not device_path and x.device.type == "cpu") else 0.0
+                     for x in v)
     return v
 
 

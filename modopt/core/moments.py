@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import hostdata
 from .keys import transform_key, value_key
 from .step import Step, TransformState
 
@@ -107,8 +106,8 @@ class Moments:
         """Zero the provider's reset buffers (and, with `restart_count`, its step counters) of the step's
         parameters where `when` (a 0-d bool tensor) is true, in place; nothing where it is false."""
         names = list(self.offer.resets) + ([self.offer.count] if restart_count and self.offer.count else [])
-        if hostdata.reads_on_host(when):
-            # read where reading is free (modopt.core.hostdata.reads_on_host): a step
+        if self.ctx.host_reads:
+            # read where reading is free (the step's `host_reads`): a step
             # without a reset makes no pass over the moments, one with it zeroes them (the same bits)
             if not when.item():
                 return

@@ -70,7 +70,7 @@ from pydantic import AfterValidator, AllowInfNan, BeforeValidator
 
 from . import compile_marks, distributed
 from .distributed import any_sharded
-from .hostdata import on_device, reads_on_host
+from .hostdata import on_device
 from .keys import group_key, value_key
 
 NAMED_P = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
@@ -210,8 +210,9 @@ def pnorms(tensors: list[torch.Tensor], p: float, acc: torch.dtype) -> torch.Ten
     return out if out.dtype == acc else out.to(acc)
 
 
-def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
-    """The p-norm of a concatenation, from the p-norms of its parts (1-D `norms`)."""
+def combine_pnorms(norms: torch.Tensor, p: float, host_reads: bool = False) -> torch.Tensor:
+    """The p-norm of a concatenation, from the p-norms of its parts (1-D `norms`). `host_reads`: the step's
+    (`Step.host_reads`): the host may read the plain total to leave out the overflow guard."""
     if p == 0:
         return norms.sum()
     if not norms.numel():
@@ -227,7 +228,7 @@ def combine_pnorms(norms: torch.Tensor, p: float) -> torch.Tensor:
         # and inf/NaN parts give inf/NaN in both forms
         # (`plain < inf`: one op where isfinite takes four; a norm is >= 0 and NaN compares false);
         # where reading is free the host looks first: the guard is needed only where `plain` overflowed
-        if reads_on_host(plain) and plain.item() < math.inf:
+        if host_reads and plain.item() < math.inf:
             return plain
         wide = torch.linalg.vector_norm(norms, p, dtype=torch.float64).to(torch.float32)
         return torch.where(plain < math.inf, plain, wide)
@@ -299,12 +300,15 @@ class NormMemo:
     tensors' version counters, a second guard against in-place writes.
     """
 
-    __slots__ = ("_entries", "_open", "stages")
+    __slots__ = ("_entries", "_open", "stages", "host_reads")
     stages: Any
+    host_reads: bool
 
-    def __init__(self, opened: bool = False, stages: Any = None) -> None:
+    def __init__(self, opened: bool = False, stages: Any = None, host_reads: bool = False) -> None:
         self._entries: dict[Any, Any] = {}
         self._open = opened
+        #: the step's `Step.host_reads`: its totals may be read on the host (`combine_pnorms`)
+        self.host_reads = host_reads
         #: the process group of the pipeline stages whose parameters a global statistic spans (`Modular`'s
         #: `stage_group`), or None: the step's parameters are the whole model
         self.stages = stages
@@ -337,7 +341,7 @@ class NormMemo:
         """0-d p-norm of all `tensors` together (`combine_pnorms` of their parts), once per list while open."""
         hit = self._get(("total", p, acc), tensors) if self._open and tensors else None
         if hit is None:
-            hit = combine_pnorms(self.pnorms(tensors, p, acc), p)
+            hit = combine_pnorms(self.pnorms(tensors, p, acc), p, self.host_reads)
             if self.stages is not None:  # of every stage's parameters
                 hit = stage_total(hit, p, self.stages)
             if self._open and tensors:
@@ -471,7 +475,8 @@ class Segments:
             parts = self.tensor_pnorms(tensors, stat, acc)
             if self.kind == "tensor":
                 return parts
-            return torch.stack([combine_pnorms(parts[a:b], stat) for a, b in self.ranges])
+            reads = self.memo is not None and self.memo.host_reads
+            return torch.stack([combine_pnorms(parts[a:b], stat, reads) for a, b in self.ranges])
         if any_sharded(tensors):  # FSDP2 / DTensor: statistics of the full tensors (`sharded_stat`)
             return sharded_stat(self, tensors, stat)
         if self.kind == "slices":

@@ -18,9 +18,9 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _GLOBAL_POST_HOOKS
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _GLOBAL_PRE_HOOKS
 
-from . import compile_marks, distributed, hostdata
+from . import compile_marks, distributed
 from .distributed import any_sharded
-from .hostdata import device_path  # noqa: F401  (the path switch, where the tests and benchmarks take it)
+from .hostdata import Host, device_path  # noqa: F401  (the path switch, where the tests and benchmarks take it)
 from .reduce import any_nonfinite, common_acc_dtype, foreach_pnorm, stage_total, vector_pnorm
 from .step import Layout, Step, TransformState, check_loss, run_step
 
@@ -138,7 +138,7 @@ def collect(host: Any, param_groups: list[dict[str, Any]], stats: dict[str, torc
                 # an expanded gradient (`t.expand(...)`): elements share memory, so no transform could write it
                 # in place; the step works on a copy of its own, as torch's kernels read such a gradient whole
                 p.grad = g.contiguous()
-    return Step(layout, host, stats)  # a new, open memo: the non-finite check and the transforms share norms
+    return Step(layout, host, stats, None, None, compiling)  # a new, open memo: the check and the transforms share norms
 
 
 def _names(param_groups, group_ids, masks) -> list:
@@ -266,7 +266,7 @@ def apply_nonfinite_policy(policy: str, ctx: Step, grads: list[torch.Tensor], on
         ctx.stats["nonfinite"] = zeroed > 0
         return True
     if on_device and policy == "skip":  # under FSDP2 the norms are all-reduced: every rank decides alike
-        if host_on_cpu and hostdata.HOST_ON_CPU and ctx.layout.on_cpu and not torch.compiler.is_compiling():
+        if host_on_cpu and ctx.host_reads:
             # the device's decision, read where reading it is free: the plain chain runs (no cleaning
             # pass, no skip-aware kernels), or none of it, as on a step the host decides; the same bits
             # (the device's test, `total < inf`, made on the host: NaN compares false there too)
@@ -372,7 +372,7 @@ def drive(host: Any, groups: list[dict[str, Any]], transforms: Sequence[Any], po
     return ctx, True, out
 
 
-class Stepping(torch.optim.Optimizer):
+class Stepping(torch.optim.Optimizer, Host):
     """The step of an optimizer built by a plan (`Modular`'s base; `modopt.core.modular` builds it): torch's
     step hooks around it, the group values a scheduler or a hand changed checked at the gate, the drive
     (`drive`), the skipped-step count and the telemetry, and the state stores the transforms reach.
@@ -414,8 +414,8 @@ class Stepping(torch.optim.Optimizer):
             # (`GroupGate.check_step`, inline: a call fewer per step)
             now = [g.get(k) for g in self.param_groups for k in gate.live]
             if len(now) != len(gate.checked) or not all(map(operator.is_, now, gate.checked)) \
-                    or gate.host_flag is not hostdata.HOST_ON_CPU:
-                gate.check_live(self.param_groups, now)
+                    or gate.device_path != self.device_path:
+                gate.check_live(self.param_groups, now, self.device_path)
             elif gate.host_tensors:  # (tensors filled in place keep their identity: read at every step)
                 gate.read_host_tensors()
             if gate.device_tensors:
@@ -457,7 +457,7 @@ class Stepping(torch.optim.Optimizer):
             stats["skipped_steps"] = self._skipped_steps  # (never written in place: see _count_skipped)
         self._last.stats = stats  # not `self.stats = stats`: see _LastStep
         if self.skip_limit is not None:  # (counted on the device; on the CPU it may raise now)
-            self.skip_limit.after_step(stats)
+            self.skip_limit.after_step(stats, self.device_path)
         return loss
 
     def _count_skipped(self, by: torch.Tensor | int) -> torch.Tensor:

@@ -8,7 +8,7 @@ it, how many were skipped for each cause; when it reaches N the run stops with `
 
 The count costs no host sync in the step (a few ops on 0-d tensors, on the device). The host learns it:
 
-* on the CPU (`reads_on_host`), by reading it as the step ends (a read of memory): the error comes
+* on the CPU (unless the optimizer takes the device path, `hostdata.Host`), by reading it as the step ends (a read of memory): the error comes
   from the Nth skipped call itself;
 * on CUDA, the step ends by copying the count (three int64) to pinned host memory without blocking,
   and the next `opt.step()` reads that copy first, before it changes anything: the error comes from
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .hostdata import reads_on_host
 from .runner import CPU_FALSE
 
 __all__ = ["SkipLimit", "SkipLimitError"]
@@ -96,10 +95,10 @@ class SkipLimit:
         if self._pending and self._host_side():
             self._read()
 
-    def after_step(self, stats: dict[str, torch.Tensor]) -> None:
+    def after_step(self, stats: dict[str, torch.Tensor], device_path: bool = False) -> None:
         """Count this step (its `skipped`, `nonfinite` and `skipped_steps` telemetry): on the device, no
         sync. Adds `consecutive_skips` to `stats`. On the CPU, raise `SkipLimitError` now when the limit
-        is reached; elsewhere start the copy the next step reads."""
+        is reached; elsewhere (or with the optimizer's `device_path`) start the copy the next step reads."""
         skipped = stats.get("skipped")
         if skipped is None:  # no parameter had a gradient: nothing was stepped, nothing counts
             return
@@ -117,7 +116,7 @@ class SkipLimit:
         stats["consecutive_skips"] = counts[0]
         if not self._host_side():
             return
-        if reads_on_host(counts):  # the CPU: reading is free
+        if counts.device.type == "cpu" and not device_path:  # the CPU: reading is free
             self._raise_if_over(counts.tolist(), "this opt.step() was the last of them")
         else:
             self._copy(counts)

@@ -32,6 +32,7 @@ from .distributed import copy_
 from .kernels import const
 from .keys import transform_key, value_key
 from .values import is_numpy
+from .hostdata import Host
 from .reduce import NormMemo, Segments, make_segments
 
 class Layout:
@@ -116,7 +117,7 @@ class Step:
 
     __slots__ = ("layout", "params", "groups", "group_ids", "ranges", "names", "host", "stats", "skip", "proceed",
                  "memo", "cancelled", "folded", "deferred", "pending", "loss", "moment_requests", "checked",
-                 "shapes", "_states")
+                 "shapes", "host_reads", "cpu_kernels", "_states")
     layout: Layout
     params: list[torch.Tensor]
     groups: list[dict[str, Any]]
@@ -124,7 +125,7 @@ class Step:
     ranges: list[tuple[int, int]]
     names: list[str | None]
     #: the state host: `Modular`, an `attach` handle or a `ScratchHost` (each has `state`, `plan`,
-    #: `transform_store(key)`, `runtime_store(key)`)
+    #: `transform_store(key)`, `runtime_store(key)` and, as a `hostdata.Host`, `device_path`)
     host: Any
     stats: dict[str, torch.Tensor]
     skip: torch.Tensor | None
@@ -138,15 +139,27 @@ class Step:
     pending: tuple[Any, torch.Tensor] | None
     loss: Any
     moment_requests: dict[str, dict[str, Any]]
+    #: whether the host may read this step's values to leave out work a value makes useless (a moment reset
+    #: that is not due, a clip that cuts nothing, the skip decision itself): every parameter on the CPU,
+    #: where a read only reads memory, outside a traced step, unless the host takes the device path
+    #: (`hostdata.Host.device_path`, what a GPU runs). Decided when the step is made; the same bits either way
+    host_reads: bool
+    #: whether work is planned for a CPU (a call costs about a memory sweep of a few thousand elements)
+    #: rather than a GPU (a launch costs about a sweep of millions): every parameter on the CPU, unless the
+    #: host takes the device path. Only the speed differs, never the values
+    cpu_kernels: bool
 
     def __init__(self, layout: Layout, host: Any, stats: dict[str, torch.Tensor], skip: torch.Tensor | None = None,
-                 memo: NormMemo | None = None) -> None:
+                 memo: NormMemo | None = None, compiling: bool | None = None) -> None:
         self.layout, self.host, self.stats = layout, host, stats
         plan = host.plan  # (None for a host with no pipeline: a functional call, a test)
+        self.cpu_kernels = cpu = layout.on_cpu and not getattr(host, "device_path", False)  # (`hostdata.Host`)
+        self.host_reads = cpu and not (torch.compiler.is_compiling() if compiling is None else compiling)
         #: the step's norm memo: a new one, open, for a step (its sub-steps share it). It lives on the
         #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards).
         #: Its global statistics span the pipeline stages of the plan's `stage_group`
-        self.memo = (NormMemo(opened=True, stages=plan.stage_group if plan is not None else None)
+        self.memo = (NormMemo(opened=True, stages=plan.stage_group if plan is not None else None,
+                              host_reads=self.host_reads)
                      if memo is None else memo)
         #: a 0-d bool tensor when the device decides whether this step is skipped (`nonfinite="skip"`):
         #: true means the parameters and every state must stay as they are; None: no such decision
@@ -322,7 +335,8 @@ class Step:
             layout = Layout((self.layout.key, cache_key), [self.params[i] for i in idx], groups, group_ids, ranges,
                             [self.names[i] for i in idx], None if at is None else [at[i] for i in idx])
             self.layout.cache[cache_key] = layout
-        sub = Step(layout, self.host, self.stats, self.skip, self.memo)  # the parent step's memo
+        sub = Step(layout, self.host, self.stats, self.skip, self.memo, False)  # the parent step's memo
+        sub.host_reads, sub.cpu_kernels = self.host_reads, self.cpu_kernels  # (the whole step's, as its memo)
         sub.proceed, sub.checked, sub.cancelled = self.proceed, self.checked, frozenset()  # (the linter does not look inside Masked)
         sub.folded, sub.deferred, sub.loss = None, None, self.loss
         sub.moment_requests = self.moment_requests
@@ -371,7 +385,7 @@ def check_loss(value: Any, door: str, what: str = "the loss") -> None:
     raise TypeError(f"{door}: {what} must be a real number or a one-element real tensor or NumPy array, got {got}")
 
 
-class ScratchHost:
+class ScratchHost(Host):
     """A throwaway state host (one functional call, a test)."""
 
     def __init__(self) -> None:

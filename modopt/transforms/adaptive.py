@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 from ..core.kernels import const
 from ..core.reduce import Ord, _parsed_ord
-from ..core.hostdata import reads_on_host
 from ..core.roles import Scale, ScaleFact
 from ..core.step import Step, TransformState
 from ..core.scope import Scoped, ScopeName
@@ -301,11 +300,11 @@ class ZClip(Scoped, ScaleFact):
         mu = st.seg_get(seg, "mu", 0.0, dtype=dt)
         var = st.seg_get(seg, "var", 0.0, dtype=dt)  # Welford's sum of squares during warm-up
         a, t, M = self.alpha, self.z_thresh, self.max_grad_norm
-        # on a CPU, where reading a value is free (reads_on_host), the host reads the counts and
+        # on a CPU, where reading a value is free (the step's `host_reads`), the host reads the counts and
         # the norms and computes only the phase every segment is in (the same expressions, so the same
         # bits; a finite norm takes its plain form): about 20 small ops in place of about 75
         phase, finite, counts = None, False, []
-        if W <= 2**24 and reads_on_host(g):  # (counts below 2**24 compare with W exactly in float32)
+        if W <= 2**24 and ctx.host_reads:  # (counts below 2**24 compare with W exactly in float32)
             counts, norms = n.tolist(), g.tolist()
             if all(c < W for c in counts):
                 phase = "warm"
@@ -391,7 +390,7 @@ class ZClip(Scoped, ScaleFact):
             )
 
         scale, n, mu, var, spike = rule(g, n, mu, var)
-        if not reads_on_host(g):  # saved as the rows of one tensor, which the device's step reads back
+        if not ctx.host_reads:  # saved as the rows of one tensor, which the device's step reads back
             n, mu, var = torch.stack((n, mu, var)).unbind(0)  # without a copy (`_packed_step`)
         return _finish(st, seg, updates, g, scale, {"count": n, "mu": mu, "var": var}, spike=spike)
 

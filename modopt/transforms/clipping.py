@@ -7,7 +7,6 @@ from typing import Any, ClassVar
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat
 
-from ..core.hostdata import cpu_kernels
 from ..core.reduce import Ord
 from ..core.step import Step, TransformState
 from ..core.roles import Scale, ScaleFact
@@ -67,7 +66,7 @@ def _split_by_size(ctx, updates: list[torch.Tensor]) -> tuple[list[torch.Tensor]
     """`updates` split into large tensors and the rest (the split is cached per layout and kind of device;
     `device_path()` runs a GPU's split on the CPU)."""
     cache = ctx.layout.cache
-    kind = "cpu" if updates and cpu_kernels(updates[0]) else "gpu"
+    kind = "cpu" if ctx.cpu_kernels else "gpu"
     idx = cache.get(("big_tensors", kind))
     if idx is None:
         idx = cache[("big_tensors", kind)] = [i for i, u in enumerate(updates) if u.numel() >= _BIG[kind]]

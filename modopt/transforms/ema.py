@@ -94,7 +94,7 @@ class _NormEMA(Scoped, ScaleFact, abstract=True):
             # `lerp(0, u, 1) = u` exactly, as the host path's `m = u` then `lerp(u, u, w) = u`
             self._first_weights(st, seg, ok, w, m, flags, fresh, weights)
         if in_op:
-            compiled.LERP(m, reads, weights, ctx.skip)
+            compiled.LERP(m, reads, weights, ctx.skip, ctx.cpu_kernels)
         elif torch.compiler.is_compiling():  # inductor lowers lerp (its foreach form is an opaque call)
             for mi, ui, wi in zip(m, reads, weights):
                 mi.lerp_(ui, wi)
@@ -308,7 +308,7 @@ class ClipValueByEMA(Transform):
             by = {mi.dtype: torch.full((), w, dtype=mi.dtype, device=mi.device) for mi in m}
             if ctx.skip is not None:
                 by = {dt: torch.where(ctx.skip, 0.0, t) for dt, t in by.items()}
-            compiled.LERP(m, torch._foreach_abs(updates), [by[mi.dtype] for mi in m], ctx.skip)
+            compiled.LERP(m, torch._foreach_abs(updates), [by[mi.dtype] for mi in m], ctx.skip, ctx.cpu_kernels)
             return self._clamp(st, updates, m)
         if ctx.skip is None:
             torch._foreach_lerp_(m, torch._foreach_abs(updates), 1.0 - self.beta)

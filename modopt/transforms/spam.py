@@ -19,7 +19,6 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from ..core import hostdata
 from ..core.kernels import const
 from ..core.hostdata import on_device
 from ..core.moments import Moments
@@ -303,9 +302,9 @@ class StableSPAM(Scoped, NeedsMoments):
         hat = m_max / (1 - torch.pow(self.gamma3, tf)).to(acc)
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
         counts = []
-        # on a CPU, where reading is free (hostdata.reads_on_host), a tensor whose segment's
+        # on a CPU, where reading is free (the step's `host_reads`), a tensor whose segment's
         # max |u| is at most hat has nothing to cut: no pass over it (the same bits; NaN compares false)
-        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and hostdata.reads_on_host(top) else [False] * len(updates))
+        quiet = ((top <= hat).tolist() if seg.kind == "tensor" and ctx.host_reads else [False] * len(updates))
         for u, on, h, x, q in zip(updates, seg.active, seg.expand(hat), seg.expand(top), quiet):
             if not on or q:
                 counts.append(torch.zeros((), dtype=torch.int64, device=u.device))

@@ -30,7 +30,6 @@ from ..core import distributed
 from ..core.distributed import any_sharded
 from ..core.reduce import acc_dtype, combine_pnorms, common_acc_dtype, foreach_pnorm
 from ..core.step import check_loss
-from ..core.hostdata import reads_on_host
 from ..core.roles import SkipDecider
 from ..core.transform import Transform
 from ..core.step import Step, TransformState
@@ -52,16 +51,16 @@ def _global_norm(parts: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_norms(seg, updates: list[torch.Tensor], n: torch.Tensor, scale: torch.Tensor,
-                  acc: torch.dtype) -> torch.Tensor:
+                  acc: torch.dtype, host_reads: bool) -> torch.Tensor:
     """`seg.mul_(updates, scale)`, then each segment's 2-norm measured again (1-D, in `acc`).
 
-    On a CPU, where reading a value is free (`reads_on_host`), per tensor (the default
+    On a CPU, where reading a value is free (the step's `host_reads`), per tensor (the default
     scope): a tensor whose scale is exactly 1 is neither multiplied nor measured (`u * 1` is `u`
     bit for bit, so its norm is `n`'s, taken from the same values by the same kernel), and the
     others are multiplied and measured one after the other, the norm reading what the multiply
     has just written while it is still in cache (a per-tensor norm is the multi-tensor kernel's
     on a CPU: the same bits). Elsewhere (a GPU: no host read) both run over every tensor."""
-    if seg.kind == "tensor" and reads_on_host(scale) and not any_sharded(updates):
+    if seg.kind == "tensor" and host_reads and not any_sharded(updates):
         values = scale.tolist()
         if all(s == 1.0 for s in values):
             return n
@@ -151,7 +150,7 @@ class AdaGC(Scoped):
         ctx.memo.close()  # the updates change here: no norm of the gradients may be reused below
         # the clipped norm is measured again, not taken as `scale * n`: the reference measures it, and the
         # two differ in the last bit (one more read of the updates, the price of the thresholds' exactness)
-        clipped = _scaled_norms(seg, updates, n, scale, acc)
+        clipped = _scaled_norms(seg, updates, n, scale, acc, ctx.host_reads)
         new = torch.where(warm, torch.minimum(gamma, clipped), torch.lerp(gamma, clipped, 1.0 - self.beta))
         ok = torch.where(warm, total < math.inf, n < math.inf)  # (a norm is >= 0; NaN compares false)
         gamma = torch.where(ok, new, gamma)
