@@ -70,6 +70,8 @@ REFUSED = {
     "Masked-by-ndim": ([mo.Masked(mo.Adam(), where=mo.Select(min_ndim=1))], "0:Masked", "number of dims"),
     "inside-Chain": ([mo.Chain(mo.ClipNorm(1.0), mo.Normalize()), mo.SGD(lr=0.1)], "0:Chain/1:Normalize",
                      "per tensor"),
+    "TorchOptimizer-Adafactor": ([mo.TorchOptimizer(torch.optim.Adafactor, lr=0.01)], "0:TorchOptimizer",
+                                 "not known to be elementwise"),
 }
 
 
@@ -102,6 +104,7 @@ ALLOWED = {
     "Normalize-global": [mo.Normalize(scope="global"), mo.SGD(lr=0.1)],
     "ClipValue+Sign": [mo.ClipValue(0.5), mo.Sign(), mo.SGD(lr=0.1)],
     "Cautious-none": [mo.Adam(lr=0.1), mo.Cautious("none")],
+    "TorchOptimizer-RMSprop": [mo.ClipNorm(0.5), mo.TorchOptimizer(torch.optim.RMSprop, lr=0.01)],
     "Masked-by-name": [mo.Masked(mo.Muon(lr=0.1, weight_decay=0.0), where="*.matrix"),
                        mo.Masked(mo.AdamW(lr=0.1, weight_decay=0.0), where="*.flat")],
 }

@@ -96,7 +96,7 @@ def test_the_old_flags_are_gone_from_every_transform():
 @pytest.mark.parametrize("name,expected", [
     ("Adam", {roles.Optimizer, roles.Writer}), ("SGD", {roles.Optimizer, roles.Writer}),
     ("LR", {roles.Optimizer, roles.ScaleFact}),
-    ("TorchOptimizer", {roles.Optimizer, roles.LastWriter, roles.Writer}),
+    ("TorchOptimizer", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.ShapeDependent}),
     ("ScheduleFreeAdamW", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.WeightSwap}),
     ("Lookahead", {roles.LastWriter, roles.Writer, roles.SeesHostSkips}),
     ("Masked", {roles.Router, roles.Writer, roles.SelectsByName, roles.ShapeDependent}),

@@ -20,7 +20,7 @@ from ..core import compile_marks
 from ..core.keys import value_key
 from ..core.registry import class_path, given_in_code, resolve_optimizer
 from ..core.step import Step, TransformState
-from ..core.roles import LastWriter, Optimizer
+from ..core.roles import LastWriter, Optimizer, ShapeDependent
 from ..core.state import Buffer
 from ..core.transform import Transform
 
@@ -87,7 +87,7 @@ _RESOLVED: dict[str, type] = {}
 _DEFAULTS: dict[str, tuple[type, dict[str, Any]]] = {}
 
 
-class TorchOptimizer(Optimizer, LastWriter):
+class TorchOptimizer(Optimizer, LastWriter, ShapeDependent):
     """Any `torch.optim.Optimizer` class as the last transform.
 
     `mo.TorchOptimizer(torch.optim.RMSprop, lr=1e-2)`; in a config
@@ -206,6 +206,15 @@ class TorchOptimizer(Optimizer, LastWriter):
         """The wrapped class's constructor defaults, overridden by `kwargs`."""
         return {**self._signature_defaults(), **self.kwargs}
 
+    def shape_dependence(self) -> str | None:
+        """None for the torch.optim classes whose update is elementwise; any other class (`Muon` reads each
+        parameter as a matrix, `Adafactor` factors a matrix's second moment by rows and columns, a class of
+        your own is not known) is refused on a flat partition."""
+        if self._cls in _ELEMENTWISE:
+            return None
+        return (f"steps with {self._cls.__module__}.{self._cls.__qualname__}, whose update is not known to be "
+                "elementwise (torch's Muon and Adafactor read a parameter's shape)")
+
     def skips_on_device(self, groups: list[dict[str, Any]] | None = None) -> bool:
         """True for the wrapped classes whose state is all tensors (`torch.optim.SGD`: where momentum or
         dampening is 0)."""
@@ -264,6 +273,13 @@ def _run_inner(self, ctx, st, updates) -> None:
 
 #: `_run_inner` wrapped in `torch.compiler.disable` (`compile_marks.torch_optimizer_step`)
 compile_marks.disabled("torch_optimizer_step", _run_inner, TORCH_OPTIMIZER_HINT)
+
+
+#: the torch.optim classes whose update is elementwise (no statistic of a tensor's shape): a flat partition
+#: steps as the whole tensor would (`TorchOptimizer.shape_dependence`)
+_ELEMENTWISE = frozenset(getattr(torch.optim, n) for n in (
+    "ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam",
+) if hasattr(torch.optim, n))
 
 
 #: the torch.optim classes whose state is all tensors, made before the update and updated in place:
