@@ -175,3 +175,16 @@ def test_each_shape_dependent_builtin_says_why_and_the_elementwise_ones_do_not_t
     assert mo.ClipNorm(1.0).shape_dependence() is None  # global scope
     assert mo.ClipNorm(1.0, scope="group").shape_dependence() is None
     assert mo.Cautious("none").shape_dependence() is None
+
+
+def test_attach_refuses_a_shape_dependent_transform_in_front_of_flat_partitions():
+    """`mo.attach` is a door too: a per-tensor clip in front of a torch optimizer over a ZeRO-3 piece is refused
+    when attached (nothing is hooked), and a global clip is attached."""
+    p = flat()
+    opt = torch.optim.AdamW([p], lr=0.1)
+    with pytest.raises(ValueError, match=r"flat partition .*0:ClipNorm"):
+        mo.attach(opt, mo.ClipNorm(1.0, scope="tensor"))
+    assert not getattr(opt, "_modopt_attach_keys", set())
+    handle = mo.attach(opt, mo.ClipNorm(1.0))
+    opt.step()
+    handle.remove()

@@ -16,6 +16,7 @@ from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
 from .hostdata import Host
+from .partitions import check_flat_partitions
 from .checkpoint import param_inventory
 from .keys import inventory_key
 from .roles import NOT_ATTACHABLE
@@ -369,4 +370,8 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     for key, t in walk(transforms):
         if isinstance(t, NOT_ATTACHABLE):  # (the innermost such transform is named)
             raise ValueError(f"{key}: {type(t).__name__} cannot be attached in front of a torch optimizer")
+    # a shape-reading transform in front of flat partitions (DeepSpeed ZeRO-3, FSDP1) is refused, as by Modular
+    check_flat_partitions(tuple(transforms), [(n, p) for g in optimizer.param_groups
+                                              for n, p in zip(g.get("param_names") or [None] * len(g["params"]),
+                                                              g["params"])])
     return AttachHandle(optimizer, tuple(transforms), nonfinite)
