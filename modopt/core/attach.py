@@ -15,6 +15,7 @@ from .plan import Plan, make_plan
 from .select import check_selections
 from .state import declared_buffers
 from .torch_checkpoint import caller_stacklevel
+from . import distributed
 from .hostdata import Host
 from .partitions import check_flat_partitions
 from .checkpoint import param_inventory
@@ -182,7 +183,12 @@ class AttachHandle(Host):
         optimizer = self.optimizer
         _unscale_for_transforms(optimizer)
         stats: dict[str, torch.Tensor] = {}
-        ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
+        ps = [p for g in optimizer.param_groups for p in g["params"]]
+        if distributed.meshes_mixed(ps):  # (several meshes: each multi-tensor op split per mesh, as Modular's step)
+            with distributed.per_mesh_mode():
+                ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
+        else:
+            ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
         if not go:  # torch optimizers leave params without a grad (and their state) alone
             for p in ctx.params:
                 p.grad = None

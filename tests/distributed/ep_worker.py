@@ -307,6 +307,23 @@ def run_plain(ms) -> dict:
 
 #: controls: the same global clip with the stack's statistics also summed over "dp" (where it is replicated) must
 #: end elsewhere; and the step without the per-mesh split of multi-tensor ops must fail (DTensor refuses them)
+ATTACH_CASE = "__attach__"
+
+
+def run_attach(mode: str, ms) -> dict:
+    """A global ClipNorm attached in front of torch's SGD (its for-loop kernel: torch's foreach kernels take one
+    mesh per call) over the same two meshes: the handle's step splits its multi-tensor ops per mesh too."""
+    model = build(mode, ms)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    handle = mo.attach(opt, mo.ClipNorm(0.05))
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, mode, step)
+        opt.step()
+    handle.remove()
+    return {"params": full_params(model), "agree": ranks_agree(model, mode), "error": None}
+
+
 DOUBLE_COUNT_CASE, NO_SPLIT_CASE = "__double-count-control__", "__no-per-mesh-control__"
 
 
@@ -345,7 +362,7 @@ def run_all(mode: str, ms, ckpt: str = "") -> dict:
             results[name] = train(mode, ms, pipeline)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
-    extra = {SKIP_CASE: lambda: run_skip(mode, ms)}
+    extra = {SKIP_CASE: lambda: run_skip(mode, ms), ATTACH_CASE: lambda: run_attach(mode, ms)}
     if mode != "single":
         extra.update({DCP_CASE: lambda: run_dcp(ms, ckpt), PLAIN_CASE: lambda: run_plain(ms),
                       DOUBLE_COUNT_CASE: lambda: run_double_count(ms), NO_SPLIT_CASE: lambda: run_no_split(ms)})

@@ -128,3 +128,14 @@ def test_without_the_per_mesh_split_the_step_fails(ep):
     got = ep[w.NO_SPLIT_CASE]
     assert got["error"] is None, got["error"]
     assert got["failed"] is not None and "mesh" in got["failed"], got["failed"]
+
+
+def test_an_attached_clip_steps_over_both_meshes_as_modular_does(ep, reference):
+    """`mo.attach(torch.optim.SGD(...), mo.ClipNorm(0.05))` over the dense FSDP2 parameters and the expert stack:
+    the 4 ranks agree and end where the single process ends, which is where `Modular`'s ClipNorm + SGD ends."""
+    ref, got = reference[w.ATTACH_CASE], ep[w.ATTACH_CASE]
+    assert ref["error"] is None, ref["error"]
+    assert got["error"] is None, got["error"]
+    assert got["agree"]
+    assert_params_close(got["params"], ref["params"], w.ATTACH_CASE)
+    assert_params_close(ref["params"], reference["ClipNorm-global-SGD"]["params"], "attach vs Modular")
