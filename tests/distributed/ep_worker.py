@@ -77,11 +77,13 @@ def make_model() -> Model:
 
 
 def parallelize(model: Model, fsdp_mesh, ep_mesh) -> Model:
-    """The dense layers under FSDP2 over `fsdp_mesh`; the expert stack `(Replicate(), Shard(0))` over `ep_mesh`."""
+    """The dense layers under FSDP2 over `fsdp_mesh`; the expert stack `(Replicate(), Shard(0))` over `ep_mesh`; the
+    router left a plain tensor on every rank, its gradient averaged as DDP would (`backward`): three kinds of
+    parameter in one optimizer."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    for name in ("inp", "router", "out"):
+    for name in ("inp", "out"):
         fully_shard(getattr(model, name), mesh=fsdp_mesh)
     model.moe.experts = nn.Parameter(distribute_tensor(model.moe.experts.detach(), ep_mesh, [Replicate(), Shard(0)]))
     return model
@@ -111,6 +113,11 @@ def backward(model, mode: str, step: int) -> None:
     (model(x) - y).pow(2).mean().backward()
     if mode != "single":  # the experts' gradient is the sum of the 4 ranks' ones; the dense ones are averaged
         model.moe.experts.grad.to_local().div_(WORLD)
+        import torch.distributed as dist
+
+        for p in model.router.parameters():  # (a plain replicated module: its gradients averaged, as DDP does)
+            dist.all_reduce(p.grad)
+            p.grad.div_(WORLD)
 
 
 def meshes(mode: str):

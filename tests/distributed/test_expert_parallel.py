@@ -4,7 +4,8 @@ single-process run on the full tensors.
 
 The parameters lie on two meshes: the dense ones `(Shard(0),)` on a 1-D mesh of the 4 ranks ("fsdp"), the expert
 stack `(E, D, D)` `(Replicate(), Shard(0))` on a 2x2 mesh ("dp", "ep"): each rank holds E/2 whole experts, the
-same as its dp partner. One optimizer over both needs two things: each statistic summed per tensor over the
+same as its dp partner; the router stays a plain tensor on every rank, its gradient averaged as DDP does, so
+three kinds of parameter share the optimizer. One optimizer over them needs two things: each statistic summed per tensor over the
 groups of the mesh dims that split it ("fsdp" for the dense, "ep" alone for the stack: `groups_of`, right by
 design), and each multi-tensor op split per mesh (DTensor refuses a `_foreach_*` op over tensors of two meshes:
 every pipeline failed at its first step before `distributed.per_mesh_mode`; the control below keeps that so).
@@ -127,7 +128,9 @@ def test_summing_the_stack_over_its_replicate_dim_would_not_match(ep, reference)
 def test_without_the_per_mesh_split_the_step_fails(ep):
     got = ep[w.NO_SPLIT_CASE]
     assert got["error"] is None, got["error"]
-    assert got["failed"] is not None and "mesh" in got["failed"], got["failed"]
+    # (DTensor's refusal: tensors of two meshes, or plain tensors beside DTensors, in one multi-tensor op)
+    assert got["failed"] is not None and ("mesh" in got["failed"] or "mixed torch.Tensor and DTensor" in got["failed"]), \
+        got["failed"]
 
 
 def test_an_attached_clip_steps_over_both_meshes_as_modular_does(ep, reference):
