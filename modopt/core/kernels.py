@@ -604,7 +604,7 @@ class AdamPlan:
         (nothing done: the step's skip or learning-rate factor needs modopt's formulas, `adam_updates`), or
         None (nothing done: the state no longer holds the plan's tensors; build it again)."""
         # (the state check is written out here and in SGDPlan.run: a shared function would be one Python call
-        # more a step, past the mission's budget of 92; docs/performance.md, "Python calls per step")
+        # more in every step, which the optimizers' own loop is kept free of; docs/performance.md, "Python calls")
         now, states = ctx.param_states(), self.states
         if len(now) != len(states) or not all(map(_is, now, states)):
             return None
