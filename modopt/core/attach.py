@@ -83,6 +83,7 @@ class AttachHandle(Host):
         self._runtime: dict[str, dict] = {}
         self.stats: dict[str, torch.Tensor] = {}
         self._pending: dict[str, Any] | None = None
+        self._mesh_groups, self._per_mesh = -1, None  # (the per-mesh split, decided at the first step: `_run`)
         live = getattr(optimizer, "_modopt_attach_keys", set())
         n = 0
         while (f"modopt_attach.{n}" if n else "modopt_attach") in live:
@@ -183,12 +184,16 @@ class AttachHandle(Host):
         optimizer = self.optimizer
         _unscale_for_transforms(optimizer)
         stats: dict[str, torch.Tensor] = {}
-        ps = [p for g in optimizer.param_groups for p in g["params"]]
-        if distributed.meshes_mixed(ps):  # (several meshes: each multi-tensor op split per mesh, as Modular's step)
-            with distributed.per_mesh_mode():
-                ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
+        groups = optimizer.param_groups
+        if len(groups) != self._mesh_groups:  # (decided when attached, and again when a group was added)
+            self._mesh_groups = len(groups)
+            mixed = distributed.meshes_mixed([p for g in groups for p in g["params"]])
+            self._per_mesh = distributed.per_mesh_mode() if mixed else None
+        if self._per_mesh is not None:  # (several meshes: each multi-tensor op split per mesh, as Modular's step)
+            with self._per_mesh:
+                ctx, go, out = drive(self, groups, self.transforms, self.nonfinite, stats)
         else:
-            ctx, go, out = drive(self, optimizer.param_groups, self.transforms, self.nonfinite, stats)
+            ctx, go, out = drive(self, groups, self.transforms, self.nonfinite, stats)
         if not go:  # torch optimizers leave params without a grad (and their state) alone
             for p in ctx.params:
                 p.grad = None
