@@ -513,9 +513,10 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
         # orthogonalized where they are (no communication, either `sharded` mode)
         here = [i for i, d in enumerate(directions)
                 if d is not None and d.dim() - k >= 2 and d.numel() > 0 and whole_blocks_here(d, k)]
+        whole = set(here)  # (a set: thousands of expert matrices are looked up once each)
         idx = [] if self.sharded != "owner" else [
             i for i, d in enumerate(directions)
-            if d is not None and d.dim() - k >= 2 and d.numel() > 0 and i not in here and owner_split(d) is not None]
+            if d is not None and d.dim() - k >= 2 and d.numel() > 0 and i not in whole and owner_split(d) is not None]
         if not idx and not here:
             return {}
         nsd = _DTYPES[self.ns_dtype]
