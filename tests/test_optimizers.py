@@ -1,4 +1,5 @@
-"""`modopt/transforms/optimizers.py`: one kernel plan per optimizer and layout (`modopt.core.kernels`).
+"""`modopt/transforms/optimizers.py`: one kernel plan per optimizer and layout (`modopt.core.kernels`; the
+`Planned` role: Adam, AdamW and SGD, and ADOPT, Muon, AdaMuon and Schedule-Free through `GroupPlan`).
 
 Every eager step runs the layout's plan, the first step included, and the plan is built again only when
 the state no longer holds its tensors; each param group's values are read once per step; a param group
@@ -35,6 +36,12 @@ OPTIMIZERS = {
     "Adam-torch-kernel": lambda: mo.Adam(1e-2, fused=False),
     "SGD-momentum": lambda: mo.SGD(0.1, momentum=0.9),
     "SGD-foreach": lambda: mo.SGD(0.1, momentum=0.9, foreach=True),
+    # the optimizers that run modopt's own formulas: the general plan (`kernels.GroupPlan`)
+    "ADOPT": lambda: mo.ADOPT(1e-2),
+    "Muon": lambda: mo.Muon(1e-2),
+    "AdaMuon": lambda: mo.AdaMuon(1e-2),
+    "ScheduleFreeSGD": lambda: mo.ScheduleFreeSGD(0.1),
+    "ScheduleFreeAdamW": lambda: mo.ScheduleFreeAdamW(1e-2),
 }
 
 
@@ -42,7 +49,8 @@ OPTIMIZERS = {
 def test_every_eager_step_runs_the_plan_built_once(name, monkeypatch):
     """The first step runs the plan it builds, as every later one does; it is built again after a load
     (new state tensors), and not otherwise."""
-    plan_cls = kernels.SGDPlan if name.startswith("SGD") else kernels.AdamPlan
+    plan_cls = (kernels.SGDPlan if name.startswith("SGD") else kernels.AdamPlan if name.startswith("Adam")
+                else kernels.GroupPlan)
     built, runs = [], []
     init, run = plan_cls.__init__, plan_cls.run
 
@@ -85,6 +93,11 @@ class _Counting(dict):
 @pytest.mark.parametrize("make, keys", [
     (lambda: mo.Adam(1e-2), ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")),
     (lambda: mo.SGD(0.1, momentum=0.9), ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")),
+    (lambda: mo.ADOPT(1e-2), ("lr", "betas", "eps", "weight_decay", "maximize")),
+    (lambda: mo.Muon(1e-2), ("lr", "momentum", "weight_decay", "nesterov")),
+    (lambda: mo.AdaMuon(1e-2), ("lr", "betas", "weight_decay")),
+    (lambda: mo.ScheduleFreeSGD(0.1), ("lr", "momentum", "weight_decay")),
+    (lambda: mo.ScheduleFreeAdamW(1e-2), ("lr", "betas", "eps", "weight_decay")),
 ])
 def test_group_values_are_read_once_per_step(make, keys):
     """One param group whose parameters take two kernel calls (float32 and float64): each of its values is

@@ -24,9 +24,7 @@ BASE_HOOKS = {"positional", "state_buffers", "update_access", "device_skip", "ap
 #: what the base offers its users and never asks a subclass for (serialisation, copies, pydantic's config)
 BASE_API = {"model_config", "to_dict", "from_dict", "model_copy", "field_order"}
 
-ROLES = [roles.Optimizer, roles.Writer, roles.LastWriter, roles.Router, roles.SelectsByName, roles.WeightStage,
-         roles.WeightSwap, roles.StepStopper, roles.SkipDecider, roles.SeesHostSkips, roles.ScaleFact,
-         roles.NeedsMoments, roles.PostOptimizer, roles.Segmented, roles.StageLimited, roles.ShapeDependent]
+ROLES = list(roles.ROLES)
 
 
 def _public(cls: type) -> set[str]:
@@ -35,8 +33,22 @@ def _public(cls: type) -> set[str]:
 
 
 def role_hooks(role: type) -> set[str]:
-    """The hooks a role adds: its own public names, less the base hooks it re-declares (`device_skip`)."""
-    return _public(role) - BASE_HOOKS - {"model_config"}
+    """The hooks a role adds: its own public names, less those a class it inherits declares (the base's
+    `device_skip`, `Writer`'s `apply_final`, which `Planned` implements)."""
+    inherited = set().union(*(_public(k) for k in role.__mro__[1:] if issubclass(k, mo.Transform)))
+    return _public(role) - inherited - BASE_HOOKS - {"model_config"}
+
+
+def test_every_role_class_is_a_declared_role():
+    """`roles.ROLES` (which the plan's checks and these tests read) names every role class of the module."""
+    defined = {v for v in vars(roles).values() if isinstance(v, type) and issubclass(v, mo.Transform)
+               and v.__module__ == roles.__name__ and v is not roles.Chain}
+    assert defined == set(ROLES), sorted(k.__name__ for k in defined ^ set(ROLES))
+
+
+def test_the_guide_stays_within_150_lines():
+    """The guide to writing a transform (docs/contributing.md) names every role and stays short."""
+    assert len((ROOT / "docs" / "contributing.md").read_text().splitlines()) <= 150
 
 
 def test_the_base_has_eight_hooks_and_no_more():
@@ -94,10 +106,12 @@ def test_the_old_flags_are_gone_from_every_transform():
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("Adam", {roles.Optimizer, roles.Writer}), ("SGD", {roles.Optimizer, roles.Writer}),
+    ("Adam", {roles.Optimizer, roles.Writer, roles.Planned}), ("SGD", {roles.Optimizer, roles.Writer, roles.Planned}),
+    ("ADOPT", {roles.Optimizer, roles.Writer, roles.Planned}),
+    ("AdaMuon", {roles.Optimizer, roles.Writer, roles.Planned, roles.ShapeDependent}),
     ("LR", {roles.Optimizer, roles.ScaleFact}),
     ("TorchOptimizer", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.ShapeDependent}),
-    ("ScheduleFreeAdamW", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.WeightSwap}),
+    ("ScheduleFreeAdamW", {roles.Optimizer, roles.LastWriter, roles.Writer, roles.WeightSwap, roles.Planned}),
     ("Lookahead", {roles.LastWriter, roles.Writer, roles.SeesHostSkips}),
     ("Masked", {roles.Router, roles.Writer, roles.SelectsByName, roles.ShapeDependent}),
     ("SkipStep", {roles.SkipDecider, roles.StepStopper}), ("Accumulate", {roles.StepStopper, roles.SeesHostSkips}),

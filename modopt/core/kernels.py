@@ -1012,6 +1012,60 @@ def adam_traced_updates(ctx: Any, params: Tensors, grads: Tensors, steps: Tensor
     return u
 
 
+def _count(i: int, p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=p.device if not p.is_meta else _CPU)
+
+
+#: Adam's per-parameter state made where missing (`GroupPlan`): a 0-d float32 step count, two moments of zeros
+ADAM_BUFFERS: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
+    "step": _count, "exp_avg": _zeros, "exp_avg_sq": _zeros}
+
+
+class GroupPlan:
+    """The kernel plan of an optimizer that runs modopt's own formulas (`ADOPT`, `Muon`, `AdaMuon`, the
+    Schedule-Free pair) over one layout: per param group its slice of the parameters and its state tensors
+    by name (`buffers`: each made where missing by its function of `(index, parameter)`), looked up once.
+
+    `run` checks that the state still holds those tensors, reads each group's scheduled values (`keys`)
+    once, and hands both to the transform's formulas: `step(ctx, st, plan, values, updates, write)`, whose
+    result it returns (True, the updates, or False: see `modopt.core.roles.Planned`)."""
+
+    __slots__ = ("write", "keys", "step", "states", "watch", "groups")
+    write: bool  # the last transform: it writes the parameters (else the step returns the updates)
+    keys: tuple[str, ...]  # the group values read once per step, in this order
+    step: Callable[..., Any]
+    states: list[dict[str, Any]] | None  # the per-parameter state dicts the plan read (checked by identity)
+    watch: list[tuple[Any, list[dict[str, Any]], Tensors]]
+    groups: list[tuple[int, int, dict[str, Tensors]]]  # per param group: (a, b, its state tensors by name)
+
+    def __init__(self, ctx: Any, st: Any, write: bool, keys: tuple[str, ...], step: Callable[..., Any],
+                 buffers: dict[str, Callable[[int, torch.Tensor], torch.Tensor]]) -> None:
+        self.write, self.keys, self.step = write, keys, step
+        made = {name: st.buffers(name, make) for name, make in buffers.items()}
+        self.groups = [(a, b, {name: ts[a:b] for name, ts in made.items()}) for a, b in ctx.ranges]
+        # (a plan built for a trace runs once, with nothing to check: `states` None)
+        self.states = None if torch.compiler.is_compiling() else list(ctx.param_states())
+        self.watch = [] if self.states is None else _watch(st, self.states, tuple(buffers))
+
+    def run(self, ctx: Any, st: Any, updates: Tensors) -> Tensors | bool | None:
+        """The transform's step on this layout; None (nothing done) when the state no longer holds the
+        plan's tensors (a load replaced them): build it again."""
+        states = self.states
+        if states is not None:
+            now = ctx.param_states()
+            if len(now) != len(states) or not all(map(_is, now, states)):
+                return None
+            try:
+                for get, sts, ts in self.watch:
+                    if not all(map(_is, map(get, sts), ts)):
+                        return None
+            except KeyError:
+                return None
+        keys = self.keys
+        values = [{k: g[k] for k in keys} for g in ctx.groups]  # (each group's values, read once)
+        return self.step(ctx, st, self, values, updates, self.write)
+
+
 def adopt_step(ctx: Any, params: Tensors, grads: Tensors, steps: Tensors, m: Tensors, v: Tensors, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool, *, decoupled: bool,
                fixed: bool, clip_power: float | None, write: bool) -> Tensors:

@@ -8,6 +8,7 @@ a role below; the plan (`modopt.core.plan`) finds them with `isinstance`, never 
 |---|---|---|
 | `Optimizer` | produces the step: reads the lr and the other group keys a scheduler drives | `group_keys`, `offers`, `skip_reads_groups`, `hyperparams`, `check_group_values`, `skips_on_device` |
 | `Writer` | as the last transform, writes the parameters itself (a fused kernel) | `apply_final`, `takes_scale`, `folds_clip` |
+| `Planned` | an `Optimizer` and `Writer` that steps through one kernel plan per layout (`modopt.core.kernels`) | `make_plan`, `traced_step` |
 | `LastWriter` | a `Writer` that must end the pipeline (it steps every parameter) | — |
 | `Router` | a `Writer` whose branches write their own selections (`Masked`) | `routes`, `write_branch` |
 | `SelectsByName` | selects parameters by name (checked when the optimizer is built) | `name_selection` |
@@ -131,6 +132,45 @@ class Writer(Transform, abstract=True):
         """True when it takes the global scale before it into its fused kernel (`Adam(fold_clip=True)`;
         `modopt.core.plan.folded_scale`)."""
         return False
+
+
+class Planned(Optimizer, Writer, abstract=True):
+    """An optimizer that steps through one kernel plan per layout (`modopt.core.kernels`): `make_plan` builds it
+    at the layout's first step, and that step and every later one run it; the plan reads each group's values
+    once per step. Two step paths: eager (the plan) and traced (`traced_step`, under `torch.compile`)."""
+
+    def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """This layout's plan: an object whose `run(ctx, st, updates)` steps and returns True (the parameters
+        are written), the updates (not `write`), False (nothing done: the runner writes `apply`'s updates
+        instead) or None (nothing done: the state no longer holds the plan's tensors, a plan is built again)."""
+        raise NotImplementedError(f"{type(self).__name__}.make_plan")
+
+    def traced_step(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """The step under `torch.compile` (what `run` returns). Default: a plan built for the trace, run once."""
+        return self.make_plan(ctx, st, updates, write).run(ctx, st, updates)
+
+    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
+        """Write the parameters with this layout's plan: True; False where the runner writes `apply`'s update
+        instead."""
+        if torch.compiler.is_compiling():
+            return self.traced_step(ctx, st, updates, True)
+        plan = ctx.layout.cache.get(("kernel_plan", st.key, True))
+        done = None if plan is None else plan.run(ctx, st, updates)
+        if done is None:  # (the layout's first step, or a state that no longer holds the plan's tensors)
+            plan = ctx.layout.cache[("kernel_plan", st.key, True)] = self.make_plan(ctx, st, updates, True)
+            done = plan.run(ctx, st, updates)
+        return done
+
+    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The step as updates, with this layout's plan."""
+        if torch.compiler.is_compiling():
+            return self.traced_step(ctx, st, updates, False)
+        plan = ctx.layout.cache.get(("kernel_plan", st.key, False))
+        done = None if plan is None else plan.run(ctx, st, updates)
+        if done is None:
+            plan = ctx.layout.cache[("kernel_plan", st.key, False)] = self.make_plan(ctx, st, updates, False)
+            done = plan.run(ctx, st, updates)
+        return done
 
 
 class LastWriter(Writer, abstract=True):
@@ -262,8 +302,8 @@ class ShapeDependent(Transform, abstract=True):
         return None
 
 
-ROLES: tuple[type[Transform], ...] = (Optimizer, Writer, LastWriter, Router, SelectsByName, WeightStage, WeightSwap,
-                                     StepStopper, SkipDecider, SeesHostSkips, ScaleFact, NeedsMoments, PostOptimizer,
+ROLES: tuple[type[Transform], ...] = (Optimizer, Writer, Planned, LastWriter, Router, SelectsByName, WeightStage,
+                                     WeightSwap, StepStopper, SkipDecider, SeesHostSkips, ScaleFact, NeedsMoments, PostOptimizer,
                                      Segmented, StageLimited, ShapeDependent)
 for _role in ROLES:  # (so that a class defining a role's hook without the role is named when it is defined)
     for _name in _role.__dict__:

@@ -19,7 +19,7 @@ from ..core import compiled, kernels
 from ..core.keys import value_key
 from ..core.moments import Offer, lr_scale
 from ..core.step import Step, TransformState
-from ..core.roles import Optimizer, Scale, ScaleFact, Writer
+from ..core.roles import Optimizer, Planned, Scale, ScaleFact
 from ..core.state import STARTED, Buffer, new_flag, same_flags, settle_flags, started_flags
 from ._util import FiniteFloat, FiniteNonNegativeFloat
 # (not in __all__: `TorchOptimizer` is exported from its own module; a Modular pickled before the adapter moved
@@ -61,7 +61,7 @@ class LR(Optimizer, ScaleFact):
         return Scale("group", positive=True)  # one factor per param group (lr = 0 alone would stop the step)
 
 
-class _FusedOptimizer(Optimizer, Writer, abstract=True):
+class _FusedOptimizer(Planned, abstract=True):
     """An optimizer transform that, as the last one, writes the parameters with torch's fused kernels.
 
     By default it never folds a preceding clip's scale into the kernels' `grad_scale`: the
@@ -95,37 +95,6 @@ class _FusedOptimizer(Optimizer, Writer, abstract=True):
         # torch's non-fused kernels take no `found_inf` and read the step count on the host: the host
         # decides the skip for them (one sync per step); the fused kernels skip on the device
         return not self.torch_kernel() and super().skips_on_device(groups)
-
-    # the two step paths: eager, this layout's kernel plan (`modopt.core.kernels`: every eager step, the first
-    # included, runs it); traced (`torch.compile`, `modopt.compile_step`), `_traced_step`
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """Write the parameters with torch's kernel (fused where known right): True; False where the runner
-        writes `apply`'s update instead (a compiled step, or a skip torch's kernel cannot take)."""
-        if torch.compiler.is_compiling():
-            return self._traced_step(ctx, st, updates, True)
-        plan = ctx.layout.cache.get(("kernel_plan", st.key, True))
-        done = None if plan is None else plan.run(ctx, st, updates)
-        return self._new_plan(ctx, st, updates, True) if done is None else done
-
-    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The step as updates (the formulas, `modopt.core.kernels`)."""
-        if torch.compiler.is_compiling():
-            return self._traced_step(ctx, st, updates, False)
-        plan = ctx.layout.cache.get(("kernel_plan", st.key, False))
-        done = None if plan is None else plan.run(ctx, st, updates)
-        return self._new_plan(ctx, st, updates, False) if done is None else done
-
-    def _new_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
-        """Build this layout's plan (its first step, or a state that no longer holds the old plan's tensors),
-        keep it for the steps after, and run it on this one."""
-        plan = ctx.layout.cache[("kernel_plan", st.key, write)] = self._plan(ctx, st, updates, write)
-        return plan.run(ctx, st, updates)
-
-    def _plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
-        raise NotImplementedError(f"{type(self).__name__}._plan")
-
-    def _traced_step(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
-        raise NotImplementedError(f"{type(self).__name__}._traced_step")
 
 
 class SGD(_FusedOptimizer):
@@ -204,11 +173,12 @@ class SGD(_FusedOptimizer):
                     s[k] = f
         return flags, fresh
 
-    def _plan(self, ctx, st, updates, write):
+    def make_plan(self, ctx, st, updates, write):
+        """This layout's kernel calls (`kernels.SGDPlan`)."""
         return kernels.SGDPlan(ctx, st, updates, write, fused=self.fused, foreach=self.foreach, start=self._start,
                                same=same_flags, settle=settle_flags)
 
-    def _traced_step(self, ctx, st, updates, write):
+    def traced_step(self, ctx, st, updates, write):
         """Traced: the formulas, each group's values read once (False with `write`: torch's fused kernels do
         not functionalize; the runner writes the updates, and the formulas compile and fuse)."""
         if write:
@@ -287,7 +257,7 @@ class Adam(_FusedOptimizer):
     """
 
     positional: ClassVar[str | None] = "lr"
-    takes_scale: ClassVar[bool] = True  # (`_traced_step` multiplies a deferred scale in its op)
+    takes_scale: ClassVar[bool] = True  # (`traced_step` multiplies a deferred scale in its op)
     device_skip = True  # keeps its state on a step the device skips
 
     lr: NonNegativeFloat = 1e-3
@@ -361,12 +331,13 @@ class Adam(_FusedOptimizer):
 
     _betas = field_validator("betas")(classmethod(lambda cls, v: _check_betas(v)))
 
-    def _plan(self, ctx, st, updates, write):
+    def make_plan(self, ctx, st, updates, write):
+        """This layout's kernel calls (`kernels.AdamPlan`)."""
         return kernels.AdamPlan(ctx, st, write, decoupled=self.decoupled, fused=self.fused, foreach=self.foreach,
                                 capturable=self.capturable,
                                 state_dtype=None if self.state_dtype == "param" else torch.bfloat16)
 
-    def _traced_step(self, ctx, st, updates, write):
+    def traced_step(self, ctx, st, updates, write):
         """The step under `torch.compile`. With `write` (traced by `modopt.compile_step`): torch's fused kernel
         as one op of the graph (`compiled.fused_adam_op`) with the arguments the eager plan gives it, so the
         same bits: the counts advanced by `~skip`, the skip as `found_inf`, the learning rate a 0-d tensor
@@ -463,7 +434,7 @@ class AdamW(Adam):
         return v
 
 
-class ADOPT(Optimizer, Writer):
+class ADOPT(Planned):
     r"""ADOPT (Taniguchi et al. 2024, arXiv 2411.02853): Adam with the gradient normalised by the *previous*
     second moment and clipped before the momentum; `pytorch_optimizer.ADOPT` with the same arithmetic.
 
@@ -525,24 +496,20 @@ class ADOPT(Optimizer, Writer):
             raise ValueError("fixed_decay=True applies to the decoupled weight decay: set decoupled_weight_decay=True")
         return self
 
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """Update the moments and step counts and write the parameters as the reference does: True."""
-        self._step(ctx, st, updates, write=True)
-        return True
+    def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """This layout's groups and state (`kernels.GroupPlan`), stepped by `_step`."""
+        return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step, kernels.ADAM_BUFFERS)
 
-    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Update the moments and step counts; the step `lr * m` (plus the decoupled decay term)."""
-        return self._step(ctx, st, updates, write=False)
-
-    def _step(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> list[torch.Tensor]:
+    def _step(self, ctx: Step, st: TransformState, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+              updates: list[torch.Tensor], write: bool) -> list[torch.Tensor] | bool:
         """Update the moments and step counts (kept where the device skips); with `write` move the
-        parameters as the reference does, else return the updates."""
+        parameters as the reference does (True), else return the updates."""
         ctx.flush_(updates)
         out: list[torch.Tensor] = []
-        for g, a, b in ctx.per_group():
-            (beta1, beta2), lr, wd = g["betas"], g["lr"], g["weight_decay"]  # (each group's values, read once)
-            steps, m, v, _ = kernels.adam_state(st, a, b, False)
-            out += kernels.adopt_step(ctx, ctx.params[a:b], updates[a:b], steps, m, v, lr, beta1, beta2, g["eps"], wd,
-                                      g["maximize"], decoupled=self.decoupled_weight_decay, fixed=self.fixed_decay,
+        for v, (a, b, state) in zip(values, plan.groups):
+            (beta1, beta2) = v["betas"]
+            out += kernels.adopt_step(ctx, ctx.params[a:b], updates[a:b], state["step"], state["exp_avg"],
+                                      state["exp_avg_sq"], v["lr"], beta1, beta2, v["eps"], v["weight_decay"],
+                                      v["maximize"], decoupled=self.decoupled_weight_decay, fixed=self.fixed_decay,
                                       clip_power=self.clip_power, write=write)
-        return out
+        return True if write else out

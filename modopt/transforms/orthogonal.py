@@ -26,7 +26,8 @@ from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, ow
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.step import Step, TransformState
-from ..core.roles import Optimizer, Segmented, ShapeDependent, Writer
+from ..core import kernels
+from ..core.roles import Planned, Segmented, ShapeDependent
 from ..core.scope import Scoped, ScopeName
 from ..core.transform import Transform
 from ..core.state import Buffer, proceed_flag
@@ -737,7 +738,7 @@ class OrthoGrad(Scoped):
         return out
 
 
-class Muon(_OwnerRank, Optimizer, Writer):
+class Muon(_OwnerRank, Planned):
     r"""Muon: momentum, Newton-Schulz orthogonalization and a decoupled weight decay; `torch.optim.Muon`, bit for bit.
 
     Per parameter, with $g$ the update entering it (the gradient):
@@ -807,11 +808,17 @@ class Muon(_OwnerRank, Optimizer, Writer):
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay", "nesterov")
     state_buffers: ClassVar[dict[str, str | Buffer]] = {"momentum_buffer": "param"}
 
-    def _directions(self, ctx, st, updates, g, a, b, cache=None):
-        bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
-        return momentum_(ctx, bufs, updates[a:b], g["momentum"], g["nesterov"], copy=False, cache=cache)
+    def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """This layout's groups and momentum buffers (`kernels.GroupPlan`), stepped by `_step`."""
+        return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step,
+                                 {"momentum_buffer": _zeros_like_update(updates)})
 
-    def _owner_directions(self, ctx, st, updates) -> tuple[list, dict[int, torch.Tensor], dict[int, dict]]:
+    def traced_step(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """Compiled: the update, which the runner writes (lr a graph input, not a constant); no write."""
+        return super().traced_step(ctx, st, updates, write) if not write else False
+
+    def _owner_directions(self, ctx: Step, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+                          updates: list[torch.Tensor]) -> tuple[list, dict[int, torch.Tensor], dict[int, dict]]:
         """Under FSDP2 with `sharded="owner"` (eager): every parameter's direction (the momentum buffers updated),
         this rank's shards of the owner-rank orthogonalizations (`_owner_orthogonalized`, in `ns_dtype`), and
         each group's 0-d factors (by the group's first index). `([], {}, {})` otherwise: nothing done."""
@@ -819,30 +826,31 @@ class Muon(_OwnerRank, Optimizer, Writer):
             return [], {}, {}
         dirs: list = []
         factors: dict[int, dict] = {}
-        for g, a, b in ctx.per_group():
+        for v, (a, b, state) in zip(values, plan.groups):
             factors[a] = {}
-            dirs.extend(self._directions(ctx, st, updates, g, a, b, cache=factors[a]))
+            dirs.extend(momentum_(ctx, state["momentum_buffer"], updates[a:b], v["momentum"], v["nesterov"],
+                                  copy=False, cache=factors[a]))
         return dirs, self._owner_orthogonalized(dirs, [None] * len(dirs)), factors
 
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """Write the parameters (momentum, orthogonalization, weight decay, learning rate): True; False where
-        the runner writes `apply`'s update instead (a compiled step, a tensor `lr`)."""
-        if torch.compiler.is_compiling():
-            return False  # `apply`: the update, which the runner writes (lr a graph input, not a constant)
-        if any(isinstance(g["lr"], torch.Tensor) for g in ctx.groups):
+    def _step(self, ctx: Step, st: TransformState, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+              updates: list[torch.Tensor], write: bool) -> list[torch.Tensor] | bool:
+        """With `write`: write the parameters (momentum, orthogonalization, weight decay, learning rate), True;
+        False for a tensor `lr` (the runner writes the update path's result instead). Else the updates."""
+        if not write:
+            return self._updates(ctx, plan, values, updates)
+        if any(isinstance(v["lr"], torch.Tensor) for v in values):
             return False  # a tensor lr: the update path, which multiplies by it
         skip = ctx.skip
         # FSDP2 with sharded="owner": every direction first, then each sharded matrix orthogonalized once, on
         # its owner rank (one exchange for all of them); else one tensor at a time below
-        dirs, owned, group_factors = self._owner_directions(ctx, st, updates)
-        for g, a, b in ctx.per_group():
-            lr, wd = g["lr"], g["weight_decay"]
+        dirs, owned, group_factors = self._owner_directions(ctx, plan, values, updates)
+        for v, (a, b, state) in zip(values, plan.groups):
+            lr, wd, mu, nesterov = v["lr"], v["weight_decay"], v["momentum"], v["nesterov"]
             factors: dict[Any, torch.Tensor] = group_factors.get(a, {})
-            bufs = st.buffers("momentum_buffer", _zeros_like_update(updates))[a:b]
+            bufs = state["momentum_buffer"]
             for i, p, buf, u in zip(range(a, b), ctx.params[a:b], bufs, updates[a:b]):
                 # one tensor at a time, as torch does: one direction alive at once, not the group's
-                (d,) = (dirs[i],) if dirs else momentum_(ctx, [buf], [u], g["momentum"], g["nesterov"], copy=False,
-                                                         cache=factors)
+                (d,) = (dirs[i],) if dirs else momentum_(ctx, [buf], [u], mu, nesterov, copy=False, cache=factors)
                 m = as_matrix(d, self.batch_dims)
                 if m is None:
                     o, step = d, lr * 1.0
@@ -863,7 +871,7 @@ class Muon(_OwnerRank, Optimizer, Writer):
                     # is `p + (-0.0)`, `p` exactly (step >= 0)
                     if wd != 0:
                         p.mul_(_decay_factor(factors, skip, lr * wd, p))
-                    if g["nesterov"] and clean_skip(buf, u) and (m is None or self.keeps_positive_zero()):
+                    if nesterov and clean_skip(buf, u) and (m is None or self.keeps_positive_zero()):
                         p.add_(o, alpha=-step)  # the direction, and so `O`, is +0.0 on a skipped step (momentum_)
                     else:  # `O` zeroed on a skipped step: one pass over it more than torch
                         # (Newton-Schulz's output is this step's own tensor: zeroed in place; a 0-/1-D tensor's
@@ -879,16 +887,17 @@ class Muon(_OwnerRank, Optimizer, Writer):
                     torch.where(skip, p, new, out=p)
         return True
 
-    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _updates(self, ctx: Step, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+                 updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """The Muon step as updates."""
-        from .optimizers import _lr_value
-
         out: list[torch.Tensor] = []
-        dirs, owned, _ = self._owner_directions(ctx, st, updates)
-        for g, a, b in ctx.per_group():
-            lr = _lr_value(g["lr"], updates[a]) if b > a else g["lr"]
-            wd = g["weight_decay"]
-            for i, p, d in zip(range(a, b), ctx.params[a:b], dirs[a:b] if dirs else self._directions(ctx, st, updates, g, a, b)):
+        dirs, owned, _ = self._owner_directions(ctx, plan, values, updates)
+        for v, (a, b, state) in zip(values, plan.groups):
+            lr = kernels.lr_value(v["lr"], updates[a]) if b > a else v["lr"]
+            wd = v["weight_decay"]
+            ds = dirs[a:b] if dirs else momentum_(ctx, state["momentum_buffer"], updates[a:b], v["momentum"],
+                                                   v["nesterov"], copy=False)
+            for i, p, d in zip(range(a, b), ctx.params[a:b], ds):
                 m = as_matrix(d, self.batch_dims)
                 if m is None:
                     u = d * lr
@@ -1059,7 +1068,7 @@ class NorMuon(_Matrices, Segmented):
         return out
 
 
-class AdaMuon(_OwnerRank, Optimizer, Writer):
+class AdaMuon(_OwnerRank, Planned):
     r"""AdaMuon (Si et al. 2025, arXiv 2507.11005): Muon with an elementwise second moment of the orthogonalized step.
 
     Per parameter, with $g$ the update entering it (the gradient), $t$ its step
@@ -1147,19 +1156,28 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
         """The floor of the norm the Newton-Schulz input is divided by: `ns_eps` (`eps` is the adaptive one)."""
         return self.ns_eps
 
-    def _steps(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]):
+    def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """This layout's groups, moments and step counts (`kernels.GroupPlan`), stepped by `_step`."""
+        zeros = _zeros_like_update(updates)
+        return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step, {
+            "step": lambda i, p: torch.zeros((), dtype=torch.float32, device=p.device),
+            "exp_avg": zeros, "exp_avg_sq": zeros})
+
+    def traced_step(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """Compiled: the update, which the runner writes (lr a graph input, not a constant); no write."""
+        return super().traced_step(ctx, st, updates, write) if not write else False
+
+    def _steps(self, ctx: Step, plan: kernels.GroupPlan, values: list[dict[str, Any]], updates: list[torch.Tensor]):
         """Update the moments and step counts (kept where the device skips); per parameter `(p, o, lr, r, wd)`:
         the step is `p * (1 - lr wd) - lr r o`, `o` in `ns_dtype` for a matrix."""
         skip = ctx.skip
-        steps_all = st.buffers("step", lambda i, p: torch.zeros((), dtype=torch.float32, device=p.device))
-        ms_all = st.buffers("exp_avg", _zeros_like_update(updates))
-        vs_all = st.buffers("exp_avg_sq", _zeros_like_update(updates))
+        ms_all = [m for _, _, state in plan.groups for m in state["exp_avg"]]
         go = proceed_flag(ctx)
         out = []
         per_group = []
-        for g, a, b in ctx.per_group():
-            beta1 = g["betas"][0]
-            steps = list(steps_all[a:b])
+        for v, (a, b, state) in zip(values, plan.groups):
+            beta1 = v["betas"][0]
+            steps = list(state["step"])
             if torch.compiler.is_compiling():
                 new = [s + (1.0 if go is None else go.to(torch.float32)) for s in steps]
                 for s, x in zip(steps, new):
@@ -1167,21 +1185,21 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
                 steps = new
             elif steps:
                 torch._foreach_add_(steps, 1 if go is None else [go.to(torch.float32)] * len(steps))
-            for u, m in zip(updates[a:b], ms_all[a:b]):
+            for u, m in zip(updates[a:b], state["exp_avg"]):
                 if skip is None:
                     m.lerp_(u, 1 - beta1)
                 else:
                     torch.where(skip, m, torch.lerp(m, u, 1 - beta1), out=m)
-            per_group.append((g, a, b, steps))
+            per_group.append((v, a, b, steps, state))
         # FSDP2 / tensor parallel with sharded="owner" (eager): each sharded momentum orthogonalized once, on its
         # owner rank, the shards of the result back in ns_dtype; the rest of the rule is elementwise on the shards
         # but for the norm of the full O (all-reduced)
-        _refuse_sharded_stacks(self, list(ms_all))  # (the owner path's norm below is the whole tensor's)
-        owned = self._owner_orthogonalized(list(ms_all), [None] * len(ms_all))
-        for g, a, b, steps in per_group:
-            lr, wd = g["lr"], g["weight_decay"]
-            beta2 = g["betas"][1]
-            for i, p, m, v, t in zip(range(a, b), ctx.params[a:b], ms_all[a:b], vs_all[a:b], steps):
+        _refuse_sharded_stacks(self, ms_all)  # (the owner path's norm below is the whole tensor's)
+        owned = self._owner_orthogonalized(ms_all, [None] * len(ms_all))
+        for vals, a, b, steps, state in per_group:
+            lr, wd = vals["lr"], vals["weight_decay"]
+            beta2 = vals["betas"][1]
+            for i, p, m, v, t in zip(range(a, b), ctx.params[a:b], state["exp_avg"], state["exp_avg_sq"], steps):
                 mat = self.matrix(m)
                 if mat is None:
                     out.append((p, m, lr, 1.0, wd))
@@ -1217,13 +1235,24 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
                 out.append((p, placed_like(o, p), lr, r, wd))
         return out
 
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
-        """Write the parameters in the reference's order (decay, then `p += -lr r O`): True; False where the
-        runner writes `apply`'s update instead (a compiled step, a tensor `lr`)."""
-        if torch.compiler.is_compiling() or any(isinstance(g["lr"], torch.Tensor) for g in ctx.groups):
+    def _step(self, ctx: Step, st: TransformState, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+              updates: list[torch.Tensor], write: bool) -> list[torch.Tensor] | bool:
+        """With `write`: write the parameters in the reference's order (decay, then `p += -lr r O`), True; False
+        for a tensor `lr` (the runner writes the update path's result instead). Else the updates
+        `factor * O + decay * p`, in each update's dtype."""
+        if not write:
+            out = []
+            for (p, o, lr, r, wd), u in zip(self._steps(ctx, plan, values, updates), updates):
+                lr = kernels.lr_value(lr, u)
+                step = laid_out_like(u, o, lr * r)
+                if wd != 0:
+                    step = step + p.detach() * (lr * wd)
+                out.append(step)
+            return out
+        if any(isinstance(v["lr"], torch.Tensor) for v in values):
             return False
         skip = ctx.skip
-        for p, o, lr, r, wd in self._steps(ctx, st, updates):
+        for p, o, lr, r, wd in self._steps(ctx, plan, values, updates):
             factor, decay = lr * r, lr * wd
             if skip is None:
                 if decay != 0:
@@ -1234,16 +1263,3 @@ class AdaMuon(_OwnerRank, Optimizer, Writer):
                 new.add_(o, alpha=-factor)
                 torch.where(skip, p, new, out=p)
         return True
-
-    def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The AdaMuon step as updates: `factor * O + decay * p`, in each update's dtype."""
-        from .optimizers import _lr_value
-
-        out = []
-        for (p, o, lr, r, wd), u in zip(self._steps(ctx, st, updates), updates):
-            lr = _lr_value(lr, u)
-            step = laid_out_like(u, o, lr * r)
-            if wd != 0:
-                step = step + p.detach() * (lr * wd)
-            out.append(step)
-        return out

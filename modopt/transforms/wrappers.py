@@ -9,11 +9,11 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator
 
-from ..core import distributed
+from ..core import distributed, kernels
 from ..core.hostdata import on_device
 from ..core.keys import group_key, value_key
 from ..core.step import Step, TransformState, run
-from ..core.roles import LastWriter, Optimizer, SeesHostSkips, WeightSwap
+from ..core.roles import LastWriter, Planned, SeesHostSkips, WeightSwap
 from ..core.state import Buffer
 from ..core.transform import Transform, TransformField, variadic_transforms
 
@@ -163,7 +163,7 @@ _R = Annotated[float, Field(le=R_MAX, allow_inf_nan=False)]
 _Power = Annotated[float, Field(ge=0.0, le=POWER_MAX, allow_inf_nan=False)]
 
 
-class _ScheduleFree(Optimizer, LastWriter, WeightSwap, abstract=True):
+class _ScheduleFree(Planned, LastWriter, WeightSwap, abstract=True):
     """What Schedule-Free SGD and AdamW share: the schedule, the interpolation, the train and eval forms."""
 
     device_skip: ClassVar[bool] = True  # a skipped step keeps every bit (a where), the schedule included
@@ -230,13 +230,20 @@ class _ScheduleFree(Optimizer, LastWriter, WeightSwap, abstract=True):
                              "2**936 each. Nothing was loaded")
 
     # --- the step ------------------------------------------------------------------------------------
-    def apply_final(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> bool:
+    #: the per-parameter state the step makes where missing (`kernels.GroupPlan`): z starts at the parameter
+    _buffers: ClassVar[dict[str, Any]] = {"z": lambda i, p: p.detach().clone(memory_format=torch.preserve_format)}
+
+    def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """This layout's groups and per-parameter state (`kernels.GroupPlan`), stepped by `_step`."""
+        return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step, self._buffers)
+
+    def _step(self, ctx: Step, st: TransformState, plan: kernels.GroupPlan, values: list[dict[str, Any]],
+              updates: list[torch.Tensor], write: bool) -> bool:
         """Step every param group: the schedule, then the parameters (y) and z, as the package does."""
         ctx.flush_(updates)
-        z = st.buffers("z", lambda i, p: p.detach().clone(memory_format=torch.preserve_format))
         skip = ctx.skip
         lrs, cs = [], []
-        for (g, a, b), gid in zip(ctx.per_group(), ctx.group_ids):
+        for g, (a, b, state), gid in zip(values, plan.groups, ctx.group_ids):
             params = ctx.params[a:b]
             lr, ckp1, k1 = self._schedule(ctx, st, g, gid, params[0].device)
             beta = self._beta(g)
@@ -245,10 +252,10 @@ class _ScheduleFree(Optimizer, LastWriter, WeightSwap, abstract=True):
             cw = [by_dtype[p.dtype][0] for p in params]
             aw = [by_dtype[p.dtype][1] for p in params]
             zw = [by_dtype[p.dtype][2] for p in params]
-            grads = self._direction(ctx, st, g, a, b, k1, updates[a:b])
+            grads = self._direction(ctx, g, state, k1, updates[a:b])
             if g["weight_decay"] != 0:  # weight decay at y
                 torch._foreach_add_(grads, params, alpha=g["weight_decay"])
-            zs = z[a:b]
+            zs = state["z"]
             if skip is None:  # in place, the package's order: y toward z, y's step, z's step
                 torch._foreach_lerp_(params, zs, cw)
                 torch._foreach_addcmul_(params, grads, aw)
@@ -295,9 +302,10 @@ class _ScheduleFree(Optimizer, LastWriter, WeightSwap, abstract=True):
             store[group_key(name, gid)] = ctx.keep(new, old)  # (new tensors: a state dict taken earlier keeps its own)
         return lr, ckp1, k1
 
-    def _direction(self, ctx: Step, st: TransformState, g: dict[str, Any], a: int, b: int, k1: torch.Tensor,
+    def _direction(self, ctx: Step, g: dict[str, Any], state: dict[str, list[torch.Tensor]], k1: torch.Tensor,
                    grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The base optimizer's direction at y, before the weight decay (may work in place on `grads`)."""
+        """The base optimizer's direction at y, before the weight decay (may work in place on `grads`); `g` the
+        group's values, `state` its state tensors by name."""
         return grads
 
 
@@ -424,6 +432,8 @@ class ScheduleFreeAdamW(_ScheduleFree):
     group_keys: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
     _momentum_key: ClassVar[str] = "betas"
     _momentum_index: ClassVar[int | None] = 0
+    _buffers: ClassVar[dict[str, Any]] = {
+        **_ScheduleFree._buffers, "exp_avg_sq": lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     @field_validator("betas")
     @classmethod
@@ -435,10 +445,10 @@ class ScheduleFreeAdamW(_ScheduleFree):
             raise ValueError(f"betas[1] must be in [0, 1), got {v[1]}")
         return v
 
-    def _direction(self, ctx: Step, st: TransformState, g: dict[str, Any], a: int, b: int, k1: torch.Tensor,
+    def _direction(self, ctx: Step, g: dict[str, Any], state: dict[str, list[torch.Tensor]], k1: torch.Tensor,
                    grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """`grad / (sqrt(v / (1 - beta2**k)) + eps)`, v updated (kept where the device skips), in place on `grads`."""
-        v = st.buffers("exp_avg_sq", lambda i, p: torch.zeros_like(p, memory_format=torch.preserve_format))[a:b]
+        v = state["exp_avg_sq"]
         beta2 = g["betas"][1]
         bc2 = 1.0 - torch.pow(beta2, k1)  # (float ** tensor: C's pow, as Python's beta2 ** (k+1))
         if ctx.skip is None:
