@@ -8,11 +8,13 @@ with a transform that does not declare it decides on the host, one sync per step
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import modopt as mo
-from checks import Syncs, needs_the_host, same, saved
+from checks import Syncs, assert_same, needs_the_host, same, saved
 from modopt.core.transform import walk
 from examples import base_examples
 
@@ -336,3 +338,27 @@ def test_the_device_path_is_each_optimizers_own():
         with HostReads():
             host_opt.step()
     assert own_n == 0 and reads["n"] > 0
+
+
+@pytest.mark.parametrize("value", ["False", 1, None, torch.tensor(True)])
+@pytest.mark.parametrize("host", ["Modular", "attach"])
+def test_a_device_path_that_is_not_a_bool_is_refused_before_anything_moves(host, value):
+    """`opt.device_path` is True or False: the string "False" (truthy) or a tensor set by hand is refused with
+    a `TypeError` naming it, the parameters and the state as they were; True then steps."""
+    p = torch.nn.Parameter(torch.randn(4))
+    if host == "Modular":
+        opt = handle = mo.Modular([p], mo.ClipNorm(0.5), mo.Adam(lr=0.1))
+    else:
+        opt = torch.optim.Adam([p], lr=0.1)
+        handle = mo.attach(opt, mo.ClipNorm(0.5))
+    p.grad = torch.ones(4)
+    opt.step()
+    before, state = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    handle.device_path = value
+    with pytest.raises(TypeError, match=r"device_path is .*True .* or False"):
+        opt.step()
+    assert torch.equal(p, before)
+    assert_same(opt.state_dict(), state)
+    handle.device_path = True
+    opt.step()
+    assert not torch.equal(p, before)

@@ -38,6 +38,13 @@ class Host:
     device_path: bool = False
 
 
+def refuse_device_path(value: Any) -> None:
+    """Raise for a `device_path` that is not True or False (set by hand on an optimizer): a `TypeError` naming
+    it, before the step changes anything. The readers test `value is True or value is False` inline first."""
+    raise TypeError(f"device_path is {value!r}: set opt.device_path to True (take a GPU's path on the CPU too) "
+                    "or False (the default); nothing was stepped")
+
+
 @contextlib.contextmanager
 def device_path() -> Iterator[None]:
     """Inside it, every host that does not set its own `device_path` takes the device path on the CPU too

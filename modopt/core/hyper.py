@@ -40,6 +40,7 @@ import torch
 
 from . import registry
 from .roles import Optimizer
+from .hostdata import refuse_device_path
 from .transform import Transform, walk
 from .values import F64_MAX, Rule, bound_of, check_tensor, dtype_name, host_number
 
@@ -197,6 +198,8 @@ class GroupGate:
         checked as the transform's field as well (`check`). Tensor values are then sorted into those the
         host reads at every step (`read_host_tensors`: on the CPU, unless the host takes the device path,
         `device_path`) and those the device checks (`device_ok`)."""
+        if device_path is not False and device_path is not True:  # (before the step changes anything)
+            refuse_device_path(device_path)
         old = self.checked if len(self.checked) == len(now) else [None] * len(now)
         n = len(self.live)
         host: list[list[Any]] = []

@@ -32,7 +32,7 @@ from .distributed import copy_
 from .kernels import const
 from .keys import transform_key, value_key
 from .values import is_numpy
-from .hostdata import Host
+from .hostdata import Host, refuse_device_path
 from .reduce import NormMemo, Segments, make_segments
 
 class Layout:
@@ -153,7 +153,10 @@ class Step:
                  memo: NormMemo | None = None, compiling: bool | None = None) -> None:
         self.layout, self.host, self.stats = layout, host, stats
         plan = host.plan  # (None for a host with no pipeline: a functional call, a test)
-        self.cpu_kernels = cpu = layout.on_cpu and not getattr(host, "device_path", False)  # (`hostdata.Host`)
+        dp = getattr(host, "device_path", False)  # (`hostdata.Host`)
+        if dp is not False and dp is not True:
+            refuse_device_path(dp)
+        self.cpu_kernels = cpu = layout.on_cpu and not dp
         self.host_reads = cpu and not (torch.compiler.is_compiling() if compiling is None else compiling)
         #: the step's norm memo: a new one, open, for a step (its sub-steps share it). It lives on the
         #: step, not on the cached layout, so a compiled step keeps it local to the graph (no guards).
