@@ -164,8 +164,11 @@ class Masked(Router, SelectsByName, ShapeDependent):
         idx = self.write_branch(ctx, st, updates)
         if idx is None:
             return True  # an inner transform stopped the step: nothing moves
-        chosen = set(idx)
-        rest = [i for i in range(len(ctx.params)) if i not in chosen]
+        key = ("modopt.Masked.rest", self.where.cache_key())  # (the parameters outside it, once per layout)
+        rest = ctx.layout.cache.get(key)
+        if rest is None:
+            chosen = set(idx)
+            rest = ctx.layout.cache[key] = [i for i in range(len(ctx.params)) if i not in chosen]
         if rest:
             ctx.write_updates([updates[i] for i in rest], [ctx.params[i] for i in rest])
         return True
