@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import torch
 
@@ -216,34 +217,59 @@ def mse_backward(model, x, y) -> None:
     (model(x) - y).pow(2).mean().backward()
 
 
-def assert_resumes_bit_for_bit(make_model, make_opt, data, cut: int) -> tuple:
-    """Training on `data` straight through, and stopped after `cut` batches, saved with `torch.save`, loaded
-    with `weights_only=True` into a fresh model and optimizer and continued, end with equal parameters, bit
-    for bit. Returns the loaded optimizer state dict (for further checks)."""
+class Resumed(typing.NamedTuple):
+    """What `assert_resumes_bit_for_bit` hands back for a test's own checks."""
+
+    saved: dict  #: the optimizer's state dict as loaded back (weights_only)
+    at_cut: typing.Any  #: the optimizer that was saved, as it was at the cut
+    model: typing.Any  #: the resumed model, at the end (bit for bit the straight run's)
+    opt: typing.Any  #: the resumed optimizer, at the end
+
+
+def assert_resumes_bit_for_bit(make_model, make_opt, data=None, *, cut: int, steps: int | None = None, step=None,
+                               make_resumed=None) -> Resumed:
+    """`steps` steps straight through, and the same stopped after `cut` of them, saved with `torch.save`, loaded
+    with `weights_only=True` into a fresh model and optimizer (`make_resumed(model)`, by default `make_opt`) and
+    continued, end with the same parameters and optimizer state, bit for bit.
+
+    `step(model, opt, k)` sets the gradients of step `k` and steps; by default the mean squared error on batch
+    `data[k]`, and `steps` is `len(data)`."""
     import io
 
-    def run(model, opt, batches):
-        for x, y in batches:
-            mse_backward(model, x, y)
+    if step is None:
+        def step(model, opt, k):
+            mse_backward(model, *data[k])
             opt.step()
 
+        steps = len(data) if steps is None else steps
+    assert 0 < cut < steps, (cut, steps)  # a cut with nothing before or after it checks no resume
+
     straight = make_model()
-    run(straight, make_opt(straight), data)
+    straight_opt = make_opt(straight)
+    for k in range(steps):
+        step(straight, straight_opt, k)
     model = make_model()
     opt = make_opt(model)
-    run(model, opt, data[:cut])
+    for k in range(cut):
+        step(model, opt, k)
     buf = io.BytesIO()
     torch.save((model.state_dict(), opt.state_dict()), buf)
     buf.seek(0)
     msd, osd = torch.load(buf, weights_only=True)
     resumed = make_model()
     resumed.load_state_dict(msd)
-    opt2 = make_opt(resumed)
+    opt2 = (make_resumed or make_opt)(resumed)
     opt2.load_state_dict(osd)
-    run(resumed, opt2, data[cut:])
-    for p, q in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(p, q)
-    return osd
+    for k in range(cut, steps):
+        step(resumed, opt2, k)
+    ps, qs = list(straight.parameters()), list(resumed.parameters())
+    assert len(ps) == len(qs)
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        assert torch.equal(p, q), f"parameter {i}"
+    a, b = straight_opt.state_dict(), opt2.state_dict()
+    assert_same(a["state"], b["state"], "state")
+    assert_same(a["modopt"]["transforms"], b["modopt"]["transforms"], "modopt/transforms")
+    return Resumed(osd, opt, resumed, opt2)
 
 
 # --- seeded tensors and a NaN step, for the orthogonalized optimizers' tests -------------------------------

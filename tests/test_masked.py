@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import io
 import json
 import warnings
 
@@ -13,6 +12,7 @@ import torch
 import yaml
 
 import modopt as mo
+from checks import assert_resumes_bit_for_bit
 
 
 class Net(torch.nn.Module):
@@ -42,11 +42,15 @@ def backward(model, k):
 
 def train(model, opt, n=6, sched=None, start=0):
     for k in range(start, start + n):
-        backward(model, k)
-        opt.step()
+        train_step(model, opt, k)
         if sched is not None:
             for s in (sched if isinstance(sched, list) else [sched]):
                 s.step()
+
+
+def train_step(model, opt, k):
+    backward(model, k)
+    opt.step()
 
 
 def params(model):
@@ -232,31 +236,18 @@ def test_nesting_and_chain_inside_compose_as_intersection_and_sequence():
 
 
 def test_state_keys_nest_like_chain_and_checkpoints_resume_bit_exactly():
+    """The keys of a mask's transforms nest under the mask's, as a Chain's do; beyond the registry's resume, the
+    checkpoint resumes a mask holding two stateful transforms between a top-level clip and the optimizer."""
     def build(model):
         return mo.Modular(model.named_parameters(), mo.ClipNorm(1.0),
                           mo.Masked(mo.ClipNormByEMA(beta=0.8, scope="tensor"), mo.ZClip(warmup_steps=2), where="fc.*"),
                           mo.AdamW(lr=0.01))
 
-    m = Net()
-    opt = build(m)
-    train(m, opt, 4)
-    keys = {k for s in opt.state.values() for k in s}
+    r = assert_resumes_bit_for_bit(Net, build, step=train_step, steps=8, cut=4)
+    keys = {k for s in r.at_cut.state.values() for k in s}
     assert any(k.startswith("1:Masked/0:ClipNormByEMA.") for k in keys)
-    assert all(k.split(".")[0] in opt._keys for k in keys)
-    sd = opt.state_dict()
-    assert any(k.startswith("1:Masked/1:ZClip") for k in sd["modopt"]["transforms"])
-    buf = io.BytesIO()
-    torch.save({"m": m.state_dict(), "o": sd}, buf)
-    train(m, opt, 4, start=4)
-    buf.seek(0)
-    ck = torch.load(buf, weights_only=True)
-    m2 = Net(seed=5)
-    m2.load_state_dict(ck["m"])
-    opt2 = build(m2)
-    opt2.load_state_dict(ck["o"])
-    train(m2, opt2, 4, start=4)
-    for p, q in zip(m.parameters(), m2.parameters()):
-        assert torch.equal(p, q)
+    assert all(k.split(".")[0] in r.at_cut._keys for k in keys)
+    assert any(k.startswith("1:Masked/1:ZClip") for k in r.saved["modopt"]["transforms"])
 
 
 def test_a_selection_that_matches_nothing_is_reported_once():
@@ -400,27 +391,17 @@ def test_add_param_group_checks_routing_and_leaves_the_optimizer_unchanged_on_er
 
 
 def test_routed_checkpoint_and_config_round_trip(tmp_path):
+    """The config file round-trips; beyond the registry's resume, two masks route the param groups to two
+    optimizers and the checkpoint loads into an optimizer built from that file."""
     def build(model):
         return mo.Modular(routed_groups(model), mo.Masked(mo.SGD(lr=0.1, momentum=0.9), where=mo.Select(groups=[0])),
                           mo.Masked(mo.ClipNorm(0.1), mo.Adam(lr=0.01), where=mo.Select(groups=["rest"])))
 
-    m = Net()
-    opt = build(m)
-    train(m, opt, 3)
+    opt = build(Net())
     path = opt.config.save(tmp_path / "routed.yaml")
     assert mo.load_config(path) == opt.config
-    buf = io.BytesIO()
-    torch.save({"m": m.state_dict(), "o": opt.state_dict()}, buf)
-    train(m, opt, 3, start=3)
-    buf.seek(0)
-    ck = torch.load(buf, weights_only=True)
-    m2 = Net(seed=3)
-    m2.load_state_dict(ck["m"])
-    opt2 = mo.Modular.from_config(routed_groups(m2), path)
-    opt2.load_state_dict(ck["o"])
-    train(m2, opt2, 3, start=3)
-    for p, q in zip(m.parameters(), m2.parameters()):
-        assert torch.equal(p, q)
+    assert_resumes_bit_for_bit(Net, build, step=train_step, steps=6, cut=3,
+                               make_resumed=lambda m: mo.Modular.from_config(routed_groups(m), path))
 
 
 # --- configs ------------------------------------------------------------------------------------

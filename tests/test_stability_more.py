@@ -5,7 +5,6 @@ specs, placement rules, non-finite steps, checkpoints and host syncs."""
 from __future__ import annotations
 
 import inspect
-import io
 import math
 
 import pydantic
@@ -14,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import modopt as mo
-from checks import Syncs, assert_same, same, saved
+from checks import Syncs, assert_resumes_bit_for_bit, assert_same, same, saved
 from families import close, layouts, scope_kw
 from harness import Harness
 from modopt.spec import stability as spec
@@ -322,28 +321,24 @@ def test_skip_step_goes_first(pipeline, match):
 
 
 def test_skip_step_checkpoint_resumes_bit_exactly_and_refuses_another_window():
+    """Beyond the registry's resume (whose SkipStep never skips): the spikes after the cut (steps 25 and 30 of
+    40, cut at 20) are found against the loss and norm windows loaded; a checkpoint does not load into another
+    window's SkipStep."""
     stream = olmo_stream(2, 40, loss_at=(25,), loss_size=0.3, norm_at=(30,), norm_size=5.0)
-    skipped, p_full, _ = run_skip_step(mo.SkipStep(window=8, sigma=2.0), stream)
+    skipped, _, _ = run_skip_step(mo.SkipStep(window=8, sigma=2.0), stream)
     assert 25 in skipped and 30 in skipped
-    p = torch.nn.Parameter(torch.zeros(5))
-    opt = mo.Modular([p], mo.SkipStep(window=8, sigma=2.0), mo.LR(0.1))
-    for loss, grad in stream[:20]:
-        p.grad = grad.clone()
+
+    def step(m, opt, k):
+        loss, grad = stream[k]
+        m[0].grad = grad.clone()
         opt.step(loss=loss)
-    buf = io.BytesIO()
-    torch.save({"p": p.detach().clone(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ck = torch.load(buf, weights_only=True)
-    q = torch.nn.Parameter(ck["p"].clone())
-    fresh = mo.Modular([q], mo.SkipStep(window=8, sigma=2.0), mo.LR(0.1))
-    fresh.load_state_dict(ck["opt"])
-    for loss, grad in stream[20:]:
-        q.grad = grad.clone()
-        fresh.step(loss=loss)
-    assert torch.equal(q, p_full)
+
+    r = assert_resumes_bit_for_bit(lambda: torch.nn.ParameterList([torch.zeros(5)]),
+                                   lambda m: mo.Modular(m.parameters(), mo.SkipStep(window=8, sigma=2.0), mo.LR(0.1)),
+                                   step=step, steps=40, cut=20)
     other = mo.Modular([torch.nn.Parameter(torch.zeros(5))], mo.SkipStep(window=16, sigma=2.0), mo.LR(0.1))
     with pytest.raises(ValueError, match=r"loss_window has shape \(8,\); SkipStep\(window=16\)"):
-        other.load_state_dict(ck["opt"])
+        other.load_state_dict(r.saved)
 
 
 def test_skip_step_defaults_are_olmo_cores():

@@ -71,7 +71,7 @@ def test_lookahead_equals_pytorch_optimizer_bit_for_bit(inner):
 def test_lookahead_resumes_bit_for_bit_from_a_checkpoint():
     """Stopped inside a cycle (7 = 4 + 3 calls): the slow weights and the host's count travel."""
     make = lambda m: mo.Modular(m.parameters(), mo.ClipNorm(1.0), mo.Lookahead(mo.Adam(lr=1e-2), k=4))  # noqa: E731
-    osd = assert_resumes_bit_for_bit(_model, make, _batches(15), cut=7)
+    osd = assert_resumes_bit_for_bit(_model, make, _batches(15), cut=7).saved
     assert osd["modopt"]["transforms"]["1:Lookahead"]["calls"] == 3
 
 
@@ -322,7 +322,7 @@ def test_a_pipeline_without_schedule_free_has_no_train_or_eval():
 # --- checkpoints -----------------------------------------------------------------------------------------
 def test_resumes_bit_for_bit_and_the_state_carries_z_and_the_schedule():
     make = lambda m: mo.Modular(m.parameters(), mo.ClipNorm(1.0), mo.ScheduleFreeAdamW(lr=1e-2, warmup_steps=4))  # noqa: E731
-    osd = assert_resumes_bit_for_bit(_model, make, _batches(12), cut=6)
+    osd = assert_resumes_bit_for_bit(_model, make, _batches(12), cut=6).saved
     store = osd["modopt"]["transforms"]["1:ScheduleFreeAdamW"]
     assert store["k@group0"].dtype == torch.float64 and float(store["k@group0"]) == 6
     assert {"1:ScheduleFreeAdamW.z", "1:ScheduleFreeAdamW.exp_avg_sq"} <= set(osd["state"][0])
