@@ -303,8 +303,8 @@ class ShapeDependent(Transform, abstract=True):
 
 
 ROLES: tuple[type[Transform], ...] = (Optimizer, Writer, Planned, LastWriter, Router, SelectsByName, WeightStage,
-                                     WeightSwap, StepStopper, SkipDecider, SeesHostSkips, ScaleFact, NeedsMoments, PostOptimizer,
-                                     Segmented, StageLimited, ShapeDependent)
+                                     WeightSwap, StepStopper, SkipDecider, SeesHostSkips, ScaleFact, NeedsMoments,
+                                     PostOptimizer, Segmented, StageLimited, ShapeDependent)
 for _role in ROLES:  # (so that a class defining a role's hook without the role is named when it is defined)
     for _name in _role.__dict__:
         if not _name.startswith("_") and _name not in Transform.__dict__ and _name not in ("model_config",
