@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ import modopt as mo
 from modopt.core import roles
 from modopt.core.plan import make_plan
 from modopt.core.registry import _TRANSFORMS
-from modopt.core.transform import walk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,3 +190,26 @@ def test_a_hook_without_its_role_is_named_when_the_class_is_defined(hook, role):
                                                              hook: lambda self: ()}) if hook in roles.ROLES[0].__dict__ \
         or any(hook in r.__dict__ for r in roles.ROLES) else None
     assert ok is None or issubclass(ok, getattr(roles, role))
+
+
+def test_a_planned_transform_whose_new_plan_asks_for_another_is_refused():
+    """`run` returns None to ask for a new plan; a plan just built that does so would make `apply` return None,
+    which stops the step without a word: it raises instead, naming the transform, with the parameter unmoved."""
+
+    class _Stale:
+        def run(self, ctx, st, updates):
+            return None
+
+    class _NeverReady(roles.Planned):
+        __module__ = __name__
+        positional: ClassVar[str | None] = None
+
+        def make_plan(self, ctx, st, updates, write):
+            return _Stale()
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = mo.Modular([p], _NeverReady())
+    with pytest.raises(RuntimeError, match="_NeverReady: the plan make_plan just built returned None"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))

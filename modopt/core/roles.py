@@ -156,10 +156,8 @@ class Planned(Optimizer, Writer, abstract=True):
             return self.traced_step(ctx, st, updates, True)
         plan = ctx.layout.cache.get(("kernel_plan", st.key, True))
         done = None if plan is None else plan.run(ctx, st, updates)
-        if done is None:  # (the layout's first step, or a state that no longer holds the plan's tensors)
-            plan = ctx.layout.cache[("kernel_plan", st.key, True)] = self.make_plan(ctx, st, updates, True)
-            done = plan.run(ctx, st, updates)
-        return done
+        # (None: the layout's first step, or a state that no longer holds the plan's tensors)
+        return self._new_plan(ctx, st, updates, True) if done is None else done
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The step as updates, with this layout's plan."""
@@ -167,9 +165,15 @@ class Planned(Optimizer, Writer, abstract=True):
             return self.traced_step(ctx, st, updates, False)
         plan = ctx.layout.cache.get(("kernel_plan", st.key, False))
         done = None if plan is None else plan.run(ctx, st, updates)
-        if done is None:
-            plan = ctx.layout.cache[("kernel_plan", st.key, False)] = self.make_plan(ctx, st, updates, False)
-            done = plan.run(ctx, st, updates)
+        return self._new_plan(ctx, st, updates, False) if done is None else done
+
+    def _new_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
+        """Build this layout's plan, keep it for the steps after, and run it on this one."""
+        plan = ctx.layout.cache[("kernel_plan", st.key, write)] = self.make_plan(ctx, st, updates, write)
+        done = plan.run(ctx, st, updates)
+        if done is None:  # (a new plan that asks for a new plan would stop the step unseen: `apply`'s None)
+            raise RuntimeError(f"{type(self).__name__}: the plan make_plan just built returned None from run(), "
+                               "which asks for a new plan; a new plan steps (True, the updates, or False)")
         return done
 
 
