@@ -175,6 +175,7 @@ def _split_foreach(func: Any, args: tuple, kwargs: dict, keys: list) -> Any:
     """`func` (a `torch._foreach_*` op) run once per mesh of the tensors of its first list (`keys`), each list (and
     1-D tensor of per-tensor scalars) of that length cut to the bucket's entries; the results in the given order."""
     n = len(keys)
+    dtensor = _dtensor_cls()
     buckets: dict[Any, list[int]] = {}
     for i, k in enumerate(keys):
         buckets.setdefault(k, []).append(i)
@@ -182,7 +183,7 @@ def _split_foreach(func: Any, args: tuple, kwargs: dict, keys: list) -> Any:
     def cut(a: Any, idx: list[int]) -> Any:
         if isinstance(a, (list, tuple)) and len(a) == n:
             return [a[i] for i in idx]
-        if isinstance(a, torch.Tensor) and not is_sharded(a) and a.dim() == 1 and a.shape[0] == n:
+        if isinstance(a, torch.Tensor) and not isinstance(a, dtensor) and a.dim() == 1 and a.shape[0] == n:
             return a[idx]  # (per-tensor scalars given as one tensor)
         return a
 
@@ -204,15 +205,18 @@ def per_mesh_mode() -> Any:
     mesh, the statistics still summed per tensor over the groups of the mesh dims that split it (`groups_of`)."""
     from torch.overrides import TorchFunctionMode
 
+    dtensor = _dtensor_cls()  # (imported: a mixed layout holds DTensors)
+
     class PerMesh(TorchFunctionMode):
+        # (it sees every torch call of the step: the test is written out, no call per tensor; see
+        # benchmarks/per_mesh_cost.py)
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
             if args and isinstance(args[0], (list, tuple)) and len(args[0]) > 1 \
                     and getattr(func, "__name__", "").startswith("_foreach_"):
-                keys = [_mesh_of(t) for t in args[0]]
-                if any(k is not keys[0] for k in keys):
-                    return _split_foreach(func, args, kwargs, keys)
-            return func(*args, **kwargs)
+                keys = [t.device_mesh if isinstance(t, dtensor) else None for t in args[0]]
+                if len(set(map(id, keys))) > 1:  # (by identity: two equal mesh objects split, harmlessly)
+                    return _split_foreach(func, args, kwargs or {}, keys)
+            return func(*args, **(kwargs or {}))
 
     return PerMesh()
 
