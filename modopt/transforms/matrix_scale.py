@@ -22,8 +22,7 @@ from pydantic import Field
 
 from ..core.reduce import acc_dtype
 from ..core.step import Step, TransformState
-from .orthogonal import (AdjustLR, _Matrices, _refuse_sharded_stacks, adjust_ratio, frobenius, per_matrix_shape,
-                         per_row_shape)
+from .orthogonal import AdjustLR, _Matrices, adjust_ratio, blockwise, frobenius, per_matrix_shape, per_row_shape
 
 __all__ = ["MuonEq", "MuonPlus", "ShapeScale"]
 
@@ -61,18 +60,17 @@ class MuonEq(_Matrices):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Rescale each row of each matrix-shaped update to the matrix's root-mean-square row norm."""
-        _refuse_sharded_stacks(self, updates)
-        out = list(updates)
-        for i, u in enumerate(updates):
-            m = self.matrix(u)
-            if m is None:
-                continue
-            x = m.to(acc_dtype(u.dtype))
-            target = frobenius(x) / (m.shape[-2] ** 0.5)  # (each matrix's own)
-            rows = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(self.eps)
-            # one factor per row, broadcast over u itself: the result keeps u's memory layout
-            out[i] = u * (target / rows).to(u.dtype).view(per_row_shape(u, self.batch_dims))
-        return out
+        return blockwise(self, updates, self._equilibrated)
+
+    def _equilibrated(self, u: torch.Tensor) -> torch.Tensor | None:
+        m = self.matrix(u)
+        if m is None:
+            return None
+        x = m.to(acc_dtype(u.dtype))
+        target = frobenius(x) / (m.shape[-2] ** 0.5)  # (each matrix's own)
+        rows = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(self.eps)
+        # one factor per row, broadcast over u itself: the result keeps u's memory layout
+        return u * (target / rows).to(u.dtype).view(per_row_shape(u, self.batch_dims))
 
 
 class MuonPlus(_Matrices):
@@ -109,19 +107,18 @@ class MuonPlus(_Matrices):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Scale each matrix-shaped update to the Frobenius norm `sqrt(min(rows, cols))`."""
-        _refuse_sharded_stacks(self, updates)
-        out = list(updates)
-        for i, u in enumerate(updates):
-            m = self.matrix(u)
-            if m is None:
-                continue
-            if m.dim() == 3:  # each matrix by its own norm
-                norm = frobenius(m.to(acc_dtype(u.dtype))).clamp_min(self.eps)
-                norm = norm.view(per_matrix_shape(u, self.batch_dims, m))
-            else:
-                norm = torch.linalg.vector_norm(u.to(acc_dtype(u.dtype))).clamp_min(self.eps)
-            out[i] = u * (min(m.shape[-2:]) ** 0.5 / norm).to(u.dtype)
-        return out
+        return blockwise(self, updates, self._renormalized)
+
+    def _renormalized(self, u: torch.Tensor) -> torch.Tensor | None:
+        m = self.matrix(u)
+        if m is None:
+            return None
+        if m.dim() == 3:  # each matrix by its own norm
+            norm = frobenius(m.to(acc_dtype(u.dtype))).clamp_min(self.eps)
+            norm = norm.view(per_matrix_shape(u, self.batch_dims, m))
+        else:
+            norm = torch.linalg.vector_norm(u.to(acc_dtype(u.dtype))).clamp_min(self.eps)
+        return u * (min(m.shape[-2:]) ** 0.5 / norm).to(u.dtype)
 
 
 class ShapeScale(_Matrices):

@@ -434,6 +434,23 @@ def _refuse_sharded_stacks(t: _Matrices, updates: list[torch.Tensor]) -> None:
             "orthogonalize them, or keep the stacks unsharded (replicated) for this transform")
 
 
+def blockwise(t: _Matrices, updates: list[torch.Tensor], rule: Any) -> list[torch.Tensor]:
+    """`rule(u)` for each update (its new update, or None to leave it as it is), for a stateless per-matrix rule.
+    A DTensor stack split only on its batch dims (each rank holds whole matrices: an expert stack split on its
+    expert dim, `whole_blocks_here`) runs the rule on this rank's matrices where they lie, with no communication,
+    the result laid out as the update; another sharded stack is refused (`_refuse_sharded_stacks`)."""
+    if not any_sharded(updates):
+        return [u if r is None else r for u, r in zip(updates, map(rule, updates))]
+    k = t.batch_dims or 0
+    _refuse_sharded_stacks(t, [u for u in updates if not whole_blocks_here(u, k)])
+    out = []
+    for u in updates:
+        here = whole_blocks_here(u, k)
+        r = rule(local(u) if here else u)
+        out.append(u if r is None else like_dtensor(r, u) if here else r)
+    return out
+
+
 #: the schedules by (coefficients, steps, past_end): read on every matrix of every step
 _STEPS: dict[tuple[Any, int, str], list[tuple[float, float, float]]] = {}
 

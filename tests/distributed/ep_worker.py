@@ -155,6 +155,12 @@ def cases() -> dict[str, list]:
         "Muon-experts-AdamW-dense": [mo.ClipNorm(0.05),
                                      mo.Masked(mo.Muon(lr=0.01, batch_dims=1, weight_decay=0.0), where=experts),
                                      mo.Masked(mo.AdamW(lr=0.01, weight_decay=0.0), where=dense)],
+        # nanochat's per-matrix stages around the orthogonalization, each expert where it lies
+        "MuonEq-MuonPlus-experts": [mo.ClipNorm(0.05),
+                                    mo.Masked(mo.Momentum(0.9), mo.MuonEq(batch_dims=1), mo.Orthogonalize(batch_dims=1),
+                                              mo.MuonPlus(batch_dims=1), mo.ShapeScale(batch_dims=1), mo.LR(0.01),
+                                              where=experts),
+                                    mo.Masked(mo.AdamW(lr=0.01, weight_decay=0.0), where=dense)],
     }
 
 
@@ -359,6 +365,27 @@ def run_no_split(ms) -> dict:
         distributed.meshes_mixed = real
 
 
+REFUSED_CASE = "__normuon-refused__"
+
+
+def run_refused(ms) -> dict:
+    """NorMuon keeps per-row second moments of each expert, which it does not compute on a sharded stack: the
+    first step is refused, naming it, with the parameters as they were."""
+    experts, dense = mo.Select(names=[EXPERTS]), mo.Select(exclude=[EXPERTS])
+    model = build("ep", ms)
+    opt = mo.Modular(named(model), mo.Masked(mo.Momentum(0.9), mo.Orthogonalize(batch_dims=1),
+                                             mo.NorMuon(batch_dims=1), mo.LR(0.01), where=experts),
+                     mo.Masked(mo.AdamW(lr=0.01), where=dense))
+    before = [p.detach().to_local().clone() for p in model.parameters() if hasattr(p, "to_local")]
+    backward(model, "ep", 0)
+    try:
+        opt.step()
+        return {"failed": None, "error": None}
+    except NotImplementedError as e:
+        after = [p.detach().to_local() for p in model.parameters() if hasattr(p, "to_local")]
+        return {"failed": str(e)[:400], "unchanged": all(map(torch.equal, before, after)), "error": None}
+
+
 def run_all(mode: str, ms, ckpt: str = "") -> dict:
     results: dict = {}
     only = os.environ.get("EP_ONLY")  # (debugging: a comma-separated subset of the cases)
@@ -372,7 +399,8 @@ def run_all(mode: str, ms, ckpt: str = "") -> dict:
     extra = {SKIP_CASE: lambda: run_skip(mode, ms), ATTACH_CASE: lambda: run_attach(mode, ms)}
     if mode != "single":
         extra.update({DCP_CASE: lambda: run_dcp(ms, ckpt), PLAIN_CASE: lambda: run_plain(ms),
-                      DOUBLE_COUNT_CASE: lambda: run_double_count(ms), NO_SPLIT_CASE: lambda: run_no_split(ms)})
+                      DOUBLE_COUNT_CASE: lambda: run_double_count(ms), NO_SPLIT_CASE: lambda: run_no_split(ms),
+                      REFUSED_CASE: lambda: run_refused(ms)})
     for name, fn in extra.items():
         if only and name not in only.split(","):
             continue

@@ -133,6 +133,15 @@ def test_without_the_per_mesh_split_the_step_fails(ep):
         got["failed"]
 
 
+def test_a_per_expert_statistic_of_state_is_refused_on_a_sharded_stack(ep):
+    """MuonEq, MuonPlus and ShapeScale compute each rank's experts where they lie (the case above); NorMuon, whose
+    per-row moments are not computed on a sharded stack, refuses it at the first step, before anything moves."""
+    got = ep[w.REFUSED_CASE]
+    assert got["error"] is None, got["error"]
+    assert got["failed"] is not None and "NorMuon(batch_dims=1) got DTensor" in got["failed"], got["failed"]
+    assert got["unchanged"]
+
+
 def test_an_attached_clip_steps_over_both_meshes_as_modular_does(ep, reference):
     """`mo.attach(torch.optim.SGD(...), mo.ClipNorm(0.05))` over the dense FSDP2 parameters and the expert stack:
     the 4 ranks agree and end where the single process ends, which is where `Modular`'s ClipNorm + SGD ends."""
