@@ -155,6 +155,26 @@ def test_a_replaced_state_tensor_rebuilds_the_plan():
         assert torch.equal(p, q)
 
 
+def test_a_replaced_momentum_buffer_rebuilds_the_general_plan():
+    """The same for a plan of modopt's own formulas (`kernels.GroupPlan`, Muon): a momentum buffer replaced by
+    hand is the one the next step reads, as `torch.optim.Muon` reads `state[p]` afresh."""
+    ps = _params((torch.float32,))
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, topt = mo.Modular(ps, mo.Muon(1e-2)), torch.optim.Muon(ref, lr=1e-2)
+    for step in range(4):
+        _grads(ps, step)
+        for p, q in zip(ref, ps):
+            p.grad = q.grad.clone()
+        opt.step()
+        topt.step()
+        if step == 1:
+            for p, q in zip(ps, ref):
+                opt.state[p]["0:Muon.momentum_buffer"] = torch.full_like(p, 0.5)
+                topt.state[q]["momentum_buffer"] = torch.full_like(q, 0.5)
+    for p, q in zip(ps, ref):
+        assert torch.equal(p, q)
+
+
 def test_sgd_without_momentum_leaves_the_state_empty_as_torch_does():
     """torch's SGD with momentum 0 keeps no per-parameter state; the plan reads `opt.state` only for a group with
     buffers (a read of `state[p]` would leave an empty entry per parameter). With momentum it holds buffers."""

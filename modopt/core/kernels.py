@@ -1021,6 +1021,19 @@ ADAM_BUFFERS: dict[str, Callable[[int, torch.Tensor], torch.Tensor]] = {
     "step": _count, "exp_avg": _zeros, "exp_avg_sq": _zeros}
 
 
+def held(ctx: Any, states: list[dict[str, Any]], watch: list[tuple[Any, list[dict[str, Any]], Tensors]]) -> bool:
+    """Whether the step's per-parameter state dicts are still `states` and hold the tensors `watch` lists (a load
+    or a hand replaces them: the plan is built again). `AdamPlan.run` and `SGDPlan.run` write this out (a call
+    fewer in the default step)."""
+    now = ctx.param_states()
+    if len(now) != len(states) or not all(map(_is, now, states)):
+        return False
+    try:
+        return all(all(map(_is, map(get, sts), ts)) for get, sts, ts in watch)
+    except KeyError:
+        return False
+
+
 class GroupPlan:
     """The kernel plan of an optimizer that runs modopt's own formulas (`ADOPT`, `Muon`, `AdaMuon`, the
     Schedule-Free pair) over one layout: per param group its slice of the parameters and its state tensors
@@ -1050,17 +1063,8 @@ class GroupPlan:
     def run(self, ctx: Any, st: Any, updates: Tensors) -> Tensors | bool | None:
         """The transform's step on this layout; None (nothing done) when the state no longer holds the
         plan's tensors (a load replaced them): build it again."""
-        states = self.states
-        if states is not None:
-            now = ctx.param_states()
-            if len(now) != len(states) or not all(map(_is, now, states)):
-                return None
-            try:
-                for get, sts, ts in self.watch:
-                    if not all(map(_is, map(get, sts), ts)):
-                        return None
-            except KeyError:
-                return None
+        if self.states is not None and not held(ctx, self.states, self.watch):
+            return None
         keys = self.keys
         values = [{k: g[k] for k in keys} for g in ctx.groups]  # (each group's values, read once)
         return self.step(ctx, st, self, values, updates, self.write)
