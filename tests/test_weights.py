@@ -68,21 +68,6 @@ def test_project_norm_holds_the_norm_and_never_makes_nan(shape, scale, dtype):
         assert after == 0 or p.numel() == 0 or abs(after) < float("inf")
 
 
-def test_a_skipped_step_keeps_every_bit_without_a_sync():
-    model = _model(dtype=torch.float32)
-    opt = mo.Modular(model.parameters(), mo.ClipNorm(1.0), mo.Adam(lr=1e-2), mo.ProjectNorm())
-    assert opt.plan.device_skip is True and [k for k, _ in opt.plan.weights] == ["2:ProjectNorm"]
-    for x, y in _batches(3, dtype=torch.float32):
-        _backward(model, x, y)
-        opt.step()
-    _backward(model, *_batches(1, dtype=torch.float32, seed=9)[0])
-    for p in model.parameters():
-        p.grad.view(-1)[0] = float("nan")
-    syncs = Syncs()
-    assert_step_changes_nothing(model, opt, syncs)
-    assert syncs.n == 0 and bool(opt.stats["skipped"])
-
-
 def test_a_step_the_update_stage_stops_runs_no_weight_stage():
     """Accumulate's first call stops the step: nothing moved, so nothing is projected (every bit kept)."""
     model = _model(dtype=torch.float32)
