@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 import modopt as mo
 from checks import assert_a_nan_step_changes_no_bit, assert_same_run, randn, seeded_grads, twin_params
 from modopt.spec import orthogonal as spec
-from modopt.transforms.orthogonal import NS_PRESETS, coefficient_steps, newton_schulz
+from modopt.transforms.orthogonal import NS_PRESETS, coefficient_steps
 
 PRESETS = ["original", "quintic", "polar_express", "polar_express_paper", "deepseek_v4"]
 SHAPES = [(), (5,), (1, 6), (6, 1), (4, 7), (7, 4), (5, 5), (3, 2, 2), (4, 2, 3, 3), (0, 3)]
