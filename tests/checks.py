@@ -47,6 +47,37 @@ def assert_step_changes_nothing(model, opt, syncs) -> None:
     assert_same(o_sd["modopt"]["transforms"], opt.state_dict()["modopt"]["transforms"])
 
 
+def assert_bad_steps_change_nothing(make, set_grads, *, steps: int, at, bads=(math.nan, math.inf)):
+    """Two runs of `make()` (a fresh `(model, opt)`), `set_grads(model, k)` giving step `k` its gradients. In the
+    second, before each step `k` in `at`, one extra step per value of `bads`: step `k`'s gradients with that
+    value in the first element of the first parameter's. Each extra step is skipped and changes no bit of the
+    model or the optimizer (`assert_step_changes_nothing`); no step of the second run, nor a read of its stats,
+    syncs with the host (`Syncs`: the device path); `skipped_steps` counts the extra steps; and both runs end
+    with the same parameters, bit for bit. Returns the second run's `(model, opt)` for a test's own checks."""
+    ma, oa = make()
+    mb, ob = make()
+    assert ob._skip_on_device, "the host decides the skip in this pipeline"
+    syncs = Syncs()
+    for k in range(steps):
+        for bad in (bads if k in at else ()):
+            set_grads(mb, k)
+            with torch.no_grad():
+                next(mb.parameters()).grad.view(-1)[0] = bad
+            assert_step_changes_nothing(mb, ob, syncs)
+            assert bool(ob.stats["skipped"]), (k, bad)
+        set_grads(ma, k)
+        set_grads(mb, k)
+        oa.step()
+        with syncs:
+            ob.step()
+            _ = dict(ob.stats)  # telemetry stays on the device
+    assert syncs.n == 0, f"{syncs.n} host syncs"
+    assert int(ob.stats["skipped_steps"]) == len(at) * len(bads)
+    for i, (p, q) in enumerate(zip(ma.parameters(), mb.parameters())):
+        assert torch.equal(p, q), f"parameter {i}"
+    return mb, ob
+
+
 def train(model, opt, n, seed=0):
     """``n`` steps of a squared-output loss on seeded (5, 3) batches."""
     g = torch.Generator().manual_seed(seed)

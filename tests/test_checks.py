@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import modopt as mo
-from checks import assert_resumes_bit_for_bit, regression_batches, tanh_mlp
+from checks import (assert_bad_steps_change_nothing, assert_resumes_bit_for_bit, mse_backward, needs_the_host,
+                    regression_batches, tanh_mlp)
 
 
 def _make(m):
@@ -31,3 +32,27 @@ def test_the_resume_check_passes_a_true_resume():
 def test_the_resume_check_fails_when_the_resumed_optimizer_differs(resumed):
     with pytest.raises(AssertionError, match="parameter 0"):
         assert_resumes_bit_for_bit(tanh_mlp, _make, regression_batches(6), cut=3, make_resumed=resumed)
+
+
+def _bad_steps(*transforms, **kw):
+    """`assert_bad_steps_change_nothing` over 5 steps of `transforms`, two bad steps before step 3."""
+    data = regression_batches(5)
+
+    def make():
+        m = tanh_mlp()
+        return m, mo.Modular(m.parameters(), *transforms, **kw)
+
+    return assert_bad_steps_change_nothing(make, lambda m, k: mse_backward(m, *data[k]), steps=5, at=(3,))
+
+
+def test_the_bad_steps_check_passes_skipped_steps():
+    _bad_steps(mo.ClipNorm(0.5), mo.Adam(lr=1e-2))
+
+
+@pytest.mark.parametrize("transforms,kw,says", [
+    ([mo.ClipNorm(0.5), mo.Adam(lr=1e-2)], {"nonfinite": "ignore"}, "0.weight"),  # the bad step goes ahead: NaN weights
+    ([needs_the_host(), mo.ClipNorm(0.5), mo.Adam(lr=1e-2)], {}, "the host decides"),  # one sync a step
+], ids=["not-skipped", "host-sync"])
+def test_the_bad_steps_check_fails_on_a_step_that_goes_ahead_or_a_host_sync(transforms, kw, says):
+    with pytest.raises(AssertionError, match=says):
+        _bad_steps(*transforms, **kw)
