@@ -1029,9 +1029,12 @@ def held(ctx: Any, states: list[dict[str, Any]], watch: list[tuple[Any, list[dic
     if len(now) != len(states) or not all(map(_is, now, states)):
         return False
     try:
-        return all(all(map(_is, map(get, sts), ts)) for get, sts, ts in watch)
+        for get, sts, ts in watch:  # (a loop, not a generator: no call per entry)
+            if not all(map(_is, map(get, sts), ts)):
+                return False
     except KeyError:
         return False
+    return True
 
 
 class GroupPlan:
