@@ -135,12 +135,22 @@ def test_a_group_of_two_kernels_steps_as_each_part_alone(make):
             assert torch.equal(p, q)
 
 
-def test_a_replaced_state_tensor_rebuilds_the_plan():
-    """A moment replaced by hand is the one the next step reads and writes (the plan holds tensors by
-    identity and is built again), as torch.optim reads `state[p]` afresh."""
+@pytest.mark.parametrize(
+    "make, make_torch, key, fill",
+    [
+        (lambda: mo.Adam(1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), "exp_avg", 0.0),
+        # a plan of modopt's own formulas (kernels.GroupPlan)
+        (lambda: mo.Muon(1e-2), lambda ps: torch.optim.Muon(ps, lr=1e-2), "momentum_buffer", 0.5),
+    ],
+    ids=["Adam", "Muon"],
+)
+def test_a_replaced_state_tensor_rebuilds_the_plan(make, make_torch, key, fill):
+    """A moment or momentum buffer replaced by hand is the one the next step reads and writes (the plan holds
+    tensors by identity and is built again), as torch.optim reads `state[p]` afresh."""
     ps = _params((torch.float32,))
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt, topt = mo.Modular(ps, mo.Adam(1e-2)), torch.optim.Adam(ref, lr=1e-2, fused=True)
+    tr = make()
+    opt, topt = mo.Modular(ps, tr), make_torch(ref)
     for step in range(4):
         _grads(ps, step)
         for p, q in zip(ref, ps):
@@ -149,28 +159,8 @@ def test_a_replaced_state_tensor_rebuilds_the_plan():
         topt.step()
         if step == 1:
             for p, q in zip(ps, ref):
-                opt.state[p]["0:Adam.exp_avg"] = torch.zeros_like(p)
-                topt.state[q]["exp_avg"] = torch.zeros_like(q)
-    for p, q in zip(ps, ref):
-        assert torch.equal(p, q)
-
-
-def test_a_replaced_momentum_buffer_rebuilds_the_general_plan():
-    """The same for a plan of modopt's own formulas (`kernels.GroupPlan`, Muon): a momentum buffer replaced by
-    hand is the one the next step reads, as `torch.optim.Muon` reads `state[p]` afresh."""
-    ps = _params((torch.float32,))
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt, topt = mo.Modular(ps, mo.Muon(1e-2)), torch.optim.Muon(ref, lr=1e-2)
-    for step in range(4):
-        _grads(ps, step)
-        for p, q in zip(ref, ps):
-            p.grad = q.grad.clone()
-        opt.step()
-        topt.step()
-        if step == 1:
-            for p, q in zip(ps, ref):
-                opt.state[p]["0:Muon.momentum_buffer"] = torch.full_like(p, 0.5)
-                topt.state[q]["momentum_buffer"] = torch.full_like(q, 0.5)
+                opt.state[p][f"0:{type(tr).__name__}.{key}"] = torch.full_like(p, fill)
+                topt.state[q][key] = torch.full_like(q, fill)
     for p, q in zip(ps, ref):
         assert torch.equal(p, q)
 
