@@ -234,8 +234,8 @@ def test_ns_steps_per_parameter_for_orthogonalize_in_one_chain():
        eps=st.sampled_from([1e-10, 1e-8, 1e-3]), dtype=st.sampled_from([torch.float32, torch.float64]),
        nonfinite=st.sampled_from(["skip", "ignore"]))
 def test_normuon_matches_spec(shapes, seed, per, beta2, eps, dtype, nonfinite):
-    """Five steps of `NorMuon` (after a float64 `Orthogonalize`: updates as a chain hands them over) equal the
-    spec's, a step with a NaN gradient in the middle skipped (the second moments keep every bit)."""
+    """Five steps of `NorMuon` on the raw gradients (its normalization alone; the spec takes the same input)
+    equal the spec's, a step with a NaN gradient in the middle skipped (the second moments keep every bit)."""
     ps = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
     opt = mo.Modular(ps, mo.NorMuon(beta2, eps=eps, per=per), mo.LR(1.0), nonfinite=nonfinite)
     ref = spec.NorMuon(beta2, eps, per)
