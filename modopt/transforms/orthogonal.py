@@ -961,7 +961,9 @@ class NorMuon(_Matrices, Segmented):
     The scale is preserved, so `Orthogonalize(adjust_lr=...)` before it and
     `LR` after it compose as in the reference: NorMuon is
     `Chain(Momentum(0.95), Orthogonalize(adjust_lr="original"), NorMuon(), LR(lr))`.
-    A step the device skips keeps $v$ bit for bit (no host sync).
+    A step the device skips keeps $v$ bit for bit (no host sync). Under FSDP2 or
+    tensor parallelism the row sums are all-reduced; an expert stack split on its
+    expert dim keeps each expert's $v$ on the rank that holds the expert.
 
     ```pycon
     >>> import torch, modopt as mo
@@ -997,12 +999,22 @@ class NorMuon(_Matrices, Segmented):
 
     def apply(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Normalize each matrix-shaped update per row (or column) by its second moment, keeping its norm."""
-        if any_sharded(updates):
-            return self._apply_sharded(ctx, st, updates)
+        here: list[bool] | None = None  # (None: no DTensor, every update is computed below as it is)
         out = list(updates)
+        if any_sharded(updates):
+            # a stack split only on its batch dims (an expert stack on its expert dim) holds whole matrices on
+            # each rank: the rule runs on them where they lie; the other DTensors take the sharded path
+            k = self.batch_dims or 0
+            here = [not is_sharded(u) or whole_blocks_here(u, k) for u in updates]
+            if not all(here):
+                out = self._apply_sharded(ctx, st, updates, here)
         key = value_key(st.key, "second_moment")
         states = ctx.param_states()
         for i, u in enumerate(updates):
+            if here is not None:
+                if not here[i]:
+                    continue
+                u = local(u)
             m = self.matrix(u)
             if m is None:
                 continue
@@ -1011,7 +1023,9 @@ class NorMuon(_Matrices, Segmented):
             row = self.per_row(rows, cols)
             v = states[i].get(key)
             if v is None:
-                v = states[i][key] = torch.zeros(self.segment_shape(u), dtype=acc, device=u.device)
+                v = torch.zeros(self.segment_shape(u), dtype=acc, device=u.device)
+                states[i][key] = v if u is updates[i] else self._laid_out_as_stack(v, updates[i])
+            v = local(v)
             vm = v.view(m.shape[:-2] + ((rows, 1) if row else (1, cols)))
             x = m.to(acc)
             norm = frobenius(x)  # (each matrix's own: a stack's norms are (B, 1, 1))
@@ -1022,21 +1036,32 @@ class NorMuon(_Matrices, Segmented):
                 torch.where(ctx.skip, vm, torch.lerp(vm, mean_sq, 1 - self.beta2), out=vm)
             y = x / (vm.sqrt() + self.eps)
             y = y * (norm / (frobenius(y) + self.eps))
-            out[i] = laid_out_like(u, y)
+            out[i] = laid_out_like(u, y) if u is updates[i] else like_dtensor(laid_out_like(u, y), updates[i])
         return out
 
+    def _laid_out_as_stack(self, v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """This rank's second moments `v` of the whole matrices it holds of the stack `u`, as a DTensor split
+        as `u` is (on its batch dims, which the moment's shape keeps), so a checkpoint holds every expert's."""
+        from torch.distributed.tensor import DTensor
 
-    def _apply_sharded(self, ctx: Step, st: TransformState, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        shape = self.segment_shape(u)
+        return DTensor.from_local(v, u.device_mesh, u.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+
+    def _apply_sharded(self, ctx: Step, st: TransformState, updates: list[torch.Tensor],
+                       done: list[bool]) -> list[torch.Tensor]:
         """`apply` for DTensor updates (FSDP2, tensor parallel): the same rule on each rank's block. The second
         moment is a DTensor split as the update's rows (per row) or columns (per column) are and replicated over
         the other mesh dims; each row's (column's) sum of squares is all-reduced over the mesh dims that split its
-        columns (rows), and the two Frobenius norms are those of the full matrices (`tensor_pnorms`)."""
+        columns (rows), and the two Frobenius norms are those of the full matrices (`tensor_pnorms`). The updates
+        `done` marks (plain tensors, stacks whole on each rank) are left to `apply`."""
         from torch.distributed.tensor import DTensor, Replicate
 
         out = list(updates)
         key = value_key(st.key, "second_moment")
         states = ctx.param_states()
-        idx = [i for i, u in enumerate(updates) if as_matrix(u) is not None]
+        idx = [i for i, u in enumerate(updates) if not done[i] and as_matrix(u) is not None]
         if not idx:
             return out
         _refuse_sharded_stacks(self, [updates[i] for i in idx])

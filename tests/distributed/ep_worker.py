@@ -161,6 +161,11 @@ def cases() -> dict[str, list]:
                                               mo.MuonPlus(batch_dims=1), mo.ShapeScale(batch_dims=1), mo.LR(0.01),
                                               where=experts),
                                     mo.Masked(mo.AdamW(lr=0.01, weight_decay=0.0), where=dense)],
+        # NorMuon's per-row second moments of each expert, kept where the expert lies
+        "NorMuon-experts": [mo.ClipNorm(0.05),
+                            mo.Masked(mo.Momentum(0.9), mo.Orthogonalize(batch_dims=1), mo.NorMuon(batch_dims=1),
+                                      mo.LR(0.01), where=experts),
+                            mo.Masked(mo.AdamW(lr=0.01, weight_decay=0.0), where=dense)],
     }
 
 
@@ -184,8 +189,12 @@ def train(mode: str, ms, pipeline: list) -> dict:
         orthogonal.owner_apply = real
     placements = sorted({(p.device_mesh.mesh_dim_names, tuple(str(pl) for pl in p.placements))
                          for p in model.parameters() if hasattr(p, "placements")})
+    moments = [(v, hasattr(v, "placements")) for s in opt.state.values() for k, v in sorted(s.items())
+               if k.endswith(".second_moment")]  # (NorMuon's: whole, and whether each is a DTensor)
     return {"params": full_params(model), "acted": acted, "placements": placements, "owner_calls": len(calls),
-            "agree": ranks_agree(model, mode), "error": None}
+            "agree": ranks_agree(model, mode), "error": None,
+            "moments": [(v.full_tensor() if d else v).detach().clone() for v, d in moments],
+            "moment_placements": [tuple(str(pl) for pl in v.placements) if d else None for v, d in moments]}
 
 
 def ranks_agree(model, mode: str) -> bool:
@@ -258,18 +267,19 @@ def run_skip(mode: str, ms) -> dict:
     return out
 
 
-#: DCP: the Muon-on-experts pipeline, 2 steps, dcp.save, 2 more (straight); a fresh model and optimizer load and
-#: take the same 2 (resumed)
-DCP_CASE = "__dcp__"
+#: DCP: a pipeline of `cases()` (Muon on the experts; NorMuon's state on the experts), 2 steps, dcp.save, 2 more
+#: (straight); a fresh model and optimizer load and take the same 2 (resumed)
+DCP_CASE, DCP_NORMUON_CASE = "__dcp__", "__dcp_normuon__"
+DCP_PIPELINES = {DCP_CASE: "Muon-experts-AdamW-dense", DCP_NORMUON_CASE: "NorMuon-experts"}
 
 
-def run_dcp(ms, ckpt_dir: str) -> dict:
+def run_dcp(ms, ckpt_dir: str, name: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def fresh():
         model = build("ep", ms)
-        return model, mo.Modular(named(model), *cases()["Muon-experts-AdamW-dense"])
+        return model, mo.Modular(named(model), *cases()[DCP_PIPELINES[name]])
 
     def steps(model, opt, rng):
         for step in rng:
@@ -365,17 +375,16 @@ def run_no_split(ms) -> dict:
         distributed.meshes_mixed = real
 
 
-REFUSED_CASE = "__normuon-refused__"
+REFUSED_CASE = "__adamuon-refused__"
 
 
 def run_refused(ms) -> dict:
-    """NorMuon keeps per-row second moments of each expert, which it does not compute on a sharded stack: the
-    first step is refused, naming it, with the parameters as they were."""
+    """AdaMuon's second moments of the orthogonalized momentum are not computed on a sharded stack: the first
+    step is refused, naming it, with the parameters as they were."""
     experts, dense = mo.Select(names=[EXPERTS]), mo.Select(exclude=[EXPERTS])
     model = build("ep", ms)
-    opt = mo.Modular(named(model), mo.Masked(mo.Momentum(0.9), mo.Orthogonalize(batch_dims=1),
-                                             mo.NorMuon(batch_dims=1), mo.LR(0.01), where=experts),
-                     mo.Masked(mo.AdamW(lr=0.01), where=dense))
+    opt = mo.Modular(named(model), mo.Masked(mo.AdaMuon(lr=0.01, batch_dims=1), where=experts),
+                     mo.Masked(mo.AdamW(lr=0.01, betas=(0.9, 0.95), weight_decay=0.0), where=dense))  # (one group: alike)
     before = [p.detach().to_local().clone() for p in model.parameters() if hasattr(p, "to_local")]
     backward(model, "ep", 0)
     try:
@@ -398,7 +407,8 @@ def run_all(mode: str, ms, ckpt: str = "") -> dict:
             results[name] = {"error": traceback.format_exc()}
     extra = {SKIP_CASE: lambda: run_skip(mode, ms), ATTACH_CASE: lambda: run_attach(mode, ms)}
     if mode != "single":
-        extra.update({DCP_CASE: lambda: run_dcp(ms, ckpt), PLAIN_CASE: lambda: run_plain(ms),
+        extra.update({DCP_CASE: lambda: run_dcp(ms, ckpt, DCP_CASE),
+                      DCP_NORMUON_CASE: lambda: run_dcp(ms, ckpt + "2", DCP_NORMUON_CASE), PLAIN_CASE: lambda: run_plain(ms),
                       DOUBLE_COUNT_CASE: lambda: run_double_count(ms), NO_SPLIT_CASE: lambda: run_no_split(ms),
                       REFUSED_CASE: lambda: run_refused(ms)})
     for name, fn in extra.items():

@@ -97,11 +97,12 @@ def test_nan_in_one_ranks_expert_shard_skips_on_every_rank(ep, reference):
     assert_params_close(got["params"], reference[w.SKIP_CASE]["params"], "skip")
 
 
-def test_dcp_resume_is_bit_for_bit(ep):
-    """Muon on the expert stack, AdamW on the dense layers, a global clip: saved after 2 steps with
-    torch.distributed.checkpoint and loaded into a fresh model and optimizer, the next 2 steps are those of the
-    uninterrupted run, bit for bit. The state of both meshes' parameters are sharded DTensors."""
-    got = ep[w.DCP_CASE]
+@pytest.mark.parametrize("case", list(w.DCP_PIPELINES))
+def test_dcp_resume_is_bit_for_bit(ep, case):
+    """Muon (or Orthogonalize + NorMuon) on the expert stack, AdamW on the dense layers, a global clip: saved after
+    2 steps with torch.distributed.checkpoint and loaded into a fresh model and optimizer, the next 2 steps are
+    those of the uninterrupted run, bit for bit. The state of both meshes' parameters are sharded DTensors."""
+    got = ep[case]
     assert got["error"] is None, got["error"]
     assert got["sharded_buffers"] > 0
     for a, b in zip(got["straight"], got["resumed"]):
@@ -133,12 +134,26 @@ def test_without_the_per_mesh_split_the_step_fails(ep):
         got["failed"]
 
 
+def test_normuon_keeps_each_experts_moments_where_the_expert_lies(ep, reference):
+    """`NorMuon(batch_dims=1)` on the stack split on its expert dim: its per-row second moments are a DTensor laid
+    out as the stack (each rank the moments of its own experts, replicated over dp), equal to the single process's
+    on the full tensor (the parameters match in the parametrized case above)."""
+    ref, got = reference["NorMuon-experts"], ep["NorMuon-experts"]
+    assert got["error"] is None, got["error"]
+    assert got["moment_placements"] == [("R", "S(0)")]
+    assert [m.shape for m in got["moments"]] == [m.shape for m in ref["moments"]] == [torch.Size((w.E, w.DIM, 1))]
+    for a, b in zip(got["moments"], ref["moments"]):
+        assert bool((a > 0).all())  # (every expert's row moved: a moment left at zero would be a rank's missed step)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+
+
 def test_a_per_expert_statistic_of_state_is_refused_on_a_sharded_stack(ep):
-    """MuonEq, MuonPlus and ShapeScale compute each rank's experts where they lie (the case above); NorMuon, whose
-    per-row moments are not computed on a sharded stack, refuses it at the first step, before anything moves."""
+    """MuonEq, MuonPlus, ShapeScale and NorMuon compute each rank's experts where they lie (the cases above);
+    AdaMuon, whose second moments are not computed on a sharded stack, refuses it at the first step, before
+    anything moves."""
     got = ep[w.REFUSED_CASE]
     assert got["error"] is None, got["error"]
-    assert got["failed"] is not None and "NorMuon(batch_dims=1) got DTensor" in got["failed"], got["failed"]
+    assert got["failed"] is not None and "AdaMuon(batch_dims=1) got DTensor" in got["failed"], got["failed"]
     assert got["unchanged"]
 
 
