@@ -1159,6 +1159,8 @@ class AdaMuon(_OwnerRank, Planned):
     each full momentum matrix once, on one owner rank, and the rest runs on the
     local shards with the full matrix's norm all-reduced; `sharded="dtensor"`
     runs the Newton-Schulz products on the DTensors (docs/howto/distributed.md).
+    An expert stack split on its expert dim (`batch_dims=1`) is computed where
+    each expert lies; a stack split inside its matrices is refused.
 
     ```pycon
     >>> import torch, modopt as mo
@@ -1199,7 +1201,11 @@ class AdaMuon(_OwnerRank, Planned):
         return self.ns_eps
 
     def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
-        """This layout's groups, moments and step counts (`kernels.GroupPlan`), stepped by `_step`."""
+        """This layout's groups, moments and step counts (`kernels.GroupPlan`), stepped by `_step`. A stack split
+        inside its matrices is refused here, once per layout, before any state is made."""
+        if any_sharded(updates):
+            k = self.batch_dims or 0
+            _refuse_sharded_stacks(self, [u for u in updates if not whole_blocks_here(u, k)])
         zeros = _zeros_like_update(updates)
         return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step, {
             "step": lambda i, p: torch.zeros((), dtype=torch.float32, device=p.device),
@@ -1235,8 +1241,13 @@ class AdaMuon(_OwnerRank, Planned):
             per_group.append((v, a, b, steps, state))
         # FSDP2 / tensor parallel with sharded="owner" (eager): each sharded momentum orthogonalized once, on its
         # owner rank, the shards of the result back in ns_dtype; the rest of the rule is elementwise on the shards
-        # but for the norm of the full O (all-reduced)
-        _refuse_sharded_stacks(self, ms_all)  # (the owner path's norm below is the whole tensor's)
+        # but for the norm of the full O (all-reduced). A stack split on its batch dims only (an expert stack on
+        # its expert dim) holds whole matrices here: the rule runs on them where they lie, each by its own norm
+        # (a stack split otherwise was refused when the plan was made)
+        blocks: set[int] = set()
+        if any_sharded(ms_all):
+            k = self.batch_dims or 0
+            blocks = {i for i, m in enumerate(ms_all) if whole_blocks_here(m, k)}
         owned = self._owner_orthogonalized(ms_all, [None] * len(ms_all))
         for vals, a, b, steps, state in per_group:
             lr, wd = vals["lr"], vals["weight_decay"]
@@ -1248,6 +1259,8 @@ class AdaMuon(_OwnerRank, Planned):
                     continue
                 if i in owned:
                     o, v = owned[i], local(v)
+                    if i in blocks:  # (this rank's matrices of the stack)
+                        mat = self.matrix(local(m))
                 else:  # row-major, as the reference's flattened copy: the norm below adds up in its order
                     # (row-major by `contiguous()`, not `reshape(-1)`: DTensor refuses to flatten a matrix sharded
                     # unevenly; laid out as the moment it is written into, as DTensor's in-place ops require)
@@ -1265,7 +1278,7 @@ class AdaMuon(_OwnerRank, Planned):
                 rows, cols = mat.shape[-2:]  # (each matrix's own shape)
                 scale = math.sqrt(min(rows, cols))
                 r = adjust_ratio(rows, cols, self.adjust_lr_fn)
-                if i in owned:  # the norm of the full O, rounded to its dtype as `o.norm()` is
+                if i in owned and i not in blocks:  # the norm of the full O, rounded to its dtype as `o.norm()` is
                     o.mul_(scale / tensor_pnorms([like_dtensor(o, p)], 2.0, torch.float32)[0].to(o.dtype).add_(self.eps))
                     out.append((p, like_dtensor(o, p), lr, r, wd))
                     continue
@@ -1274,7 +1287,7 @@ class AdaMuon(_OwnerRank, Planned):
                 else:
                     norm = o.norm()
                 o.mul_(scale / (norm + self.eps))  # (not in place: a DTensor's norm is a pending reduction)
-                out.append((p, placed_like(o, p), lr, r, wd))
+                out.append((p, like_dtensor(o, p) if i in blocks else placed_like(o, p), lr, r, wd))
         return out
 
     def _step(self, ctx: Step, st: TransformState, plan: kernels.GroupPlan, values: list[dict[str, Any]],

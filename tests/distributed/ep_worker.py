@@ -166,6 +166,10 @@ def cases() -> dict[str, list]:
                             mo.Masked(mo.Momentum(0.9), mo.Orthogonalize(batch_dims=1), mo.NorMuon(batch_dims=1),
                                       mo.LR(0.01), where=experts),
                             mo.Masked(mo.AdamW(lr=0.01, weight_decay=0.0), where=dense)],
+        # AdaMuon's elementwise second moment and each expert's own norm, where the expert lies (one group: the
+        # dense AdamW reads the same betas and weight decay)
+        "AdaMuon-experts": [mo.ClipNorm(0.05), mo.Masked(mo.AdaMuon(lr=0.01, batch_dims=1), where=experts),
+                            mo.Masked(mo.AdamW(lr=0.01, betas=(0.9, 0.95), weight_decay=0.0), where=dense)],
     }
 
 
@@ -375,24 +379,30 @@ def run_no_split(ms) -> dict:
         distributed.meshes_mixed = real
 
 
-REFUSED_CASE = "__adamuon-refused__"
+REFUSED_CASE = "__split-matrices-refused__"
 
 
 def run_refused(ms) -> dict:
-    """AdaMuon's second moments of the orthogonalized momentum are not computed on a sharded stack: the first
-    step is refused, naming it, with the parameters as they were."""
-    experts, dense = mo.Select(names=[EXPERTS]), mo.Select(exclude=[EXPERTS])
-    model = build("ep", ms)
-    opt = mo.Modular(named(model), mo.Masked(mo.AdaMuon(lr=0.01, batch_dims=1), where=experts),
-                     mo.Masked(mo.AdamW(lr=0.01, betas=(0.9, 0.95), weight_decay=0.0), where=dense))  # (one group: alike)
-    before = [p.detach().to_local().clone() for p in model.parameters() if hasattr(p, "to_local")]
-    backward(model, "ep", 0)
-    try:
-        opt.step()
-        return {"failed": None, "error": None}
-    except NotImplementedError as e:
-        after = [p.detach().to_local() for p in model.parameters() if hasattr(p, "to_local")]
-        return {"failed": str(e)[:400], "unchanged": all(map(torch.equal, before, after)), "error": None}
+    """A stack split inside its matrices (`Shard(1)`: each rank holds some rows of every expert) gives NorMuon and
+    AdaMuon no whole matrix to take a statistic of: the first step is refused, naming the transform, with the
+    parameter and the state as they were."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = {"error": None}
+    for name, make in {"NorMuon": lambda: [mo.NorMuon(batch_dims=1), mo.LR(0.01)],
+                       "AdaMuon": lambda: [mo.AdaMuon(lr=0.01, batch_dims=1)]}.items():
+        full = torch.randn(E, DIM, DIM, generator=torch.Generator().manual_seed(7))
+        p = nn.Parameter(distribute_tensor(full, ms[1], [Replicate(), Shard(1)]))
+        p.grad = distribute_tensor(full.flip(0), ms[1], [Replicate(), Shard(1)])
+        opt = mo.Modular([("stack", p)], *make())
+        before = p.detach().to_local().clone()
+        try:
+            opt.step()
+            out[name] = {"failed": None}
+        except NotImplementedError as e:
+            out[name] = {"failed": str(e)[:400], "unchanged": torch.equal(before, p.detach().to_local()),
+                         "state": sum(len(s) for s in opt.state.values())}
+    return out
 
 
 def run_all(mode: str, ms, ckpt: str = "") -> dict:

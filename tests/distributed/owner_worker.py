@@ -140,8 +140,6 @@ def run_case(mode: str, mesh, kind: str, pipeline: list, dp_rank: int, dp_size: 
     for step in range(STEPS):
         opt.zero_grad()
         if kind == "given":
-            from torch.distributed.tensor import distribute_tensor
-
             for i, p in enumerate(model.parameters()):
                 g = given_grad(step, i, p.shape)
                 p.grad = g if mode == "single" else local_grad(g, p)
@@ -159,7 +157,6 @@ def run_skip(mode: str, mesh, rank: int, sharded: str) -> dict:
     """Muon (owner path) with the default non-finite policy: at step 2 rank 1 alone puts a NaN into its shard of
     a gradient. Every rank must skip that step, leaving the parameters and the momentum buffers bit for bit,
     with no host sync in any step."""
-    from torch.distributed.tensor import distribute_tensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Syncs(TorchDispatchMode):
@@ -211,7 +208,6 @@ def run_dcp(mesh, rank: int, ckpt_dir: str, pipeline: str = "Muon") -> dict:
     parameter are sharded DTensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.tensor import distribute_tensor
 
     def steps(model, opt, rng):
         for step in rng:

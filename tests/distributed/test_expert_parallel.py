@@ -147,14 +147,16 @@ def test_normuon_keeps_each_experts_moments_where_the_expert_lies(ep, reference)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
 
 
-def test_a_per_expert_statistic_of_state_is_refused_on_a_sharded_stack(ep):
-    """MuonEq, MuonPlus, ShapeScale and NorMuon compute each rank's experts where they lie (the cases above);
-    AdaMuon, whose second moments are not computed on a sharded stack, refuses it at the first step, before
-    anything moves."""
+@pytest.mark.parametrize("name", ["NorMuon", "AdaMuon"])
+def test_a_stack_split_inside_its_matrices_is_refused(ep, name):
+    """MuonEq, MuonPlus, ShapeScale, NorMuon and AdaMuon compute each rank's experts where they lie (the cases
+    above); a stack split inside its matrices (some rows of every expert on each rank) is refused at the first
+    step, naming the transform, before anything moves."""
     got = ep[w.REFUSED_CASE]
     assert got["error"] is None, got["error"]
-    assert got["failed"] is not None and "AdaMuon(batch_dims=1) got DTensor" in got["failed"], got["failed"]
-    assert got["unchanged"]
+    got = got[name]
+    assert got["failed"] is not None and f"{name}(batch_dims=1) got DTensor" in got["failed"], got["failed"]
+    assert got["unchanged"] and got["state"] == 0
 
 
 def test_an_attached_clip_steps_over_both_meshes_as_modular_does(ep, reference):

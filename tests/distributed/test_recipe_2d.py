@@ -10,9 +10,6 @@ A statistic of a shard alone or a matrix orthogonalized per shard moves the para
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
