@@ -59,6 +59,37 @@ def test_a_parameter_listed_twice_is_refused_with_its_name():
     assert len(opt.param_groups) == 1  # the refused group is not kept
 
 
+class _NoDouble(mo.Transform, abstract=True):
+    """Refuses float64 parameters in `check_params` (abstract: not registered)."""
+
+    positional = None
+
+    def apply(self, ctx, st, updates):
+        return updates
+
+    def check_params(self, named):
+        for n, p in named:
+            if p.dtype == torch.float64:
+                raise ValueError(f"_NoDouble: parameter {n!r} is float64")
+
+
+def test_every_door_asks_each_transform_about_its_parameters():
+    """`check_params` runs at every door that hands parameters over, before any state exists: the build,
+    a group added after it (not added) and `mo.attach` (nothing attached)."""
+    double = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="parameter 'd' is float64"):
+        mo.Modular([("d", double)], _NoDouble(), mo.SGD(lr=0.1))
+    opt = mo.Modular([("a", torch.nn.Parameter(torch.zeros(2)))], _NoDouble(), mo.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="parameter 'd' is float64"):
+        opt.add_param_group({"params": [double], "param_names": ["d"]})
+    assert len(opt.param_groups) == 1
+    sgd = torch.optim.SGD([double], lr=0.1)
+    sgd.param_groups[0]["param_names"] = ["d"]
+    with pytest.raises(ValueError, match="parameter 'd' is float64"):
+        mo.attach(sgd, _NoDouble())
+    assert not sgd._optimizer_step_pre_hooks
+
+
 def test_a_parameter_in_two_groups_is_still_torchs_error():
     w = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):

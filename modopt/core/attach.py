@@ -381,8 +381,11 @@ def attach(optimizer: torch.optim.Optimizer, *transforms: Transform, nonfinite: 
     for key, t in walk(transforms):
         if isinstance(t, NOT_ATTACHABLE):  # (the innermost such transform is named)
             raise ValueError(f"{key}: {type(t).__name__} cannot be attached in front of a torch optimizer")
-    # a shape-reading transform in front of flat partitions (DeepSpeed ZeRO-3, FSDP1) is refused, as by Modular
-    check_flat_partitions(tuple(transforms), [(n, p) for g in optimizer.param_groups
-                                              for n, p in zip(g.get("param_names") or [None] * len(g["params"]),
-                                                              g["params"])])
+    # what a transform refuses about the parameters (a layout over the ranks, a device), and a shape-reading
+    # transform in front of flat partitions (DeepSpeed ZeRO-3, FSDP1), as by Modular
+    named = [(n, p) for g in optimizer.param_groups
+             for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
+    for t in transforms:
+        t.check_params(named)
+    check_flat_partitions(tuple(transforms), named)
     return AttachHandle(optimizer, tuple(transforms), nonfinite)

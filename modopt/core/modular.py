@@ -128,19 +128,14 @@ class Modular(Stepping):
         self._group_defaults = dict(group_defaults)
         self._gate = GroupGate(self.transforms)
         self._selections_checked = False  # add_param_group leaves the names to the check below
+        self._lint = lint
         super().__init__(params, {**hyper, **group_defaults})
         # the names the selections (Masked's where, AGC's exclude) ask for, against every group's parameter
         # names at once, before any state exists: a typo fails here, not at the first step (check_selections)
         check_selections(self.transforms, list(enumerate(self.param_groups)))
         self._selections_checked = True
-        named = [(n, p) for g in self.param_groups
-                 for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])]
-        with warnings.catch_warnings():  # what a transform can refuse about the parameters (a device, a dtype)
-            if not lint:  # (and what it warns of, a reading it was not told: lint=False builds silently)
-                warnings.simplefilter("ignore", LintWarning)
-            for t in self.transforms:
-                t.check_params(named)
-        check_flat_partitions(self.transforms, named)  # (a shape-reading rule on a 1-D shard: refused, not wrong)
+        self._check_params([(n, p) for g in self.param_groups
+                            for n, p in zip(g.get("param_names") or [None] * len(g["params"]), g["params"])])
         self._set_per_mesh()
         if lint:  # what provably has no effect, told once, now (`modopt.lint`; lint=False to build silently)
             self._warn_lint()
@@ -153,6 +148,17 @@ class Modular(Stepping):
         else None: worked out here, when the parameters change, never in a step."""
         ps = [p for g in self.param_groups for p in g["params"]]
         self._per_mesh = distributed.per_mesh_mode() if distributed.meshes_mixed(ps) else None
+
+    def _check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
+        """What a transform refuses about the parameters (a device, a dtype, a layout over the ranks) and what it
+        warns of (a reading it was not told; lint=False builds silently), then flat partitions (a shape-reading
+        rule on a 1-D shard: refused, not wrong): when built and for each group added after, before any state."""
+        with warnings.catch_warnings():
+            if not self._lint:
+                warnings.simplefilter("ignore", LintWarning)
+            for t in self.transforms:
+                t.check_params(named)
+        check_flat_partitions(self.transforms, named)
 
     def _warn_lint(self) -> None:
         for f in lint_findings(self.plan.transforms, self.plan.nonfinite):
@@ -186,8 +192,7 @@ class Modular(Stepping):
                 check_selections(self.transforms, [(len(self.param_groups) - 1, self.param_groups[-1])],
                                  patterns=False)
                 g = self.param_groups[-1]
-                check_flat_partitions(self.transforms, list(zip(g.get("param_names") or [None] * len(g["params"]),
-                                                                g["params"])))
+                self._check_params(list(zip(g.get("param_names") or [None] * len(g["params"]), g["params"])))
                 self._set_per_mesh()
         except Exception:
             gate.bound = before

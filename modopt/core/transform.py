@@ -507,9 +507,9 @@ class Transform(BaseModel, metaclass=_TransformMeta):
     device_skip: ClassVar[bool] = False
 
     def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
-        """Refuse parameters this transform cannot step (`ValueError` naming one), when `Modular` is
-        built, before any state exists; `named` holds `(name or None, parameter)` in the optimizer's
-        order. The default asks the sub-transforms."""
+        """Refuse parameters this transform cannot step (`ValueError` naming one) before any state exists:
+        when `Modular` is built, for a group added after (`add_param_group`) and in `mo.attach`; `named`
+        holds `(name or None, parameter)` in the optimizer's order. The default asks the sub-transforms."""
         for c in self.children():
             c.check_params(named)
 

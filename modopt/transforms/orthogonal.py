@@ -382,11 +382,17 @@ class _Matrices(ShapeDependent, abstract=True):
         """`as_matrix(t, batch_dims)`: the 2-D matrix, the `(B, rows, cols)` stack, or None (left as it is)."""
         return as_matrix(t, self.batch_dims)
 
+    def _takes_split_stack(self, p: torch.Tensor) -> bool:
+        """Whether this transform steps the DTensor stack `p` split inside its matrices (checked when the
+        optimizer is built): no rule but the owner-rank orthogonalization sees a whole matrix there."""
+        return False
+
     def check_params(self, named: list[tuple[str | None, torch.Tensor]]) -> None:
-        """Warn (`mo.LintWarning`, once per transform) about the parameters this transform reads in a way that
-        was not chosen: 3 or more dims with `batch_dims=None` (one flattened matrix, the convolution reading),
-        or 2 or more dims that `batch_dims` leaves without a matrix (left unchanged). Each is named with its
-        shape and the reading used."""
+        """Refuse a DTensor stack split inside its matrices that this transform cannot step (`_takes_split_stack`),
+        and warn (`mo.LintWarning`, once per transform) about the parameters it reads in a way that was not
+        chosen: 3 or more dims with `batch_dims=None` (one flattened matrix, the convolution reading), or 2 or
+        more dims that `batch_dims` leaves without a matrix (left unchanged). Each is named with its shape and
+        the reading used."""
         import warnings
 
         from ..core.plan import LintWarning
@@ -409,6 +415,15 @@ class _Matrices(ShapeDependent, abstract=True):
                     "without this warning (modopt.LintWarning)", LintWarning, stacklevel=caller_stacklevel())
             return
         k = self.batch_dims
+        for i, (n, p) in enumerate(named):
+            if (k and p.dim() - k >= 2 and is_sharded(p) and not whole_blocks_here(p, k)
+                    and not self._takes_split_stack(p)):
+                raise ValueError(
+                    f"modopt: parameter {label(i, n)} {tuple(p.shape)} is a stack of matrices split inside them "
+                    f"over the ranks ({', '.join(map(str, p.placements))}): {name}(batch_dims={k}) takes each "
+                    "matrix's statistics, which no rank holds whole. Split the stack on its first "
+                    f"{k} dim(s) only (expert parallel: each rank whole matrices), keep it replicated, or give it "
+                    "Orthogonalize or Muon (sharded='owner'), which gather each matrix on one rank")
         idle = [f"{label(i, n)} {tuple(p.shape)}" for i, (n, p) in enumerate(named)
                 if p.dim() >= 2 and p.dim() - k < 2 and p.numel() > 0]
         if idle:
@@ -518,6 +533,11 @@ class _OwnerRank(_NewtonSchulz, abstract=True):
     """The `sharded` field of `Orthogonalize` and `Muon`: how a matrix sharded by FSDP2 is orthogonalized."""
 
     sharded: Literal["owner", "dtensor"] = "owner"
+
+    def _takes_split_stack(self, p: torch.Tensor) -> bool:
+        """The owner path gathers each matrix of a stack split inside them on one rank (a layout `owner_split`
+        takes); the DTensor path does not."""
+        return self.sharded == "owner" and owner_split(p) is not None
 
     def _owner_orthogonalized(self, directions: list[torch.Tensor | None],
                               out_dtypes: list[torch.dtype | None]) -> dict[int, torch.Tensor]:
@@ -1195,6 +1215,10 @@ class AdaMuon(_OwnerRank, Planned):
             if not (0.0 <= b < 1.0):
                 raise ValueError(f"betas must be in [0, 1), got {self.betas}")
         return self
+
+    def _takes_split_stack(self, p: torch.Tensor) -> bool:
+        """Its second moment and norm are each expert's: a stack split inside its matrices is refused (built)."""
+        return False
 
     def norm_floor(self) -> float:
         """The floor of the norm the Newton-Schulz input is divided by: `ns_eps` (`eps` is the adaptive one)."""

@@ -380,28 +380,37 @@ def run_no_split(ms) -> dict:
 
 
 REFUSED_CASE = "__split-matrices-refused__"
+#: the transforms that take each matrix of a stack whole: refused on a stack split inside them, when built
+REFUSING = {"NorMuon": lambda: [mo.NorMuon(batch_dims=1), mo.LR(0.01)],
+            "AdaMuon": lambda: [mo.AdaMuon(lr=0.01, batch_dims=1)],
+            "MuonEq": lambda: [mo.MuonEq(batch_dims=1), mo.LR(0.01)],
+            "Orthogonalize-dtensor": lambda: [mo.Orthogonalize(batch_dims=1, sharded="dtensor"), mo.LR(0.01)]}
 
 
 def run_refused(ms) -> dict:
-    """A stack split inside its matrices (`Shard(1)`: each rank holds some rows of every expert) gives NorMuon and
-    AdaMuon no whole matrix to take a statistic of: the first step is refused, naming the transform, with the
-    parameter and the state as they were."""
+    """A stack split inside its matrices (`Shard(1)`: each rank holds some rows of every expert) gives these
+    transforms no whole matrix: `Modular` refuses it when built, and `add_param_group` when the stack comes in a
+    group added after, naming the parameter and the transform. The owner-rank `Orthogonalize` gathers each
+    matrix on one rank and is built."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    out = {"error": None}
-    for name, make in {"NorMuon": lambda: [mo.NorMuon(batch_dims=1), mo.LR(0.01)],
-                       "AdaMuon": lambda: [mo.AdaMuon(lr=0.01, batch_dims=1)]}.items():
-        full = torch.randn(E, DIM, DIM, generator=torch.Generator().manual_seed(7))
-        p = nn.Parameter(distribute_tensor(full, ms[1], [Replicate(), Shard(1)]))
-        p.grad = distribute_tensor(full.flip(0), ms[1], [Replicate(), Shard(1)])
-        opt = mo.Modular([("stack", p)], *make())
-        before = p.detach().to_local().clone()
+    full = torch.randn(E, DIM, DIM, generator=torch.Generator().manual_seed(7))
+    p = nn.Parameter(distribute_tensor(full, ms[1], [Replicate(), Shard(1)]))
+    out: dict = {"error": None}
+    for name, make in REFUSING.items():
         try:
-            opt.step()
+            mo.Modular([("stack", p)], *make())
             out[name] = {"failed": None}
-        except NotImplementedError as e:
-            out[name] = {"failed": str(e)[:400], "unchanged": torch.equal(before, p.detach().to_local()),
-                         "state": sum(len(s) for s in opt.state.values())}
+        except ValueError as e:
+            out[name] = {"failed": str(e)[:600]}
+    dense = nn.Parameter(torch.zeros(DIM, DIM))
+    opt = mo.Modular([("dense", dense)], mo.NorMuon(batch_dims=1), mo.LR(0.01), lint=False)
+    try:
+        opt.add_param_group({"params": [p], "param_names": ["stack"]})
+        out["added"] = {"failed": None}
+    except ValueError as e:
+        out["added"] = {"failed": str(e)[:600], "groups": len(opt.param_groups)}
+    out["owner-built"] = len(mo.Modular([("stack", p)], mo.Orthogonalize(batch_dims=1), mo.LR(0.01)).param_groups)
     return out
 
 

@@ -147,16 +147,26 @@ def test_normuon_keeps_each_experts_moments_where_the_expert_lies(ep, reference)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["NorMuon", "AdaMuon"])
-def test_a_stack_split_inside_its_matrices_is_refused(ep, name):
+@pytest.mark.parametrize("name", list(w.REFUSING))
+def test_a_stack_split_inside_its_matrices_is_refused_when_built(ep, name):
     """MuonEq, MuonPlus, ShapeScale, NorMuon and AdaMuon compute each rank's experts where they lie (the cases
-    above); a stack split inside its matrices (some rows of every expert on each rank) is refused at the first
-    step, naming the transform, before anything moves."""
+    above); a stack split inside its matrices (some rows of every expert on each rank) is refused when the
+    optimizer is built, before any state exists, naming the parameter, its placements and the transform."""
     got = ep[w.REFUSED_CASE]
     assert got["error"] is None, got["error"]
-    got = got[name]
-    assert got["failed"] is not None and f"{name}(batch_dims=1) got DTensor" in got["failed"], got["failed"]
-    assert got["unchanged"] and got["state"] == 0
+    failed = got[name]["failed"]
+    transform = name.split("-")[0]
+    assert failed is not None and f"{transform}(batch_dims=1) takes each matrix's statistics" in failed, failed
+    assert "'stack'" in failed and "S(1)" in failed
+
+
+def test_a_split_stack_in_an_added_group_is_refused_and_the_owner_path_takes_it(ep):
+    """`add_param_group` checks the new group as the build does (the group is not added); `Orthogonalize` on its
+    owner path gathers each matrix on one rank, so it is built over the same stack."""
+    got = ep[w.REFUSED_CASE]
+    assert got["added"]["failed"] is not None and "NorMuon(batch_dims=1)" in got["added"]["failed"]
+    assert got["added"]["groups"] == 1
+    assert got["owner-built"] == 1
 
 
 def test_an_attached_clip_steps_over_both_meshes_as_modular_does(ep, reference):
