@@ -1023,8 +1023,8 @@ class NorMuon(_Matrices, Segmented):
         out = list(updates)
         if any_sharded(updates):
             # a stack split only on its batch dims (an expert stack on its expert dim) holds whole matrices on
-            # each rank: the rule runs on them where they lie; the other DTensors take the sharded path
-            k = self.batch_dims or 0
+            # each rank: the rule runs on them where they lie (eager); the other DTensors take the sharded path
+            k = 0 if torch.compiler.is_compiling() else self.batch_dims or 0
             here = [not is_sharded(u) or whole_blocks_here(u, k) for u in updates]
             if not all(here):
                 out = self._apply_sharded(ctx, st, updates, here)
@@ -1067,7 +1067,6 @@ class NorMuon(_Matrices, Segmented):
         shape = self.segment_shape(u)
         return DTensor.from_local(v, u.device_mesh, u.placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
-
 
     def _apply_sharded(self, ctx: Step, st: TransformState, updates: list[torch.Tensor],
                        done: list[bool]) -> list[torch.Tensor]:
@@ -1273,6 +1272,8 @@ class AdaMuon(_OwnerRank, Planned):
             k = self.batch_dims or 0
             blocks = {i for i, m in enumerate(ms_all) if whole_blocks_here(m, k)}
         owned = self._owner_orthogonalized(ms_all, [None] * len(ms_all))
+        if blocks - owned.keys():  # (a traced step orthogonalizes no stack where it lies: refused, as before)
+            _refuse_sharded_stacks(self, [ms_all[i] for i in sorted(blocks - owned.keys())])
         for vals, a, b, steps, state in per_group:
             lr, wd = vals["lr"], vals["weight_decay"]
             beta2 = vals["betas"][1]
