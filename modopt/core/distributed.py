@@ -478,5 +478,15 @@ def like_dtensor(local_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                               stride=like.stride())
 
 
-__all__ = ["owner_apply", "owner_split", "like_dtensor", "world_mean", "local", "any_sharded", "check_slices", "copy_",
+def dtensor_of(local_: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> torch.Tensor:
+    """The DTensor of global `shape` (contiguous) laid out by `placements` over `mesh` whose shard on this rank is
+    `local_` (no communication): a state tensor made for a sharded parameter, with a shape of its own."""
+    from torch.distributed.tensor import DTensor
+
+    size = torch.Size(shape)
+    return DTensor.from_local(local_, mesh, placements, run_check=False, shape=size,
+                              stride=torch.empty(size, device="meta").stride())
+
+
+__all__ = ["owner_apply", "dtensor_of", "owner_split", "like_dtensor", "world_mean", "local", "any_sharded", "check_slices", "copy_",
            "is_sharded", "groups_of", "all_groups_of", "all_reduce", "sum_over_", "gather_0d"]

@@ -20,9 +20,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import torch
 from pydantic import Field, model_validator
 
-from ..core.distributed import (any_sharded, is_sharded, like_dtensor, local, owner_apply, owner_split, placed_like,
-                                whole_blocks_here,
-                                sum_over_)
+from ..core.distributed import (any_sharded, dtensor_of, is_sharded, like_dtensor, local, owner_apply, owner_split,
+                                placed_like, sum_over_, whole_blocks_here)
 from ..core.keys import value_key
 from ..core.reduce import acc_dtype, tensor_pnorms
 from ..core.step import Step, TransformState
@@ -1044,7 +1043,8 @@ class NorMuon(_Matrices, Segmented):
             v = states[i].get(key)
             if v is None:
                 v = torch.zeros(self.segment_shape(u), dtype=acc, device=u.device)
-                states[i][key] = v if u is updates[i] else self._laid_out_as_stack(v, updates[i])
+                w = updates[i]  # (a stack whole on this rank: its moments split as the stack is, on the batch dims)
+                states[i][key] = v if u is w else dtensor_of(v, w.device_mesh, w.placements, self.segment_shape(w))
             v = local(v)
             vm = v.view(m.shape[:-2] + ((rows, 1) if row else (1, cols)))
             x = m.to(acc)
@@ -1059,15 +1059,6 @@ class NorMuon(_Matrices, Segmented):
             out[i] = laid_out_like(u, y) if u is updates[i] else like_dtensor(laid_out_like(u, y), updates[i])
         return out
 
-    def _laid_out_as_stack(self, v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """This rank's second moments `v` of the whole matrices it holds of the stack `u`, as a DTensor split
-        as `u` is (on its batch dims, which the moment's shape keeps), so a checkpoint holds every expert's."""
-        from torch.distributed.tensor import DTensor
-
-        shape = self.segment_shape(u)
-        return DTensor.from_local(v, u.device_mesh, u.placements, run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
-
     def _apply_sharded(self, ctx: Step, st: TransformState, updates: list[torch.Tensor],
                        done: list[bool]) -> list[torch.Tensor]:
         """`apply` for DTensor updates (FSDP2, tensor parallel): the same rule on each rank's block. The second
@@ -1075,7 +1066,7 @@ class NorMuon(_Matrices, Segmented):
         the other mesh dims; each row's (column's) sum of squares is all-reduced over the mesh dims that split its
         columns (rows), and the two Frobenius norms are those of the full matrices (`tensor_pnorms`). The updates
         `done` marks (plain tensors, stacks whole on each rank) are left to `apply`."""
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Replicate
 
         out = list(updates)
         key = value_key(st.key, "second_moment")
@@ -1105,9 +1096,8 @@ class NorMuon(_Matrices, Segmented):
                 if v is None:
                     shape = self.segment_shape(u)
                     lshape = ((x.shape[0],) + (1,) * (u.dim() - 1) if row else (1,) + tuple(local(u).shape[1:]))
-                    v = states[i][key] = DTensor.from_local(
-                        torch.zeros(lshape, dtype=x.dtype, device=x.device), mesh, keep, run_check=False,
-                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+                    v = states[i][key] = dtensor_of(torch.zeros(lshape, dtype=x.dtype, device=x.device), mesh, keep,
+                                                    shape)
             elif v is None:
                 v = states[i][key] = torch.zeros(self.segment_shape(u), dtype=x.dtype, device=u.device)
             vm = local(v).view(-1, 1) if row else local(v).view(1, -1)
@@ -1224,11 +1214,7 @@ class AdaMuon(_OwnerRank, Planned):
         return self.ns_eps
 
     def make_plan(self, ctx: Step, st: TransformState, updates: list[torch.Tensor], write: bool) -> Any:
-        """This layout's groups, moments and step counts (`kernels.GroupPlan`), stepped by `_step`. A stack split
-        inside its matrices is refused here, once per layout, before any state is made."""
-        if any_sharded(updates):
-            k = self.batch_dims or 0
-            _refuse_sharded_stacks(self, [u for u in updates if not whole_blocks_here(u, k)])
+        """This layout's groups, moments and step counts (`kernels.GroupPlan`), stepped by `_step`."""
         zeros = _zeros_like_update(updates)
         return kernels.GroupPlan(ctx, st, write, self.group_keys, self._step, {
             "step": lambda i, p: torch.zeros((), dtype=torch.float32, device=p.device),
@@ -1266,7 +1252,7 @@ class AdaMuon(_OwnerRank, Planned):
         # owner rank, the shards of the result back in ns_dtype; the rest of the rule is elementwise on the shards
         # but for the norm of the full O (all-reduced). A stack split on its batch dims only (an expert stack on
         # its expert dim) holds whole matrices here: the rule runs on them where they lie, each by its own norm
-        # (a stack split otherwise was refused when the plan was made)
+        # (a stack split otherwise was refused when the optimizer was built: `check_params`)
         blocks: set[int] = set()
         if any_sharded(ms_all):
             k = self.batch_dims or 0
